@@ -1,0 +1,245 @@
+"""The block-format interface shared by HiF4, MXFP4, NVFP4 and MXFP8.
+
+A format describes one block of values as a handful of integer *fields*
+(scale exponents, element codes, sign). The plain reference path computes the
+fields straight from ``formats.md`` in exact float64 arithmetic and assembles
+the dequantized values from them; ``encode``/``decode`` pack and unpack the
+same fields, so ``decode(encode(x))`` equals ``quantize(x)`` by construction.
+The fast path (a fused C kernel, see :mod:`fp4rl.kernels`) must match the
+reference bit for bit; tests hold it to that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import torch
+
+from fp4rl.formats._exact import nonfinite_blocks
+from fp4rl.formats.packing import PackedTensor
+from fp4rl.kernels import quantize_rows
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Rounding(StrEnum):
+    """How the element step rounds: to nearest (the spec) or stochastically (gradients)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+class FormatError(ValueError):
+    """Bad input to a quantizer: a wrong option, dtype, dim or value."""
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """Validated options of one quantize/encode call."""
+
+    rounding: Rounding = Rounding.NEAREST
+    generator: torch.Generator | None = None
+    per_tensor_scale: bool = True
+
+
+def check_tensor(x: Any, dim: int) -> int:
+    """Validate a quantizer input and return ``dim`` normalized to ``[0, x.ndim)``."""
+    if not isinstance(x, torch.Tensor):
+        raise FormatError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        hint = " (convert with x.float())" if not x.dtype.is_floating_point else ""
+        raise FormatError(f"cannot quantize a {x.dtype} tensor{hint}; allowed dtypes: {allowed}")
+    ndim = max(x.ndim, 1)
+    if not -ndim <= dim < ndim:
+        raise FormatError(f"dim={dim} is out of range for a {x.ndim}-d tensor "
+                          f"(allowed: {-ndim} .. {ndim - 1})")
+    return dim % ndim
+
+
+class NumberFormat(ABC):
+    """What every format offers: option checking, quantize, encode and decode."""
+
+    name: ClassVar[str]
+    block_size: ClassVar[int]
+    bits_per_value: ClassVar[float]
+    #: options beyond ``rounding`` and ``generator`` that this format accepts
+    extra_options: ClassVar[tuple[str, ...]] = ()
+
+    def options(self, rounding: str | Rounding = "nearest",
+                generator: torch.Generator | None = None, **extra: Any) -> QuantOptions:
+        """Validate keyword options, naming the allowed values on error."""
+        unknown = sorted(set(extra) - set(self.extra_options))
+        if unknown:
+            allowed = ", ".join(("rounding", "generator", *self.extra_options))
+            raise FormatError(f"format '{self.name}' does not take option(s) {unknown}; "
+                              f"allowed: {allowed}")
+        try:
+            mode = Rounding(rounding)
+        except ValueError:
+            raise FormatError(f"rounding={rounding!r} is not one of "
+                              f"{[r.value for r in Rounding]}") from None
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise FormatError("generator must be a torch.Generator")
+        per_tensor = extra.get("per_tensor_scale", True)
+        if not isinstance(per_tensor, bool):
+            raise FormatError("per_tensor_scale must be True or False")
+        return QuantOptions(mode, generator, per_tensor)
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+        """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
+
+    @abstractmethod
+    def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+        """The plain path written from the spec; slow, kept as the test oracle."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+        """Store ``x`` in the format's real bit layout."""
+
+    @abstractmethod
+    def decode(self, packed: PackedTensor) -> torch.Tensor:
+        """Rebuild the fake-quantized tensor from a :class:`PackedTensor`."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size}, "
+                f"bits_per_value={self.bits_per_value})")
+
+
+class BlockFormat(NumberFormat):
+    """A block-scaled format described by per-block integer fields."""
+
+    #: identifier of the fused CPU kernel for this format (see kernels/quant.c)
+    kernel_id: ClassVar[int]
+
+    # ----- what each format defines -------------------------------------------------
+    @abstractmethod
+    def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Fields of ``(N, block_size)`` float64 blocks (finite values; ``noise`` in [0, 1))."""
+
+    @abstractmethod
+    def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Dequantized ``(N, block_size)`` float64 values from the fields."""
+
+    @abstractmethod
+    def pack(self, fields: dict[str, torch.Tensor], nan: torch.Tensor) -> dict[str, torch.Tensor]:
+        """uint8 storage buffers for the fields; ``nan`` marks blocks to store as NaN."""
+
+    @abstractmethod
+    def unpack(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                               torch.Tensor]:
+        """Fields and the NaN-block mask back from the storage buffers."""
+
+    # ----- public API ----------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+        """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
+        return self._quantize(x, dim, self.options(**options), fast=True)
+
+    def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+        """The plain path written from the spec; slow, kept as the test oracle."""
+        return self._quantize(x, dim, self.options(**options), fast=False)
+
+    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+        """Store ``x`` in the format: packed 4-bit codes plus the scale fields."""
+        opts = self.options(**options)
+        d = check_tensor(x, dim)
+        rows, _ = _to_rows(x, d)
+        scale = self._tensor_scale(rows, opts)
+        if scale is not None:
+            rows = rows / scale
+        blocks, noise = self._to_blocks(rows, self._noise(rows, opts))
+        nan = nonfinite_blocks(blocks)
+        fields = self.fields(torch.where(nan, 0.0, blocks), noise)
+        buffers = self.pack(fields, nan.squeeze(-1))
+        return PackedTensor(self.name, tuple(x.shape), d, x.dtype, buffers,
+                            tensor_scale=None if scale is None else float(scale),
+                            options={"length": rows.shape[-1]})
+
+    def decode(self, packed: PackedTensor) -> torch.Tensor:
+        """Rebuild the fake-quantized tensor from a :class:`PackedTensor`."""
+        if packed.format != self.name:
+            raise FormatError(f"cannot decode a '{packed.format}' tensor with '{self.name}'")
+        fields, nan = self.unpack(packed.fields)
+        values = torch.where(nan.unsqueeze(-1), torch.nan, self.assemble(fields))
+        length = int(packed.options["length"])  # type: ignore[call-overload]
+        rows = values.to(torch.float32).reshape(-1, _padded(length, self.block_size))
+        rows = rows[:, :length]
+        if packed.tensor_scale is not None:
+            rows = rows * torch.tensor(packed.tensor_scale, dtype=torch.float32)
+        if not packed.shape:
+            return rows.reshape(()).to(packed.dtype)
+        moved = list(packed.shape)
+        moved.append(moved.pop(packed.dim))
+        return rows.reshape(moved).movedim(-1, packed.dim).to(packed.dtype)
+
+    # ----- internals -----------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, dim: int, opts: QuantOptions, fast: bool) -> torch.Tensor:
+        d = check_tensor(x, dim)
+        if x.numel() == 0:
+            return x.clone()
+        rows, restore = _to_rows(x, d)
+        scale = self._tensor_scale(rows, opts)
+        noise = self._noise(rows, opts)
+        g = None if scale is None else float(scale)
+        out = quantize_rows(self.kernel_id, rows, noise, g) if fast else None
+        if out is None:
+            out = self._reference_rows(rows if scale is None else rows / scale, noise)
+            if scale is not None:
+                out = out * scale
+        return restore(out)
+
+    def _reference_rows(self, rows: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        length = rows.shape[-1]
+        blocks, u = self._to_blocks(rows, noise)
+        nan = nonfinite_blocks(blocks)
+        values = self.assemble(self.fields(torch.where(nan, 0.0, blocks), u))
+        values = torch.where(nan, torch.nan, values)
+        return values.to(torch.float32).reshape(rows.shape[0], -1)[:, :length]
+
+    def _to_blocks(self, rows: torch.Tensor,
+                   noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero-padded ``(N, block_size)`` float64 blocks (and noise) of float32 rows."""
+        blocks = _pad_rows(rows, self.block_size).to(torch.float64).reshape(-1, self.block_size)
+        u = None if noise is None else noise.to(torch.float64).reshape(-1, self.block_size)
+        return blocks, u
+
+    def _noise(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
+        """Uniform [0, 1) draws over the zero-padded rows, shared by both paths."""
+        if opts.rounding is Rounding.NEAREST:
+            return None
+        shape = (rows.shape[0], _padded(rows.shape[1], self.block_size))
+        return torch.rand(shape, generator=opts.generator, dtype=torch.float32,
+                          device=rows.device)
+
+    def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
+        """Per-tensor float32 scale g (blocks see ``x / g``), or None; only NVFP4 has one."""
+        return None
+
+
+def _padded(length: int, block: int) -> int:
+    return -(-length // block) * block
+
+
+def _pad_rows(rows: torch.Tensor, block: int) -> torch.Tensor:
+    pad = _padded(rows.shape[-1], block) - rows.shape[-1]
+    return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
+
+
+def _to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.Tensor],
+                                                                        torch.Tensor]]:
+    """View ``x`` as contiguous float32 rows along ``dim``; return the inverse mapping."""
+    moved = x.movedim(dim, -1) if x.ndim else x.reshape(1)
+    shape = moved.shape
+    rows = moved.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+
+    def restore(out: torch.Tensor) -> torch.Tensor:
+        y = out.reshape(shape)
+        y = y.movedim(-1, dim) if x.ndim else y.reshape(())
+        return y.to(x.dtype)
+
+    return rows, restore

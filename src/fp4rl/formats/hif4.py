@@ -1,0 +1,75 @@
+"""HiF4 (HiFloat4): 64-value groups with three scaling levels.
+
+Per group: an E6M2 level-1 scale, eight 1-bit level-2 exponents (one per octet),
+sixteen 1-bit level-3 exponents (one per quad) and 64 S1P2 elements, 288 bits.
+The two extra octaves let small values beside an outlier survive where a single
+power-of-two block scale would flush them to zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.formats._exact import bf16_round, floor_log2, pow2, round_minifloat
+from fp4rl.formats.base import BlockFormat
+from fp4rl.formats.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+
+C = 0.142578125  # bf16(1/7)
+SCALE_MIN, SCALE_MAX = 2.0**-48, 49152.0  # E6M2 range; 1.75 * 2**15 is the NaN code
+NAN_CODE = 0xFF
+
+
+class HiF4(BlockFormat):
+    name = "hif4"
+    block_size = 64
+    bits_per_value = 4.5
+    kernel_id = 0
+
+    def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        a = blocks.abs()
+        v16 = a.unflatten(-1, (16, 4)).amax(-1)
+        v8 = v16.unflatten(-1, (8, 2)).amax(-1)
+        vmax = v8.amax(-1, keepdim=True)
+        s = bf16_round(vmax * C).clamp(SCALE_MIN, SCALE_MAX)
+        s = round_minifloat(s, 2)
+        r = bf16_round(1.0 / s)
+        d8 = (v8 * r >= 4).to(torch.int64)
+        d16 = (v16 * r * pow2(-d8.repeat_interleave(2, -1)) >= 2).to(torch.int64)
+        d = d8.repeat_interleave(8, -1) + d16.repeat_interleave(4, -1)
+        t = a * r * pow2(2 - d)
+        m4 = torch.floor(t + (0.5 if noise is None else noise))
+        m4 = torch.where(m4 >= 8, 7.0, m4).to(torch.int64)
+        return {"scale": s, "d8": d8, "d16": d16, "m4": m4, "neg": torch.signbit(blocks)}
+
+    def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        d = fields["d8"].repeat_interleave(8, -1) + fields["d16"].repeat_interleave(4, -1)
+        mag = fields["m4"].to(torch.float64) * pow2(d - 2) * fields["scale"]
+        return torch.where(fields["neg"], -mag, mag)
+
+    def pack(self, fields: dict[str, torch.Tensor], nan: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = fields["scale"].squeeze(-1)
+        e = floor_log2(s)
+        code = (e + 48) * 4 + (s * pow2(2 - e)).to(torch.int64) - 4
+        code = torch.where(nan, NAN_CODE, code).to(torch.uint8)
+        elements = fields["neg"].to(torch.int64) * 8 + fields["m4"]
+        return {
+            "scale": code,
+            "level2": pack_bits(fields["d8"]).squeeze(-1),
+            "level3": pack_bits(fields["d16"]),
+            "codes": pack_nibbles(elements),
+        }
+
+    def unpack(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                               torch.Tensor]:
+        code = buffers["scale"].to(torch.int64)
+        nan = code == NAN_CODE
+        s = (4 + (code & 3)).to(torch.float64) * pow2((code >> 2) - 50)
+        elements = unpack_nibbles(buffers["codes"]).to(torch.int64)
+        fields = {
+            "scale": s.unsqueeze(-1),
+            "d8": unpack_bits(buffers["level2"].unsqueeze(-1)).to(torch.int64),
+            "d16": unpack_bits(buffers["level3"]).to(torch.int64),
+            "m4": elements & 7,
+            "neg": elements >= 8,
+        }
+        return fields, nan

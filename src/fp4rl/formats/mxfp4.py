@@ -1,0 +1,68 @@
+"""MXFP4 (OCP Microscaling v1.0): 32-value blocks, E8M0 scale, E2M1 elements.
+
+Also home of the E2M1 element grid that NVFP4 shares.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
+from fp4rl.formats.base import BlockFormat
+from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+# index of each magnitude on the E2M1 grid, looked up by 2 * value (0, 1, 2, 3, 4, 6, 8, 12)
+_E2M1_INDEX = torch.zeros(13, dtype=torch.int64)
+_E2M1_INDEX[(2 * E2M1_VALUES).to(torch.int64)] = torch.arange(8)
+E8M0_NAN = 0xFF
+
+
+def e2m1_round(v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """Round magnitudes onto the E2M1 grid (ties to even, or stochastic), clamp at 6."""
+    return round_minifloat(v, 1, min_exp=0, max_value=6.0, noise=noise)
+
+
+def e2m1_codes(q: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (sign bit 3, grid index bits 0-2) of E2M1 magnitudes ``q``."""
+    return neg.to(torch.int64) * 8 + _E2M1_INDEX[(2 * q).to(torch.int64)]
+
+
+def e2m1_decode(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Magnitudes and sign mask from 4-bit E2M1 codes."""
+    codes = codes.to(torch.int64)
+    return E2M1_VALUES[codes & 7], codes >= 8
+
+
+def shared_exponent(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """OCP MX shared exponent ``floor(log2 amax) - offset``, clamped at -127 (zero blocks too)."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    e = floor_log2(torch.where(amax > 0, amax, torch.ones_like(amax))) - offset
+    return torch.where(amax > 0, e, -127).clamp(min=-127)
+
+
+class MXFP4(BlockFormat):
+    name = "mxfp4"
+    block_size = 32
+    bits_per_value = 4.25
+    kernel_id = 1
+
+    def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        e = shared_exponent(blocks, 2)
+        q = e2m1_round(blocks.abs() * pow2(-e), noise)
+        return {"exponent": e, "q": q, "neg": torch.signbit(blocks)}
+
+    def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        mag = fields["q"] * pow2(fields["exponent"])
+        return torch.where(fields["neg"], -mag, mag)
+
+    def pack(self, fields: dict[str, torch.Tensor], nan: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = torch.where(nan, E8M0_NAN, fields["exponent"].squeeze(-1) + 127)
+        return {"scale": scale.to(torch.uint8),
+                "codes": pack_nibbles(e2m1_codes(fields["q"], fields["neg"]))}
+
+    def unpack(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                               torch.Tensor]:
+        scale = buffers["scale"].to(torch.int64)
+        q, neg = e2m1_decode(unpack_nibbles(buffers["codes"]))
+        return {"exponent": (scale - 127).unsqueeze(-1), "q": q, "neg": neg}, scale == E8M0_NAN

@@ -1,0 +1,104 @@
+"""Build and call the fused C quantization kernel (``quant.c``) through ctypes.
+
+The kernel is compiled on first use with the system C compiler and cached under
+``$FP4RL_CACHE/kernels`` (default ``~/.cache/fp4rl``), keyed by the source, the
+compiler flags and the CPU model, so a cached build never runs on a CPU it was
+not built for. If no compiler is available the callers fall back to the
+reference path, with a warning, rather than fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("quant.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math")
+
+
+def cache_dir() -> Path:
+    """Root of fp4rl's user cache (``$FP4RL_CACHE`` or ``~/.cache/fp4rl``)."""
+    return Path(os.environ.get("FP4RL_CACHE", Path.home() / ".cache" / "fp4rl"))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_model().encode(),
+                 platform.machine().encode()):
+        key.update(part)
+    return cache_dir() / "kernels" / f"quant-{key.hexdigest()[:16]}.so"
+
+
+def _compile(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc or set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr}")
+        os.replace(out, target)  # atomic: a concurrent reader sees all or nothing
+
+
+@cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with a warning) when it cannot be built."""
+    if os.environ.get("FP4RL_DISABLE_KERNELS") == "1":
+        return None
+    path = _library_path()
+    try:
+        if not path.exists():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as err:
+        warnings.warn(f"fp4rl: fused CPU kernel unavailable, using the slow reference path "
+                      f"({err})", RuntimeWarning, stacklevel=2)
+        return None
+    lib.fp4rl_quantize.restype = ctypes.c_int
+    lib.fp4rl_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
+                      tensor_scale: float | None) -> torch.Tensor | None:
+    """Fake-quantize contiguous float32 CPU rows with the fused kernel (None if unavailable).
+
+    ``tensor_scale`` g quantizes ``rows / g`` and multiplies the result by g (NVFP4).
+    """
+    lib = load_library()
+    if lib is None:
+        return None
+    out = torch.empty_like(rows)
+    noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
+    status = lib.fp4rl_quantize(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                                rows.shape[1], noise_ptr, noise_stride, tensor_scale or 0.0,
+                                torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"unknown kernel id {kernel_id}")
+    return out

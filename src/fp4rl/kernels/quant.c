@@ -1,0 +1,192 @@
+/*
+ * Fused CPU fake-quantization kernels for the fp4rl block formats.
+ *
+ * One pass over the data: each block is read once, its scale fields computed
+ * and its dequantized values written. The arithmetic follows formats.md and is
+ * exact: products such as |x| * r (24 x 8 significant bits) are formed in
+ * double precision, where they fit without rounding, and the round-to-grid
+ * steps operate on the bits of those exact doubles. The result is bit-identical
+ * to the float64 reference path in fp4rl/formats (the tests check it).
+ *
+ * Layout: `rows` rows of `len` contiguous float32 values, blocks along the row;
+ * a partial last block behaves as if zero-padded. `noise` (optional) holds
+ * uniform [0, 1) draws for stochastic rounding, rows of `noise_stride` values.
+ * `tensor_scale` g != 0 applies a per-tensor scale: blocks quantize x / g and the
+ * result is multiplied by g, both in float32 as the reference does.
+ * Compile without -ffast-math: NaN checks and exact rounding depend on IEEE.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { FMT_HIF4 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2, FMT_MXFP8 = 3 };
+
+static inline uint64_t bits_of(double v) { uint64_t u; memcpy(&u, &v, 8); return u; }
+static inline double from_bits(uint64_t u) { double v; memcpy(&v, &u, 8); return v; }
+
+/* floor(log2 v) of a positive normal double (every float32 > 0 is one). */
+static inline int floor_log2(double v) { return (int)((bits_of(v) >> 52) & 0x7FF) - 1023; }
+
+/* 2^e for e in the normal double range. */
+static inline double pow2(int e) { return from_bits((uint64_t)(e + 1023) << 52); }
+
+/* Round a non-negative normal double to `frac` fraction bits, ties to even. */
+static inline double round_frac_bits(double v, int frac)
+{
+    if (v == 0.0) return 0.0;
+    const int drop = 52 - frac;
+    uint64_t u = bits_of(v);
+    u += (((uint64_t)1 << (drop - 1)) - 1) + ((u >> drop) & 1);
+    u &= ~(((uint64_t)1 << drop) - 1);
+    return from_bits(u);
+}
+
+/* Round scaled value t to an integer: nearest-even, or floor(t + u) when stochastic. */
+static inline double round_step(double t, const float *u, int i)
+{
+    return u ? floor(t + (double)u[i]) : nearbyint(t);
+}
+
+/* Minifloat rounding of v >= 0: `mbits` fraction bits, min normal exponent `emin`. */
+static inline double round_minifloat(double v, int mbits, int emin, double vmax,
+                                     const float *u, int i)
+{
+    int e = v > 0.0 ? floor_log2(v) : emin;
+    if (e < emin) e = emin;
+    double q = round_step(v * pow2(mbits - e), u, i) * pow2(e - mbits);
+    return q > vmax ? vmax : q;
+}
+
+/*
+ * Copy a (possibly partial) block into buf, zero-padded and divided by the per-tensor
+ * scale g (g == 0: none); returns 1 if any value is non-finite.
+ */
+static inline int load_block(const float *x, int n, int bs, float g, float *buf, float *amax)
+{
+    if (n == bs) {
+        memcpy(buf, x, (size_t)bs * sizeof(float));
+    } else {
+        for (int i = 0; i < bs; i++) buf[i] = i < n ? x[i] : 0.0f;
+    }
+    if (g != 0.0f)
+        for (int i = 0; i < bs; i++) buf[i] = buf[i] / g;
+    /* The largest magnitude is the largest |x| bit pattern; NaN and Inf sort above all. */
+    uint32_t m = 0;
+    for (int i = 0; i < bs; i++) {
+        uint32_t b;
+        memcpy(&b, &buf[i], 4);
+        b &= 0x7FFFFFFFu;
+        m = b > m ? b : m;
+    }
+    memcpy(amax, &m, 4);
+    return m >= 0x7F800000u;
+}
+
+/* y = sign(x) * magnitude (times the per-tensor scale g when g != 0). */
+static inline void store_block(const float *buf, const float *mag, float *y, int n, float g)
+{
+    for (int i = 0; i < n; i++) {
+        float v = copysignf(mag[i], buf[i]);
+        y[i] = g != 0.0f ? v * g : v;
+    }
+}
+
+static void hif4_block(const float *x, float *y, int n, const float *u)
+{
+    float buf[64], amax;
+    if (load_block(x, n, 64, 0.0f, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
+    double v16[16], v8[8];
+    for (int k = 0; k < 16; k++) {
+        float m = 0.0f;
+        for (int i = 0; i < 4; i++) { float a = fabsf(buf[4 * k + i]); m = a > m ? a : m; }
+        v16[k] = m;
+    }
+    for (int j = 0; j < 8; j++) v8[j] = v16[2 * j] > v16[2 * j + 1] ? v16[2 * j] : v16[2 * j + 1];
+    double s = round_frac_bits((double)amax * 0.142578125, 7);       /* bf16(vmax * c) */
+    if (s < 0x1p-48) s = 0x1p-48;
+    if (s > 49152.0) s = 49152.0;
+    s = round_frac_bits(s, 2);                                         /* E6M2 */
+    const double r = round_frac_bits(1.0 / s, 7);                      /* bf16(1 / s) */
+    /*
+     * Level bits: d8 = [v8 r >= 4]; d16 = [v16 r 2^-d8 >= 2] = [v16 r >= 2^(1 + d8)].
+     * Per element, |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is |y|;
+     * both factors are exact powers of two times r or s.
+     */
+    double lvl8[8], in_scale[64], out_scale[64];
+    for (int j = 0; j < 8; j++) lvl8[j] = v8[j] * r >= 4.0 ? 1.0 : 0.0;
+    for (int k = 0; k < 16; k++) {
+        const double d8 = lvl8[k >> 1];
+        const double d = d8 + (v16[k] * r >= (d8 > 0.0 ? 4.0 : 2.0) ? 1.0 : 0.0);
+        const double fin = d == 0.0 ? 4.0 * r : d == 1.0 ? 2.0 * r : r;
+        const double fout = d == 0.0 ? 0.25 * s : d == 1.0 ? 0.5 * s : s;
+        for (int i = 0; i < 4; i++) { in_scale[4 * k + i] = fin; out_scale[4 * k + i] = fout; }
+    }
+    double offset[64];  /* rha adds 1/2 before the floor; stochastic rounding adds u */
+    if (u) {
+        for (int i = 0; i < 64; i++) offset[i] = i < n ? (double)u[i] : 0.0;
+    } else {
+        for (int i = 0; i < 64; i++) offset[i] = 0.5;
+    }
+    float mag[64];
+    for (int i = 0; i < 64; i++) {
+        const double q = floor((double)fabsf(buf[i]) * in_scale[i] + offset[i]);
+        mag[i] = (float)((q < 7.0 ? q : 7.0) * out_scale[i]);
+    }
+    store_block(buf, mag, y, n, 0.0f);
+}
+
+/* MXFP4 (E2M1 elements, saturating at 6) and MXFP8 (E4M3, saturating at 448). */
+static void mx_block(const float *x, float *y, int n, const float *u, int elem_mbits,
+                     int elem_emin, double elem_max, int scale_offset)
+{
+    float buf[32], mag[32], amax;
+    if (load_block(x, n, 32, 0.0f, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
+    int E = amax > 0.0f ? floor_log2((double)amax) - scale_offset : -127;
+    if (E < -127) E = -127;
+    const double inv = pow2(-E), sc = pow2(E);
+    for (int i = 0; i < n; i++) {
+        double v = (double)fabsf(buf[i]) * inv;
+        mag[i] = (float)(round_minifloat(v, elem_mbits, elem_emin, elem_max, u, i) * sc);
+    }
+    store_block(buf, mag, y, n, 0.0f);
+}
+
+static void nvfp4_block(const float *x, float *y, int n, const float *u, float g)
+{
+    float buf[16], mag[16], amax;
+    if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
+    double s = (double)amax / 6.0;
+    if (s > 448.0) s = 448.0;
+    s = round_minifloat(s, 3, -6, 448.0, NULL, 0);                     /* E4M3 scale */
+    for (int i = 0; i < n; i++) {
+        double v = s > 0.0 ? (double)fabsf(buf[i]) / s : 0.0;
+        mag[i] = (float)(round_minifloat(v, 1, 0, 6.0, u, i) * s);
+    }
+    store_block(buf, mag, y, n, g);
+}
+
+static const int BLOCK[4] = {64, 32, 16, 32};
+
+int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
+                   const float *noise, int64_t noise_stride, float tensor_scale, int nthreads)
+{
+    if (fmt < 0 || fmt > 3) return -1;
+    const int bs = BLOCK[fmt];
+    const int64_t nb = (len + bs - 1) / bs;
+    const int64_t total = rows * nb;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < total; b++) {
+        const int64_t row = b / nb, col = (b % nb) * bs;
+        const int n = (int)(len - col < bs ? len - col : bs);
+        const float *xb = x + row * len + col;
+        float *yb = y + row * len + col;
+        const float *ub = noise ? noise + row * noise_stride + col : NULL;
+        switch (fmt) {
+        case FMT_HIF4: hif4_block(xb, yb, n, ub); break;
+        case FMT_MXFP4: mx_block(xb, yb, n, ub, 1, 0, 6.0, 2); break;
+        case FMT_NVFP4: nvfp4_block(xb, yb, n, ub, tensor_scale); break;
+        default: mx_block(xb, yb, n, ub, 3, -6, 448.0, 8); break;
+        }
+    }
+    return 0;
+}
