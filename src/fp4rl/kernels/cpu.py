@@ -22,14 +22,11 @@ from pathlib import Path
 
 import torch
 
+from fp4rl.paths import cache_root
+
 SOURCE = Path(__file__).with_name("quant.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
-
-
-def cache_dir() -> Path:
-    """Root of fp4rl's user cache (``$FP4RL_CACHE`` or ``~/.cache/fp4rl``)."""
-    return Path(os.environ.get("FP4RL_CACHE", Path.home() / ".cache" / "fp4rl"))
 
 
 def _cpu_model() -> str:
@@ -47,7 +44,7 @@ def _library_path() -> Path:
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_model().encode(),
                  platform.machine().encode()):
         key.update(part)
-    return cache_dir() / "kernels" / f"quant-{key.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"quant-{key.hexdigest()[:16]}.so"
 
 
 def _compile(target: Path) -> None:

@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from fp4rl.paths import cache_root
+
 MANIFEST = "fp4rl-cache.json"
 STALE_AFTER_S = 3600.0
 """Age after which a hidden leftover directory is assumed to belong to a dead build."""
@@ -31,12 +33,6 @@ STALE_AFTER_S = 3600.0
 Fingerprint = Mapping[str, str | int]
 
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """The user cache directory: ``$FP4RL_CACHE`` if set, else ``~/.cache/fp4rl``."""
-    configured = os.environ.get("FP4RL_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "fp4rl"
 
 
 def entry_dir(entry: str) -> Path:

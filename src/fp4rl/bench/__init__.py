@@ -1,0 +1,1 @@
+"""Benchmarks behind ``fp4rl bench``: ratios measured side by side in one run."""

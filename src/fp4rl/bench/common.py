@@ -1,0 +1,89 @@
+"""Side-by-side timing: every comparison is measured in one run, interleaved, as medians.
+
+Interleaving the candidates inside each repeat means a burst of load from another
+process hits all of them alike, so the ratios stay meaningful on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Timing:
+    """Raw wall-clock times (seconds) of one measured callable."""
+
+    name: str
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class Comparison:
+    """One result row: ``ratio`` = candidate time / baseline time (medians)."""
+
+    name: str
+    candidate: str
+    baseline: str
+    candidate_times: list[float]
+    baseline_times: list[float]
+    ratio: float
+    target: str = ""
+
+
+def measure(fns: dict[str, Callable[[], object]], repeats: int,
+            slow: dict[str, int] | None = None, warmup: int = 1) -> dict[str, Timing]:
+    """Time each callable ``repeats`` times, interleaved; ``slow`` caps repeats per name."""
+    slow = slow or {}
+    timings = {name: Timing(name) for name in fns}
+    for name, fn in fns.items():
+        for _ in range(warmup if name not in slow else 0):
+            fn()
+    for i in range(repeats):
+        for name, fn in fns.items():
+            if i >= slow.get(name, repeats):
+                continue
+            start = time.perf_counter()
+            fn()
+            timings[name].times.append(time.perf_counter() - start)
+    return timings
+
+
+def compare(name: str, timings: dict[str, Timing], candidate: str, baseline: str,
+            target: str = "") -> Comparison:
+    """Build a :class:`Comparison` from two measured timings."""
+    cand, base = timings[candidate], timings[baseline]
+    return Comparison(name, candidate, baseline, cand.times, base.times,
+                      cand.median / base.median, target)
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def write_json(path: str | Path, results: list[Comparison], **extra: object) -> None:
+    """Write ``{"machine": ..., "results": [...]}`` to ``path``."""
+    payload = {"machine": machine(), **extra, "results": [asdict(r) for r in results]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,44 @@
+"""`fp4rl bench formats` and the kernel fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp4rl
+from fp4rl.cli import main
+from fp4rl.kernels import cpu
+
+
+def test_bench_formats_writes_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "formats", "--size", "128", "--repeats", "2", "--format", "hif4",
+                 "--format", "mxfp4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["results"]]
+    assert names == ["hif4.fast_vs_clone", "hif4.fast_vs_reference",
+                     "mxfp4.fast_vs_clone", "mxfp4.fast_vs_reference"]
+    for r in data["results"]:
+        assert r["ratio"] > 0 and r["candidate_times"] and r["baseline_times"]
+    assert "fast / clone" in capsys.readouterr().out
+
+
+def test_bench_rejects_unknown_format():
+    with pytest.raises(ValueError, match="unknown format"):
+        main(["bench", "formats", "--size", "64", "--format", "fp5"])
+
+
+def test_reference_fallback_without_kernel(monkeypatch):
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
+    expected = fp4rl.quantize(x, "hif4")
+    monkeypatch.setenv("FP4RL_DISABLE_KERNELS", "1")
+    cpu.load_library.cache_clear()
+    try:
+        assert cpu.load_library() is None
+        assert torch.equal(fp4rl.quantize(x, "hif4"), expected)
+    finally:
+        monkeypatch.delenv("FP4RL_DISABLE_KERNELS")
+        cpu.load_library.cache_clear()
+    assert cpu.load_library() is not None
