@@ -23,9 +23,9 @@ def block_linears(model: nn.Module, pattern: str | None = None) -> dict[str, nn.
     """Linear layers inside the transformer blocks, optionally filtered by a regex."""
     chosen = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and BLOCK_LINEAR.search(name):
-            if pattern is None or re.search(pattern, name):
-                chosen[name] = module
+        wanted = pattern is None or re.search(pattern, name)
+        if isinstance(module, nn.Linear) and BLOCK_LINEAR.search(name) and wanted:
+            chosen[name] = module
     return chosen
 
 
