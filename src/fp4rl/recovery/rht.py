@@ -1,0 +1,44 @@
+"""Random Hadamard transform (RHT) of the reduction axis on the rollout.
+
+``X W^T = (X R)(W R)^T`` for the orthonormal ``R = H diag(signs)`` applied per block
+of the reduction axis, so quantizing ``X R`` and ``W R`` spreads an outlier's energy
+over its block before FP4 sees it. Signs are drawn once per layer (seeded), or redrawn
+at every RL step with ``fresh_signs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.recovery.base import RolloutRecovery, register
+from fp4rl.recovery.hadamard import make_signs, random_hadamard
+
+
+def hadamard_block(in_features: int, requested: int) -> int:
+    """The requested block, or the largest power of two dividing ``in_features`` if smaller.
+
+    SmolLM2's 576 input features, for instance, take 64-wide blocks, not 128.
+    """
+    return min(requested, in_features & -in_features)
+
+
+@register
+class RHT(RolloutRecovery):
+    name = "rht"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.block = hadamard_block(self.in_features, self.config.block_size)
+        self._generator = torch.Generator().manual_seed(self.seed)
+        self.signs = make_signs(self.in_features, self._generator)
+
+    def begin_step(self) -> None:
+        if self.config.fresh_signs:
+            self.signs = make_signs(self.in_features, self._generator)
+            self.version += 1
+
+    def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return random_hadamard(w, self.signs, self.block)
+
+    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.quantize_act(random_hadamard(x, self.signs, self.block)) @ qw.t()

@@ -1,0 +1,48 @@
+"""SmoothQuant on the rollout: migrate activation range into the weights per channel.
+
+``s_c = max|X_c|^a / max|W_c|^(1-a)``; the layer computes ``Q(X / s) Q(W * s)^T``.
+The scales are calibrated from live activations: the first rollout forward after
+:meth:`begin_step` (the prompts' prefill of a new RL step) sets them, later forwards of
+that step reuse them. This is the paper's setting, and its weakness under RL's moving
+activation statistics is what the paper reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4rl.recovery.base import RolloutRecovery, register
+
+MIN_SCALE = 1e-5
+
+
+@register
+class SmoothQuant(RolloutRecovery):
+    name = "smoothquant"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.scales: torch.Tensor | None = None
+        self._stale = True
+
+    def begin_step(self) -> None:
+        self._stale = True
+
+    def prepare(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        if self._stale:
+            self.calibrate(x, w)
+
+    def calibrate(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        """Per input channel: ``s = max|X|^a / max|W|^(1-a)`` from this batch and the weight."""
+        a = self.config.alpha
+        x_max = x.detach().abs().amax(dim=0).float().clamp_min(MIN_SCALE)
+        w_max = w.detach().abs().amax(dim=0).float().clamp_min(MIN_SCALE)
+        self.scales = (x_max.pow(a) / w_max.pow(1 - a)).clamp_min(MIN_SCALE)
+        self._stale = False
+        self.version += 1
+
+    def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return w if self.scales is None else w * self.scales.to(w.dtype)
+
+    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.quantize_act(x / self.scales.to(x.dtype)) @ qw.t()

@@ -1,0 +1,158 @@
+"""FP4 linear layers: quantized GEMMs, autograd, patching, modes, rollout weight cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp4rl
+from fp4rl.formats import quantize
+from fp4rl.models import tiny_model
+from fp4rl.nn import FP4Linear, Mode, PatchError, Recipe, TrainPrecision, fp4_layers, preset
+
+FORMATS = ["hif4", "mxfp4", "nvfp4"]
+
+
+def _layer(recipe: Recipe, bias: bool = True, seed: int = 0) -> FP4Linear:
+    torch.manual_seed(seed)
+    return FP4Linear.from_linear(nn.Linear(128, 64, bias=bias), recipe)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_gemms_match_explicit_slow_path(fmt, dtype):
+    layer = _layer(Recipe(train=TrainPrecision(fmt, fmt, fmt))).to(dtype)
+    x = torch.randn(3, 40, 128, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    x2, w, g = x.detach().reshape(-1, 128), layer.weight.detach(), dy.reshape(-1, 64)
+    ref = lambda t, d: fp4rl.get_format(fmt).quantize_reference(t, dim=d)  # noqa: E731
+    want_y = ref(x2, -1) @ ref(w, -1).t() + layer.bias.detach()
+    want_dx = ref(g, -1) @ ref(w, 0)            # reduction over out_features
+    want_dw = ref(g, 0).t() @ ref(x2, 0)        # reduction over tokens
+    torch.testing.assert_close(y.detach().reshape(-1, 64), want_y)
+    torch.testing.assert_close(x.grad.reshape(-1, 128), want_dx)
+    torch.testing.assert_close(layer.weight.grad, want_dw)
+    torch.testing.assert_close(layer.bias.grad, g.sum(0))
+
+
+def test_bf16_recipe_matches_plain_linear_gradients():
+    torch.manual_seed(0)
+    plain = nn.Linear(128, 64)
+    layer = FP4Linear.from_linear(nn.Linear(128, 64), Recipe())
+    layer.load_state_dict(plain.state_dict())
+    x = torch.randn(16, 128)
+    for mod in (plain, layer):
+        mod(x).square().sum().backward()
+    rel = (layer.weight.grad - plain.weight.grad).norm() / plain.weight.grad.norm()
+    assert rel < 1e-2  # bf16 keeps 8 significant bits of each operand
+
+
+def test_fp4_gradients_stay_close_to_exact():
+    """A sanity floor: HiF4 weight gradients keep a positive cosine with exact ones."""
+    torch.manual_seed(0)
+    plain = nn.Linear(128, 64)
+    layer = FP4Linear.from_linear(nn.Linear(128, 64), preset("hif4"))
+    layer.load_state_dict(plain.state_dict())
+    x = torch.randn(256, 128)
+    for mod in (plain, layer):
+        mod(x).square().sum().backward()
+    cos = torch.nn.functional.cosine_similarity(layer.weight.grad.flatten(),
+                                                plain.weight.grad.flatten(), dim=0)
+    assert cos > 0.95
+
+
+def test_stochastic_gradients_follow_torch_seed():
+    recipe = Recipe(train=TrainPrecision("hif4", "hif4", "hif4", stochastic_gradients=True))
+    grads = []
+    for seed in (1, 1, 2):
+        layer = _layer(recipe)
+        torch.manual_seed(seed)
+        layer(torch.ones(8, 128)).sum().backward()
+        grads.append(layer.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_patching_keeps_names_and_state(arch):
+    model, _ = tiny_model(arch)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params_before = dict(model.named_parameters())
+    fp4rl.quantize_model(model, "hif4+resq-2:4")
+    layers = fp4_layers(model)
+    n_layers = model.config.num_hidden_layers
+    assert len(layers) == 7 * n_layers  # q k v o gate up down
+    assert not isinstance(model.lm_head, FP4Linear)
+    assert all(".layers." in name for name in layers)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_patch_twice_changes_recipe_only():
+    model, _ = tiny_model("llama")
+    fp4rl.quantize_model(model, "hif4")
+    layer = model.model.layers[0].mlp.down_proj
+    fp4rl.quantize_model(model, "mxfp4")
+    assert model.model.layers[0].mlp.down_proj is layer
+    assert layer.recipe.train.weights == "mxfp4"
+
+
+def test_patch_errors():
+    with pytest.raises(PatchError, match="no linear layers"):
+        fp4rl.quantize_model(nn.Sequential(nn.Linear(4, 4)), "hif4")
+    model, _ = tiny_model("llama")
+    with pytest.raises(PatchError, match="quantize_model"), fp4rl.rollout_mode(model):
+        pass
+
+
+def test_modes_switch_and_restore():
+    model, _ = tiny_model("llama")
+    fp4rl.quantize_model(model, "hif4")
+    layers = list(fp4_layers(model).values())
+    with fp4rl.rollout_mode(model):
+        assert all(layer.mode == "rollout" for layer in layers)
+        with fp4rl.train_mode(model):
+            assert all(layer.mode == "train" for layer in layers)
+        assert all(layer.mode == "rollout" for layer in layers)
+    assert all(layer.mode == "train" for layer in layers)
+
+
+def test_rollout_and_train_policies_differ_only_by_recipe():
+    model, _ = tiny_model("llama")
+    ids = torch.tensor([[3, 9, 27, 81, 40, 12]])
+    fp4rl.quantize_model(model, "hif4:fp4/fp4")
+    with torch.no_grad():
+        train_logits = model(input_ids=ids).logits
+        with fp4rl.rollout_mode(model):
+            rollout_logits = model(input_ids=ids).logits
+    torch.testing.assert_close(train_logits, rollout_logits)  # same formats, same math
+    fp4rl.quantize_model(model, "hif4:fp4/fp4+resq-dense")
+    with torch.no_grad(), fp4rl.rollout_mode(model):
+        assert not torch.equal(model(input_ids=ids).logits, train_logits)
+
+
+def test_rollout_weight_quantized_once_per_version(monkeypatch):
+    layer = _layer(preset("hif4"))
+    calls = []
+    real = quantize
+
+    def counting(x, fmt, dim=-1, **kw):
+        calls.append(tuple(x.shape))
+        return real(x, fmt, dim=dim, **kw)
+
+    monkeypatch.setattr("fp4rl.nn.linear.quantize", counting)
+    layer.mode = Mode.ROLLOUT
+    for _ in range(5):
+        layer(torch.randn(2, 128))
+    assert calls.count((64, 128)) == 1
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    layer.weight.grad = torch.randn_like(layer.weight)
+    opt.step()
+    first = layer.rollout_weight()
+    assert calls.count((64, 128)) == 2
+    assert layer.rollout_weight() is first

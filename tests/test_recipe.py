@@ -1,0 +1,78 @@
+"""Recipes: YAML/dict loading, validation messages, the paper's Table 1 presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp4rl.nn.recipe import (
+    FP4_FORMATS,
+    Recipe,
+    RecipeError,
+    Recovery,
+    preset,
+    table1_presets,
+)
+
+
+def test_from_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "model: smollm2-135m\n"
+        "train: {weights: hif4, activations: hif4, gradients: hif4}\n"
+        "rollout: {weights: hif4, activations: hif4, recovery: {method: resq, sparsity: '2:4'}}\n")
+    recipe = Recipe.from_yaml(path)
+    assert recipe.train.gradients == "hif4"
+    assert recipe.rollout.recovery == Recovery("resq", sparsity="2:4")
+    assert recipe == preset("hif4+resq-2:4")
+    assert Recipe.from_dict(recipe.to_dict()) == recipe
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"train": {"weights": "fp3"}}, r"train\.weights: 'fp3' is not a format; choose one of"),
+    ({"rollout": {"activations": 4}}, r"rollout\.activations"),
+    ({"train": {"weight": "hif4"}}, r"train: unknown key\(s\) \['weight'\]"),
+    ({"rollout": {"recovery": {"method": "magic"}}}, r"method: 'magic' is not one of none"),
+    ({"rollout": {"recovery": {"method": "resq", "sparsity": "3:2"}}}, r"n:m"),
+    ({"rollout": {"recovery": {"method": "rht", "block_size": 48}}}, r"power of two"),
+    ({"rollout": {"recovery": {"method": "occ", "quantile": 1.5}}}, r"quantile"),
+    ({"rollout": {"recovery": {"method": "smoothquant", "alpha": -1}}}, r"alpha"),
+    ({"policy": {}}, r"recipe: unknown key"),
+    (["hif4"], r"must be a mapping"),
+])
+def test_validation_messages(data, message):
+    with pytest.raises(ValueError, match=message):
+        Recipe.from_dict(data)
+
+
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
+def test_table1_presets(fmt):
+    names = table1_presets(fmt)
+    assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
+    cells = {n: preset(n) for n in names}
+    assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt
+    assert cells[f"{fmt}:fp4/bf16"].rollout.weights == "bf16"
+    assert (cells[f"{fmt}:fp4/w4a16"].rollout.weights,
+            cells[f"{fmt}:fp4/w4a16"].rollout.activations) == (fmt, "bf16")
+    assert cells[f"{fmt}:fp4/w4a8"].rollout.activations == "mxfp8_e4m3"
+    assert cells[f"{fmt}:fp4/w16a4"].rollout.weights == "bf16"
+    assert cells[f"{fmt}:bf16/fp4"].train.activations == "bf16"
+    assert cells[f"{fmt}:bf16/fp4"].rollout.activations == fmt
+    assert preset(fmt) == cells[f"{fmt}:fp4/fp4"]
+
+
+@pytest.mark.parametrize(("name", "label"), [
+    ("hif4+resq-2:4", "resq-2:4"), ("mxfp4+resq-dense", "resq-dense"),
+    ("hif4+resq-channel:0.5", "resq-channel:0.5"), ("hif4+resq-block:32x64:0.5",
+                                                    "resq-block:32x64:0.5"),
+    ("hif4+smoothquant", "smoothquant"), ("hif4+rht", "rht"), ("nvfp4+occ", "occ"),
+    ("hif4", ""),
+])
+def test_recovery_suffixes(name, label):
+    assert preset(name).rollout.recovery.label == label
+
+
+@pytest.mark.parametrize("bad", ["fp4", "hif4:fp8/fp4", "hif4:fp4/w2a2", "hif4+magic",
+                                 "hif4+rht-3"])
+def test_bad_presets(bad):
+    with pytest.raises(RecipeError):
+        preset(bad)

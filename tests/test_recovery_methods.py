@@ -1,0 +1,131 @@
+"""Rollout-ResQ and the baselines, as functions and as plug-ins of the patched layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp4rl.formats import quantize
+from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, preset
+from fp4rl.nn.recipe import Recovery
+from fp4rl.recovery.resq import resq_activation, resq_matmul
+from fp4rl.recovery.rht import hadamard_block
+from fp4rl.recovery.sparsity import sparsify
+
+
+def outlier_activations(tokens: int = 64, d: int = 256, seed: int = 0) -> torch.Tensor:
+    """LLM-like inputs: a few channels 100x larger than the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g)
+    x[:, torch.randperm(d, generator=g)[:4]] *= 100.0
+    return x
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4", "channel:0.5", "block:32x64:0.5"])
+def test_resq_two_gemm_form_equals_folded(fmt, pattern):
+    x, w = outlier_activations(), torch.randn(96, 256)
+    folded = resq_matmul(x, w, fmt, pattern)
+    two = resq_matmul(x, w, fmt, pattern, two_gemm=True)
+    torch.testing.assert_close(folded, two, rtol=1e-5, atol=1e-3)
+    qx = quantize(x, fmt)
+    explicit = qx @ quantize(w, fmt).t() + sparsify(quantize(x - qx, fmt), pattern) @ \
+        quantize(w, fmt).t()
+    torch.testing.assert_close(two, explicit)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_resq_reduces_activation_error(fmt):
+    """Dense ResQ beats 2:4 beats plain FP4 in activation error, on outlier inputs."""
+    x = outlier_activations()
+    plain = rel_err(quantize(x, fmt), x)
+    sparse = rel_err(resq_activation(x, fmt, "2:4"), x)
+    dense = rel_err(resq_activation(x, fmt, "dense"), x)
+    assert dense < sparse < plain
+
+
+def test_resq_restores_collapsed_zeros():
+    """2:4 restores at most 2 of every 4 residuals; dense restores most (the residual of
+    an outlier channel can collapse its block a second time)."""
+    x = outlier_activations()
+    zeros_plain = (quantize(x, "hif4") == 0).float().mean()
+    zeros_24 = (resq_activation(x, "hif4", "2:4") == 0).float().mean()
+    zeros_dense = (resq_activation(x, "hif4", "dense") == 0).float().mean()
+    assert zeros_plain > 0.3
+    assert 0.4 * zeros_plain < zeros_24 < 0.6 * zeros_plain
+    assert zeros_dense < 0.2 * zeros_plain
+
+
+def _rollout_layer(method: str, act: str = "bf16", weights: str = "bf16",
+                   **kw: object) -> FP4Linear:
+    torch.manual_seed(0)
+    recipe = Recipe(rollout=RolloutPrecision(weights, act, Recovery(method, **kw)))
+    layer = FP4Linear.from_linear(nn.Linear(256, 96), recipe)
+    layer.mode = Mode.ROLLOUT
+    return layer
+
+
+@pytest.mark.parametrize("method", ["smoothquant", "rht", "occ"])
+def test_baselines_are_exact_transforms_without_quantization(method):
+    """With float32-exact operands (bf16 off), each baseline reproduces X W^T + b."""
+    layer = _rollout_layer(method, act="bf16", weights="bf16")
+    x = outlier_activations().bfloat16().float()
+    layer.weight.data = layer.weight.data.bfloat16().float()
+    ref = x @ layer.weight.t() + layer.bias
+    assert rel_err(layer(x), ref) < 2e-2
+
+
+@pytest.mark.parametrize("method", ["none", "resq", "smoothquant", "rht", "occ"])
+def test_baselines_help_on_outliers(method):
+    """On outlier-heavy inputs, every method's FP4 output error is finite and bounded."""
+    layer = _rollout_layer(method, act="mxfp4", weights="mxfp4")
+    x = outlier_activations()
+    ref = x @ layer.weight.t() + layer.bias
+    err = rel_err(layer(x), ref)
+    plain = rel_err(_rollout_layer("none", "mxfp4", "mxfp4")(x), ref)
+    assert err < 0.5
+    if method in ("resq", "occ", "rht"):
+        assert err < plain
+
+
+def test_smoothquant_calibrates_once_per_step():
+    layer = _rollout_layer("smoothquant", "hif4", "hif4")
+    x1, x2 = outlier_activations(seed=1), outlier_activations(seed=2)
+    layer(x1)
+    scales, version = layer.recovery.scales.clone(), layer.recovery.version
+    cached = layer.rollout_weight()
+    layer(x2)  # same step: scales and the quantized weight are reused
+    assert torch.equal(layer.recovery.scales, scales) and layer.rollout_weight() is cached
+    layer.begin_step()
+    layer(x2)  # new step: recalibrated from live activations, weight re-quantized
+    assert layer.recovery.version == version + 1
+    assert not torch.equal(layer.recovery.scales, scales)
+    assert layer.rollout_weight() is not cached
+    expected = x2.abs().amax(0).pow(0.5) / layer.weight.abs().amax(0).pow(0.5)
+    torch.testing.assert_close(layer.recovery.scales, expected.detach())
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_rht_signs_fixed_or_fresh(fresh):
+    layer = _rollout_layer("rht", "hif4", "hif4", fresh_signs=fresh)
+    signs = layer.recovery.signs.clone()
+    layer.begin_step()
+    assert torch.equal(layer.recovery.signs, signs) != fresh
+
+
+def test_rht_block_fits_reduction_axis():
+    assert hadamard_block(576, 128) == 64
+    assert hadamard_block(1536, 128) == 128
+    assert hadamard_block(4096, 256) == 256
+
+
+def test_preset_builds_every_recovery():
+    for name in ["hif4+resq-2:4", "hif4+smoothquant", "hif4+rht", "hif4+occ", "hif4"]:
+        layer = FP4Linear.from_linear(nn.Linear(128, 64), preset(name))
+        layer.mode = Mode.ROLLOUT
+        assert layer(torch.randn(4, 128)).shape == (4, 64)
