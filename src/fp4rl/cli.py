@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 
@@ -27,6 +28,106 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from fp4rl.analysis import diagnose, plots
+    from fp4rl.analysis.activations import capture_linear_inputs
+    from fp4rl.analysis.prompts import encode_prompts, load_prompts
+    from fp4rl.formats import get_format
+    from fp4rl.models import load_model
+
+    formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
+    prompts = load_prompts(args.prompts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with console.status(f"loading {args.model}"):
+        model, tok = load_model(args.model)
+    with console.status(f"capturing block linear inputs over {len(prompts)} prompts"):
+        acts = capture_linear_inputs(model, encode_prompts(tok, prompts))
+    layers = [diagnose.diagnose_activations(n, x, formats)
+              for n, x in track(acts.items(), "diagnosing layers", console)]
+    series = ["bf16", *formats]
+    plots.per_layer_type(layers, series, lambda d, s: d.zero_frac[s], "% exactly zero",
+                         f"{args.model}: zero collapse of linear inputs", out / "zero_frac.png")
+    plots.per_layer_type(layers, formats, lambda d, s: d.outlier_block_frac[s],
+                         "% blocks with outlier", f"{args.model}: outlier blocks",
+                         out / "outlier_blocks.png")
+    plots.plot_sparsify_error(layers, formats, out / "sparsify_error.png")
+    worst = max(layers, key=lambda d: d.zero_frac[formats[0]])
+    plots.plot_heatmaps(acts[worst.name], formats[0], worst.name, out / "heatmap.png")
+    table = Table(title="means over layers: zeros, outlier blocks, 2:4 RMSE of Q(X) | residual")
+    table.add_column("layers")
+    for col in (*(f"0s {s}" for s in series), *(f"outl {f}" for f in formats),
+                *(f"2:4 {f}" for f in formats)):
+        table.add_column(col, justify="right")
+    for kind in ("", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                 "down_proj"):
+        m = diagnose.summarize(layers, formats, kind)
+        table.add_row(kind.removesuffix("_proj") or "all",
+                      *(f"{m['zero_frac'][s]:.1%}" for s in series),
+                      *(f"{m['outlier_block_frac'][f]:.1%}" for f in formats),
+                      *(f"{m['sparsify_rmse_qx'][f]:.3f}|{m['sparsify_rmse_residual'][f]:.3f}"
+                        for f in formats))
+    console.print(table)
+    json_path = Path(args.json) if args.json else out / "diagnose.json"
+    diagnose.write_json(json_path, args.model, formats, layers)
+    console.print(f"plots in {out}/, data in {json_path}")
+    return 0
+
+
+def _fidelity(args: argparse.Namespace, console: Console) -> int:
+    import json
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from fp4rl.analysis import fidelity, plots
+    from fp4rl.data import build_prompt, synthetic_dataset
+    from fp4rl.models import load_model
+
+    methods = args.methods or fidelity.default_methods()
+    for m in methods:
+        from fp4rl.nn import preset
+
+        preset(m)  # fail fast on a bad name, before loading anything
+    examples = synthetic_dataset("test", n=args.n, levels=args.levels, seed=args.seed)
+    with console.status(f"loading {args.model}"):
+        model, tok = load_model(args.model)
+    prompts = [tok(build_prompt(e, tok), add_special_tokens=False)["input_ids"]
+               for e in examples]
+    with console.status("scoring methods") as status:
+        rows = fidelity.run_fidelity(
+            model, tok, prompts, [e.answer for e in examples], methods,
+            max_new_tokens=args.max_new_tokens,
+            progress=lambda m: status.update(f"scoring {m}"))
+    table = Table(title=f"rollout fidelity on {len(examples)} arithmetic prompts "
+                        f"(levels {args.levels})")
+    for col in ("method", "KL vs unquantized", "KL vs FP4 train", "|dlogp| vs unquantized",
+                "|dlogp| vs FP4 train", "greedy acc"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.method, f"{r.kl:.4f}", f"{r.kl_vs_train:.4f}", f"{r.logprob_diff:.4f}",
+                      f"{r.logprob_diff_vs_train:.4f}", f"{r.accuracy:.1%}")
+    console.print(table)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "prompts": len(examples), "levels": list(args.levels),
+            "max_new_tokens": args.max_new_tokens, "rows": [asdict(r) for r in rows]},
+            indent=2))
+    if args.plot:
+        plots.plot_fidelity(rows, Path(args.plot))
+    return 0
+
+
+def track(items: object, description: str, console: Console) -> object:
+    """A progress bar over ``items`` (rich)."""
+    from rich.progress import track as rich_track
+
+    return rich_track(items, description=description, console=console, transient=True)
+
+
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.demo import run_demo
 
@@ -41,6 +142,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--output", default="runs/demo", help="run directory for the report")
     demo.set_defaults(func=_demo)
+
+    diag = sub.add_parser("diagnose", help="zero collapse, outlier blocks, residual sparsity")
+    diag.add_argument("--model", default="smollm2-135m", help="registered name or checkpoint dir")
+    diag.add_argument("--format", dest="formats", action="append",
+                      help="format to diagnose (repeatable; default hif4 and mxfp4)")
+    diag.add_argument("--prompts", help=".txt (one per line) or .jsonl prompt file")
+    diag.add_argument("--out", default="runs/diagnose", help="directory for the plots")
+    diag.add_argument("--json", help="where to write the data (default OUT/diagnose.json)")
+    diag.set_defaults(func=_diagnose)
+
+    fid = sub.add_parser("fidelity", help="how far each rollout configuration strays")
+    fid.add_argument("--model", default="smollm2-135m", help="registered name or checkpoint dir")
+    fid.add_argument("--methods", nargs="+", help="rows, e.g. bf16 hif4 hif4+resq-2:4 "
+                     "mxfp4+occ (default: bf16 and every recovery for hif4 and mxfp4)")
+    fid.add_argument("--n", type=int, default=48, help="number of arithmetic prompts")
+    fid.add_argument("--levels", type=int, nargs="+", default=[1, 2])
+    fid.add_argument("--seed", type=int, default=0)
+    fid.add_argument("--max-new-tokens", type=int, default=48)
+    fid.add_argument("--json", help="write the rows to this JSON file")
+    fid.add_argument("--plot", help="write a bar chart PNG here")
+    fid.set_defaults(func=_fidelity)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
     bench.add_argument("what", choices=["formats"])

@@ -16,17 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from fp4rl.analysis.activations import block_linears, capture_linear_inputs, zero_fractions
+from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.formats import quantize
 
 FORMATS = ("bf16", "hif4", "mxfp4", "nvfp4")
-PROMPTS = (
-    "Tom has 12 apples and buys 7 more. How many apples does he have now?",
-    "A train travels 60 km per hour for 3 hours. How far does it go?",
-    "What is 45 - 18?",
-    "Sara reads 15 pages a day. How many pages does she read in 4 days?",
-    "There are 8 boxes with 6 pens each. How many pens are there?",
-    "Compute 123 + 456.",
-)
 
 
 def sqnr_db(x: torch.Tensor, fmt: str) -> float:
@@ -44,9 +37,7 @@ def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/
     with console.status(f"loading {model} (first run converts the GGUF file, ~30 s)"):
         net, tok = load_model(model)
     console.print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                   return_tensors="pt", return_dict=True)["input_ids"]
-           for p in PROMPTS]
+    ids = encode_prompts(tok, BUILTIN_PROMPTS)
     with console.status("capturing mlp.down_proj inputs"):
         acts = capture_linear_inputs(net, ids, r"mlp\.down_proj$")
     zeros = zero_fractions(acts, FORMATS)

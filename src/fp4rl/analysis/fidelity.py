@@ -1,0 +1,134 @@
+"""Rollout fidelity: how far each rollout configuration strays from the training policy.
+
+All rows score the same token sequences (prompts plus the unquantized model's greedy
+completions), teacher-forced, so differences come from the numerics alone:
+
+- ``kl``: mean per-token KL(unquantized || rollout) over completion tokens;
+- ``kl_vs_train``: the same against the FP4 *training* policy of the same format, the
+  mismatch that GRPO's importance weights must absorb;
+- ``logprob_diff`` / ``logprob_diff_vs_train``: mean |log p - log q| of the sequence's
+  own tokens;
+- ``accuracy``: greedy accuracy of the rollout policy on the arithmetic prompts.
+
+Row names: ``bf16``, ``<format>`` (plain FP4 rollout) and ``<format>+<recovery>``; the
+training side of a row is full FP4 in that format (bf16 for the bf16 row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
+from fp4rl.rl.rewards import get_reward_fn
+
+RECOVERIES = ("", "+resq-dense", "+resq-2:4", "+resq-channel:0.5", "+resq-block:32x64:0.5",
+              "+smoothquant", "+rht", "+occ")
+
+
+def default_methods(formats: Sequence[str] = ("hif4", "mxfp4")) -> list[str]:
+    """The bf16 row, then every recovery for each format."""
+    return ["bf16"] + [f"{fmt}{rec}" for fmt in formats for rec in RECOVERIES]
+
+
+@dataclass
+class FidelityRow:
+    method: str
+    kl: float
+    kl_vs_train: float
+    logprob_diff: float
+    logprob_diff_vs_train: float
+    accuracy: float
+
+
+@dataclass
+class Batch:
+    """Right-padded teacher-forcing batch; ``scored`` marks completion tokens to score."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    scored: torch.Tensor
+
+
+def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> Batch:
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        scored[i, len(p): len(r)] = True
+    return Batch(ids, mask, scored)
+
+
+@torch.no_grad()
+def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """log-softmax over the vocabulary at each scored position: (n_scored, vocab)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    # logits at t predict token t+1
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp[batch.scored[:, 1:]]
+
+
+def compare(ref: torch.Tensor, other: torch.Tensor, tokens: torch.Tensor) -> tuple[float, float]:
+    """Mean per-token KL(ref || other) and mean |log-prob difference| of ``tokens``."""
+    kl = (ref.exp() * (ref - other)).sum(-1).mean().item()
+    diff = (ref.gather(-1, tokens[:, None]) - other.gather(-1, tokens[:, None])).abs()
+    return kl, diff.mean().item()
+
+
+@torch.no_grad()
+def greedy_completions(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
+                       max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (token ids, stopped at EOS), batched with left padding."""
+    pad = tokenizer.pad_token_id  # type: ignore[attr-defined]
+    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=pad, eos_token_id=eos)[:, width:]
+    completions = []
+    for row in out.tolist():
+        completions.append(row[: row.index(eos) + 1] if eos in row else row)
+    return completions
+
+
+def accuracy(tokenizer: object, completions: list[list[int]], answers: Sequence[str],
+             reward: Callable[[str, str], float]) -> float:
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]
+    return sum(reward(t, a) for t, a in zip(texts, answers, strict=True)) / len(texts)
+
+
+def run_fidelity(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
+                 answers: Sequence[str], methods: Sequence[str], max_new_tokens: int = 48,
+                 reward: str = "gsm8k",
+                 progress: Callable[[str], None] = lambda _: None) -> list[FidelityRow]:
+    """Score every method on the same sequences; ``model`` is patched in place."""
+    reward_fn = get_reward_fn(reward)
+    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens)
+    batch = make_batch(prompts, completions, tokenizer.pad_token_id)  # type: ignore[attr-defined]
+    tokens = batch.input_ids[:, 1:][batch.scored[:, 1:]]
+    reference = token_logprobs(model, batch)
+    rows = []
+    for method in methods:
+        progress(method)
+        quantize_model(model, preset(method))
+        begin_step(model)
+        with rollout_mode(model):
+            rollout = token_logprobs(model, batch)
+            acc = accuracy(tokenizer, greedy_completions(model, tokenizer, prompts,
+                                                         max_new_tokens), answers, reward_fn)
+        with train_mode(model):
+            trained = token_logprobs(model, batch)
+        kl, diff = compare(reference, rollout, tokens)
+        kl_t, diff_t = compare(trained, rollout, tokens)
+        rows.append(FidelityRow(method, kl, kl_t, diff, diff_t, acc))
+    return rows
