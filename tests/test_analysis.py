@@ -33,7 +33,7 @@ def test_diagnose_statistics_match_definitions():
     assert d.zero_frac["bf16"] == pytest.approx(10 / x.numel())
     assert d.zero_frac["hif4"] == (quantize(x, "hif4") == 0).float().mean().item()
     # the block holding the outlier collapses (63 of 64, 31 of 32), the others do not
-    assert 0.45 < d.zero_frac["hif4"] < 0.55 and 0.2 < d.zero_frac["mxfp4"] < 0.3
+    assert 0.45 < d.zero_frac["hif4"] < 0.6 and 0.2 < d.zero_frac["mxfp4"] < 0.35
     assert d.outlier_block_frac["hif4"] == pytest.approx(0.5)   # 1 of 2 blocks per row
     assert d.outlier_block_frac["mxfp4"] == pytest.approx(0.25)  # 1 of 4 blocks per row
     for fmt in ("hif4", "mxfp4"):  # the residual tolerates 2:4 far better than Q(X)
