@@ -121,6 +121,69 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.progress import progress_bar
+    from fp4rl.rl.config import load_config
+    from fp4rl.rl.report import write_run_report
+    from fp4rl.rl.trainer import Trainer
+
+    changes = {"run.steps": args.steps} if args.steps else None
+    cfg = load_config(args.config, args.overrides, changes)
+    out = Path(args.output)
+    if (out / "metrics.jsonl").exists() and not args.resume:
+        raise SystemExit(f"{out} already holds a run: pass --resume to continue it, or "
+                         "choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg_yaml(cfg))
+    trainer = Trainer(cfg, out, log=console.print)
+    with progress_bar(console) as bar:
+        task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
+
+        def show(step: int, total: int, m: dict) -> None:
+            bar.update(task, completed=step, info=f"reward {m['reward_mean']:.3f}  "
+                       f"loss {m['loss']:+.4f}  len {m['completions/mean_length']:.0f}")
+
+        if args.resume:
+            trainer.resume()
+            bar.update(task, completed=trainer.step)
+        trainer.train(progress=show)
+    write_run_report(out)
+    console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
+    return 0
+
+
+def cfg_yaml(cfg: object) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)  # type: ignore[attr-defined]
+
+
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from fp4rl.progress import progress_bar
+    from fp4rl.rl.evaluate import evaluate
+    from fp4rl.rl.sources import eval_examples, load_policy
+
+    model, tok, label = load_policy(args.model, args.checkpoint, args.recipe)
+    examples, prompts = eval_examples(args.data, tok, n=args.n, levels=args.levels,
+                                      seed=args.seed, fields=args.field)
+    with progress_bar(console) as bar:
+        task = bar.add_task("eval", total=None, info=label)
+        result = evaluate(model, tok, examples, prompts, k=args.mean_at, seed=args.seed,
+                          temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size,
+                          progress=lambda n: bar.advance(task, n))
+    console.print(f"{label} on {args.data} ({result.n} prompts): "
+                  f"mean@{result.k} = {result.mean:.1%}, best@{result.k} = {result.best:.1%}"
+                  + (f", per level {result.per_level}" if result.per_level else ""))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"policy": label, "data": args.data,
+                                               **result.as_dict()}, indent=2))
+    return 0
+
+
 def track(items: object, description: str, console: Console) -> object:
     """A progress bar over ``items`` (rich)."""
     from rich.progress import track as rich_track
@@ -129,9 +192,11 @@ def track(items: object, description: str, console: Console) -> object:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from fp4rl.demo import run_demo
+    from fp4rl.demo import DemoSize, run_demo
 
-    return run_demo(console, model=args.model, output=args.output)
+    given = {"steps": args.steps, "eval_prompts": args.eval_prompts}
+    size = DemoSize(**{k: v for k, v in given.items() if v is not None})
+    return run_demo(console, model=args.model, output=args.output, size=size, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +206,41 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job on the embedded default model")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--output", default="runs/demo", help="run directory for the report")
+    demo.add_argument("--steps", type=int, help="GRPO steps (default: sized for ~10 min)")
+    demo.add_argument("--eval-prompts", type=int, help="test prompts per evaluation")
+    demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    train = sub.add_parser("train", help="GRPO with FP4 rollout and FP4 training policies")
+    train.add_argument("--config", help="YAML config (configs/*.yaml)")
+    train.add_argument("--output", required=True, help="run directory")
+    train.add_argument("--steps", type=int, help="override run.steps")
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, e.g. grpo.learning_rate=1e-5")
+    train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="Mean@1 (greedy) or Mean@k accuracy")
+    src = ev.add_mutually_exclusive_group()
+    src.add_argument("--model", help="registered name or checkpoint directory")
+    src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
+    ev.add_argument("--recipe", help="evaluate under this rollout recipe preset (e.g. "
+                    "hif4+resq-2:4); default: unquantized, or the run's recipe with "
+                    "--recipe run")
+    ev.add_argument("--data", default="synthetic",
+                    help="synthetic, or LAYOUT:PATH (gsm8k, math500, aime24, aime25, amc23, "
+                    "dapo-math-17k)")
+    ev.add_argument("--field", action="append", metavar="ROLE=NAME",
+                    help="field mapping, e.g. problem=Problem (repeatable)")
+    ev.add_argument("--n", type=int, default=200, help="number of prompts")
+    ev.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="synthetic levels")
+    ev.add_argument("--mean-at", type=int, default=1, help="1: greedy Mean@1; k: Mean@k")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--json", help="write the result here")
+    ev.set_defaults(func=_eval)
 
     diag = sub.add_parser("diagnose", help="zero collapse, outlier blocks, residual sparsity")
     diag.add_argument("--model", default="smollm2-135m", help="registered name or checkpoint dir")

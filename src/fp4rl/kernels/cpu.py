@@ -25,6 +25,7 @@ import torch
 from fp4rl.paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant.c")
+PARALLEL_MIN_ELEMENTS = 1 << 16
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
 
@@ -93,9 +94,11 @@ def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | 
         return None
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
+    # a parallel region costs more than it saves on small tensors (decode steps)
+    threads = torch.get_num_threads() if rows.numel() >= PARALLEL_MIN_ELEMENTS else 1
     status = lib.fp4rl_quantize(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
                                 rows.shape[1], noise_ptr, noise_stride, tensor_scale or 0.0,
-                                torch.get_num_threads())
+                                threads)
     if status != 0:
         raise ValueError(f"unknown kernel id {kernel_id}")
     return out

@@ -41,6 +41,13 @@ class RolloutRecovery(ABC):
     def prepare(self, x: torch.Tensor, w: torch.Tensor) -> None:  # noqa: B027  (optional hook)
         """Called before each rollout forward, before the quantized weight is fetched."""
 
+    def state_dict(self) -> dict[str, object]:
+        """State to checkpoint beyond the config (e.g. random generators)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:  # noqa: B027  (optional)
+        """Restore :meth:`state_dict`."""
+
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
         """High-precision weight transform applied before weight quantization."""
         return w

@@ -37,6 +37,15 @@ class RHT(RolloutRecovery):
             self.signs = make_signs(self.in_features, self._generator)
             self.version += 1
 
+    def state_dict(self) -> dict[str, object]:
+        return {"generator": self._generator.get_state(), "signs": self.signs.clone()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if state:
+            self._generator.set_state(state["generator"])  # type: ignore[arg-type]
+            self.signs = state["signs"]  # type: ignore[assignment]
+            self.version += 1
+
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
         return random_hadamard(w, self.signs, self.block)
 

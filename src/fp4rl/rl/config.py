@@ -1,0 +1,168 @@
+"""Training configuration: a YAML file plus ``key=value`` overrides, validated with pydantic.
+
+Top-level ``model``, ``train`` and ``rollout`` are the recipe of ``docs/design``; the other
+sections configure data, GRPO, evaluation and the run. GRPO option names follow TRL's
+GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
+``learning_rate``) and verl where TRL has no equivalent (``loss_agg_mode``,
+``tis_imp_ratio_cap``); see ``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fp4rl.nn.recipe import Recipe, RecipeError
+from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
+
+
+class ConfigError(ValueError):
+    """An invalid training configuration; the message names each bad field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = "synthetic"  # synthetic, or a layout: gsm8k, math500, aime24, ... dapo
+    train_path: str | None = None
+    test_path: str | None = None
+    levels: list[int] = Field(default_factory=lambda: [1, 2])  # synthetic task levels
+    train_size: int = Field(2000, ge=1)
+    test_size: int = Field(200, ge=1)
+    template: str | None = None  # prompt template name (default: the layout's)
+    fields: dict[str, str] | None = None  # field mapping for AIME/AMC-style releases
+    strict: bool = False  # refuse (instead of skip) malformed rows
+    reward: str | None = None  # default: the layout's reward
+
+
+class GRPOConfig(_Section):
+    num_generations: int = Field(8, ge=2)  # G, the group size
+    batch_size: int = Field(8, ge=1)  # prompts per RL step
+    mini_batch_size: int | None = Field(None, ge=1)  # prompts per optimizer step
+    micro_batch_size: int = Field(16, ge=1)  # sequences per forward/backward
+    ppo_epochs: int = Field(1, ge=1)
+    epsilon: float = Field(0.2, ge=0)
+    epsilon_high: float = Field(0.2, ge=0)
+    tis_imp_ratio_cap: float = 5.0
+    beta: float = Field(0.0, ge=0)
+    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
+    learning_rate: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_prompt_length: int = Field(512, ge=1)
+    max_response_length: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> GRPOConfig:
+        mini = self.mini_batch_size or self.batch_size
+        if self.batch_size % mini:
+            raise ValueError(f"grpo.batch_size ({self.batch_size}) must be a multiple of "
+                             f"grpo.mini_batch_size ({mini})")
+        return self
+
+    def loss(self) -> LossConfig:
+        return LossConfig(self.epsilon, self.epsilon_high, self.tis_imp_ratio_cap, self.beta,
+                          self.loss_agg_mode)
+
+
+class EvalConfig(_Section):
+    steps: int = Field(0, ge=0)  # evaluate every N steps during training (0: off)
+    size: int | None = Field(None, ge=1)  # test prompts (default: data.test_size)
+    mean_at_k: int = Field(1, ge=1)  # 1: greedy Mean@1; k > 1: Mean@k sampled
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int | None = Field(None, ge=1)  # default: grpo.max_response_length
+
+
+class RunConfig(_Section):
+    steps: int = Field(40, ge=1)
+    seed: int = 0
+    save_steps: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    tensorboard: bool = False
+
+
+class TrainConfig(_Section):
+    model: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    train: dict[str, Any] = Field(default_factory=dict)
+    rollout: dict[str, Any] = Field(default_factory=dict)
+    data: DataConfig = Field(default_factory=DataConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _recipe_is_valid(self) -> TrainConfig:
+        try:
+            self.recipe()
+        except RecipeError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    def recipe(self) -> Recipe:
+        return Recipe.from_dict({"train": self.train, "rollout": self.rollout})
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``a.b.c=value`` (value parsed as YAML) in a nested dict, in place."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not key=value (e.g. grpo.learning_rate=1e-5)")
+    set_path(data, key, yaml.safe_load(raw) if raw else None)
+
+
+def set_path(data: dict[str, Any], key: str, value: Any) -> None:
+    """``data["a"]["b"]["c"] = value`` for ``key = "a.b.c"``, creating sections."""
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                changes: dict[str, Any] | None = None) -> TrainConfig:
+    """Read ``path`` (YAML), apply ``overrides`` (``key=value``) and ``changes``
+    (``{"run.steps": 3}``), then validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p} must hold a mapping at the top level")
+    for item in overrides or []:
+        apply_override(data, item)
+    for key, value in (changes or {}).items():
+        set_path(data, key, value)
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"]) or "config"
+            lines.append(f"  {where}: {e['msg']}")
+        raise ConfigError("invalid training config:\n" + "\n".join(lines)) from None
+
+
+__all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",
+           "RunConfig", "TrainConfig", "apply_override", "load_config", "set_path", "validate"]

@@ -1,0 +1,70 @@
+"""Evaluation as the paper reports it: Mean@1 (greedy) and Mean@k (k samples per prompt).
+
+Mean@k is the average accuracy over all k samples of every prompt; ``best@k`` (verl's
+name, pass@k) counts a prompt solved if any sample is correct. A patched model is
+evaluated as its rollout policy (FP4 + recovery), an unpatched one as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp4rl.data import Example
+from fp4rl.nn import fp4_layers, rollout_mode
+from fp4rl.rl.datasets import stop_token_ids
+from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rollout import SamplingConfig, generate
+
+
+@dataclass
+class EvalResult:
+    k: int
+    n: int
+    mean: float  # Mean@k (Mean@1 when k == 1: greedy)
+    best: float  # best@k: share of prompts with at least one correct sample
+    per_level: dict[str, float] = field(default_factory=dict)
+    mean_length: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"mean@{self.k}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f"mean@{self.k}": self.mean, f"best@{self.k}": self.best, "n": self.n,
+                "per_level": self.per_level, "mean_length": self.mean_length}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
+             prompts: list[list[int]], *, k: int = 1, temperature: float = 1.0,
+             max_new_tokens: int = 256, seed: int = 0, batch_size: int = 32,
+             reward: str | None = None, eos_token_ids: list[int] | None = None,
+             progress: bool | Callable[[int], None] = False) -> EvalResult:
+    """Score ``examples`` (with their encoded ``prompts``) by Mean@k."""
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
+                              greedy=k == 1)
+    repeated = [p for p in prompts for _ in range(k)]
+    mode = rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext()
+    with mode:
+        batch = generate(model, repeated, sampling, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=eos_token_ids or stop_token_ids(tokenizer),
+                         generator=torch.Generator().manual_seed(seed),
+                         batch_size=batch_size, progress=progress)
+    texts = batch.texts(tokenizer)
+    scores = torch.tensor([
+        get_reward_fn(reward or e.reward)(texts[i * k + j], e.answer)
+        for i, e in enumerate(examples) for j in range(k)]).reshape(len(examples), k)
+    levels: dict[str, list[float]] = defaultdict(list)
+    for e, row in zip(examples, scores, strict=True):
+        if "level" in e.meta:
+            levels[str(e.meta["level"])].append(row.mean().item())
+    return EvalResult(k, len(examples), scores.mean().item(),
+                      (scores.max(dim=1).values > 0).float().mean().item(),
+                      {lv: sum(v) / len(v) for lv, v in sorted(levels.items())},
+                      batch.response_mask.sum(1).float().mean().item())

@@ -1,0 +1,143 @@
+"""GRPO as the paper writes it (its equation 2 and Appendix A), as pure tensor functions.
+
+For a group of G responses to one prompt, advantages are the group-normalized rewards.
+The per-token objective is PPO's clipped surrogate with asymmetric clip range, weighted
+by a *token-level truncated importance sampling* weight that corrects for the rollout
+policy ``mu`` (FP4 rollout, possibly with ResQ) differing from the training policy
+``pi_old`` (FP4 training numerics)::
+
+    r_t = pi_theta / pi_old,     w_t = min(pi_old / mu, C)           (C = 5.0, detached)
+    J   = agg( w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) )  [- beta * KL_k3]
+
+``agg`` is the paper's per-response token mean then group mean (verl's
+``seq-mean-token-mean``), or ``token-mean`` over all tokens of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """``(r - mean_group) / (std_group + eps)`` for rewards laid out group by group.
+
+    The std is the unbiased sample std (as TRL and verl compute it). A group whose
+    rewards are all equal gets zero advantages: it carries no learning signal.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().reshape(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    return ((grouped - mean) / (std + eps)).reshape(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp_min(1)
+    return (x * m).sum(dim) / m.sum(dim).clamp_min(1)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters, named as in TRL's GRPOConfig where TRL has the concept."""
+
+    epsilon: float = 0.2  # eps_low (TRL epsilon, verl clip_ratio_low)
+    epsilon_high: float = 0.2  # eps_high (TRL epsilon_high, verl clip_ratio_high)
+    tis_imp_ratio_cap: float = 5.0  # C (verl's name); <= 0 disables the correction
+    beta: float = 0.0  # KL coefficient (TRL beta); k3 estimator, verl "low_var_kl"
+    loss_agg_mode: str = "seq-mean-token-mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, "
+                             f"got {self.loss_agg_mode!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar by ``mode`` (see module docstring)."""
+    if mode == "token-mean":
+        return masked_mean(per_token, mask)
+    per_seq = masked_mean(per_token, mask, dim=1)
+    return per_seq.mean()
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref): ``exp(d) - d - 1``, d = ref - logp."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                cap: float) -> torch.Tensor:
+    """Token-level truncated importance weights ``min(pi_old / mu, cap)`` (no gradient)."""
+    if cap <= 0:
+        return torch.ones_like(old_logp)
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+              advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
+              ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor,
+                                                                dict[str, torch.Tensor]]:
+    """The GRPO loss (to minimize) and per-batch statistics.
+
+    Shapes: log-probs and ``mask`` (B, T) over response tokens, ``advantages`` (B,).
+    """
+    mask = mask.bool()
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None].to(logp.dtype)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - cfg.epsilon, 1 + cfg.epsilon_high) * adv
+    weights = tis_weights(old_logp, rollout_logp, cfg.tis_imp_ratio_cap)
+    per_token = -weights * torch.minimum(unclipped, clipped)
+    kl = None
+    if cfg.beta > 0 and ref_logp is not None:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + cfg.beta * kl
+    loss = aggregate(per_token, mask, cfg.loss_agg_mode)
+    with torch.no_grad():
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0)
+        high = (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+        stats = {
+            "clip_ratio/low_mean": masked_mean(low.float(), mask),
+            "clip_ratio/high_mean": masked_mean(high.float(), mask),
+            "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
+        }
+        if kl is not None:
+            stats["kl"] = masked_mean(kl, mask)
+    return loss, stats
+
+
+def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                   cap: float) -> dict[str, float]:
+    """How far the rollout policy strays from the training policy on the sampled tokens.
+
+    Names follow TRL (``sampling/...``) and verl (``rollout_corr/...``).
+    """
+    mask = mask.bool()
+    if not mask.any():
+        return {}
+    diff = (old_logp - rollout_logp)[mask]
+    raw = torch.exp(diff)
+    truncated = raw.clamp(max=cap) if cap > 0 else raw
+    # k3 estimate of KL(mu || pi_old) from samples of mu
+    kl = (torch.exp(diff) - diff - 1).mean()
+    ess = truncated.sum() ** 2 / (truncated.pow(2).sum() * truncated.numel()).clamp_min(1e-12)
+    return {
+        "sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
+        "sampling/sampling_logp_difference/max": diff.abs().max().item(),
+        "sampling/importance_sampling_ratio/min": truncated.min().item(),
+        "sampling/importance_sampling_ratio/mean": truncated.mean().item(),
+        "sampling/importance_sampling_ratio/max": truncated.max().item(),
+        "rollout_corr/kl": kl.item(),
+        "rollout_corr/rollout_is_mean": raw.mean().item(),
+        "rollout_corr/rollout_is_truncated_frac": (raw > cap).float().mean().item()
+        if cap > 0 else 0.0,
+        "rollout_corr/rollout_is_eff_sample_size": ess.item(),
+    }

@@ -1,0 +1,51 @@
+"""Curves and a short report of a training run, from its metrics.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from fp4rl.rl.trainer import METRICS, read_metrics
+
+PANELS = (
+    ("reward_mean", "mean reward"),
+    ("loss", "GRPO loss"),
+    ("completions/mean_length", "response length"),
+    ("sampling/sampling_logp_difference/mean", "|log pi_old - log mu| (mean)"),
+    ("sampling/importance_sampling_ratio/mean", "truncated IS weight (mean)"),
+    ("clip_ratio/region_mean", "clip fraction"),
+)
+
+
+def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    steps = [r["step"] for r in rows]
+    for ax, (key, label) in zip(axes.flat, PANELS, strict=True):
+        values = [r.get(key, float("nan")) for r in rows]
+        ax.plot(steps, values, lw=1, color="#9ecae1" if key == "reward_mean" else "#1f77b4")
+        if key == "reward_mean" and len(values) >= 5:
+            window = 5
+            smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i -
+                      window + 1): i + 1]) for i in range(len(values))]
+            ax.plot(steps, smooth, lw=2, color="#1f77b4", label="5-step mean")
+            ax.legend(fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_run_report(run_dir: str | Path) -> Path:
+    """``curves.png`` of the run's metrics; returns its path."""
+    run = Path(run_dir)
+    rows = read_metrics(run / METRICS)
+    path = run / "curves.png"
+    plot_curves(rows, path, title=str(run))
+    return path

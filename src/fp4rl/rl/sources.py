@@ -1,0 +1,72 @@
+"""Where evaluation gets its policy and its prompts from (the ``fp4rl eval`` inputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model as load_weights
+
+from fp4rl.data import Example
+from fp4rl.nn import quantize_model
+from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.rl import checkpoint as ckpt
+from fp4rl.rl.config import DataConfig
+from fp4rl.rl.datasets import encode_examples, load_split
+
+
+def _checkpoint_dir(path: Path) -> Path:
+    if (path / ckpt.COMPLETE).is_file():
+        return path
+    found = ckpt.latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with one")
+    return found
+
+
+def load_policy(model: str | None, checkpoint: str | None,
+                recipe: str | None) -> tuple[torch.nn.Module, Any, str]:
+    """The model to evaluate, its tokenizer and a label saying what it is.
+
+    ``checkpoint`` (a run directory or one checkpoint) loads the trained master weights
+    onto the run's base model. ``recipe`` None evaluates them unquantized, ``"run"`` under
+    the run's own recipe, a preset name (``hif4+resq-2:4``) under that recipe.
+    """
+    from fp4rl.models import load_model
+
+    run_recipe = None
+    if checkpoint is not None:
+        path = _checkpoint_dir(Path(checkpoint))
+        config = torch.load(path / "state.pt", weights_only=False)["config"]
+        net, tok = load_model(config["model"])
+        load_weights(net, str(path / "model.safetensors"))
+        run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"]})
+        label = f"checkpoint {path}"
+    else:
+        net, tok = load_model(model or "smollm2-135m")
+        label = model or "smollm2-135m"
+    if recipe == "run":
+        if run_recipe is None:
+            raise ValueError("--recipe run needs --checkpoint")
+        quantize_model(net, run_recipe)
+        label += " (run recipe)"
+    elif recipe:
+        quantize_model(net, preset(recipe))
+        label += f" ({recipe})"
+    else:
+        label += " (unquantized)"
+    return net, tok, label
+
+
+def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
+                  fields: list[str] | None = None,
+                  max_prompt_length: int = 4096) -> tuple[list[Example], list[list[int]]]:
+    """Test examples and their prompts: ``synthetic`` or ``LAYOUT:PATH``."""
+    source, _, path = spec.partition(":")
+    mapping = dict(f.split("=", 1) for f in fields or [])
+    if source != "synthetic" and not path:
+        raise ValueError(f"--data {spec!r}: give LAYOUT:PATH, e.g. gsm8k:data/test.jsonl")
+    cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
+                     fields=mapping or None)
+    return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length)

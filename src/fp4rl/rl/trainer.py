@@ -1,0 +1,342 @@
+"""The GRPO training loop: rollout in the FP4 rollout policy, update in the FP4 training policy.
+
+One RL step::
+
+    begin_step(model)                        SmoothQuant recalibrates, RHT may redraw
+    rollout_mode: sample G responses/prompt  log-probs mu of the sampled tokens
+    rewards -> group-normalized advantages
+    train_mode: log-probs pi_old, pi_theta   all three GEMMs in the training format
+    GRPO loss with token-level TIS, AdamW    the rollout re-quantizes the new weights once
+
+Every step appends one JSON line to ``<output>/metrics.jsonl`` and checkpoints are
+written every ``run.save_steps``; ``resume=True`` continues from the latest checkpoint
+and reproduces, on CPU and for a fixed seed, exactly the metrics of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp4rl.data import Example
+from fp4rl.nn import begin_step, fp4_layers, quantize_model, rollout_mode, train_mode
+from fp4rl.rl import checkpoint as ckpt
+from fp4rl.rl.config import TrainConfig
+from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
+from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
+from fp4rl.rl.logprobs import response_logprobs
+from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate
+
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class DataCursor:
+    """Position in the shuffled training set: epoch and index inside its permutation."""
+
+    epoch: int = 0
+    index: int = 0
+
+
+class Trainer:
+    """GRPO on one model object that serves as both the rollout and the training policy."""
+
+    def __init__(self, config: TrainConfig, output_dir: str | Path,
+                 model: torch.nn.Module | None = None, tokenizer: Any = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.cfg = config
+        self.out = Path(output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        _seed_everything(config.run.seed)
+        if model is None:
+            from fp4rl.models import load_model
+
+            model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
+        self.model, self.tok = model, tokenizer
+        self.recipe = config.recipe()
+        quantize_model(self.model, self.recipe)
+        self.model.eval()  # no dropout in either policy; gradients still flow
+        self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
+        g = config.grpo
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=g.learning_rate,
+            weight_decay=g.weight_decay)
+        self.train_examples, self.train_prompts = encode_examples(
+            load_split(config.data, "train", config.run.seed), tokenizer, g.max_prompt_length,
+            config.data.template, config.data.strict, log)
+        self.rollout_generator = torch.Generator().manual_seed(config.run.seed + 1)
+        self.cursor = DataCursor()
+        self.step = 0
+        self.eos_ids = stop_token_ids(tokenizer)
+
+    # ----- data ----------------------------------------------------------------------
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train_prompts)))
+        random.Random(f"{self.cfg.run.seed}/{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[int]:
+        """Indices of the next ``batch_size`` prompts, cycling through shuffled epochs."""
+        chosen = []
+        while len(chosen) < self.cfg.grpo.batch_size:
+            order = self._order(self.cursor.epoch)
+            if self.cursor.index >= len(order):
+                self.cursor = DataCursor(self.cursor.epoch + 1, 0)
+                continue
+            chosen.append(order[self.cursor.index])
+            self.cursor.index += 1
+        return chosen
+
+    # ----- one RL step ---------------------------------------------------------------
+    def rollout(self, indices: list[int]) -> tuple[RolloutBatch, float]:
+        g = self.cfg.grpo
+        prompts = [self.train_prompts[i] for i in indices for _ in range(g.num_generations)]
+        sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                  max_new_tokens=g.max_response_length)
+        start = time.perf_counter()
+        with rollout_mode(self.model):
+            batch = generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
+                             eos_token_ids=self.eos_ids, generator=self.rollout_generator,
+                             batch_size=g.micro_batch_size * 4)
+        return batch, time.perf_counter() - start
+
+    def rewards(self, indices: list[int], batch: RolloutBatch) -> torch.Tensor:
+        texts = batch.texts(self.tok)
+        answers = [self.train_examples[i] for i in indices
+                   for _ in range(self.cfg.grpo.num_generations)]
+        return torch.tensor([get_reward_fn(self._reward_name(e))(t, e.answer)
+                             for t, e in zip(texts, answers, strict=True)])
+
+    def _reward_name(self, example: Example) -> str:
+        return self.cfg.data.reward or example.reward
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one RL step and return its metrics."""
+        g = self.cfg.grpo
+        self.step += 1
+        indices = self.next_batch()
+        begin_step(self.model)
+        batch, rollout_time = self.rollout(indices)
+        start = time.perf_counter()
+        rewards = self.rewards(indices, batch)
+        reward_time = time.perf_counter() - start
+        advantages = group_advantages(rewards, g.num_generations)
+        start = time.perf_counter()
+        update = self.update(batch, advantages)
+        update_time = time.perf_counter() - start
+        lengths = batch.response_mask.sum(1).float()
+        grouped = rewards.reshape(-1, g.num_generations)
+        rollout_tokens = lengths.sum().item()
+        train_tokens = update.pop("_tokens")
+        return {
+            "step": self.step,
+            "reward_mean": rewards.mean().item(),
+            "reward": rewards.mean().item(),
+            "reward_std": grouped.std(1).mean().item(),
+            "frac_reward_zero_std": (grouped.std(1) == 0).float().mean().item(),
+            **update,
+            "completions/mean_length": lengths.mean().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": (~batch.finished).float().mean().item(),
+            "time/rollout": rollout_time,
+            "time/reward": reward_time,
+            "time/update": update_time,
+            "tokens_per_second/rollout": rollout_tokens / max(rollout_time, 1e-9),
+            "tokens_per_second/train": train_tokens / max(update_time, 1e-9),
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.grpo.micro_batch_size)) if rows.numel() else []
+
+    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, mask = batch.sequences()
+        width = ids.shape[1] - batch.response_ids.shape[1]
+        with train_mode(model) if fp4_layers(model) else contextlib.nullcontext():
+            return response_logprobs(model, ids[rows], mask[rows], width,
+                                     self.cfg.grpo.temperature, with_entropy)
+
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, Any]:
+        """PPO-style epochs of GRPO over mini-batches of whole groups; returns statistics."""
+        g = self.cfg.grpo
+        loss_cfg = g.loss()
+        n = advantages.numel()
+        mask = batch.response_mask.bool()
+        old_logp = self._no_grad_logprobs(self.model, batch)
+        ref_logp = self._no_grad_logprobs(self.ref_model, batch) if self.ref_model else None
+        seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
+        stats: dict[str, list[float]] = {}
+        tokens = 0
+        for epoch in range(g.ppo_epochs):
+            perm = torch.randperm(n // g.num_generations,
+                                  generator=torch.Generator().manual_seed(
+                                      self.cfg.run.seed * 1000 + self.step * 10 + epoch))
+            rows_all = (perm[:, None] * g.num_generations
+                        + torch.arange(g.num_generations)).reshape(-1)
+            for mini in rows_all.split(seq_per_mini):
+                tokens += self._mini_step(batch, mini, advantages, old_logp, ref_logp, mask,
+                                          loss_cfg, stats)
+        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out.update(mismatch_stats(old_logp, batch.logprobs, mask, g.tis_imp_ratio_cap))
+        out["_tokens"] = tokens
+        return out
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        rows = torch.arange(batch.response_ids.shape[0])
+        return torch.cat([self._logprobs(model, batch, r)[0] for r in self._micro_batches(rows)])
+
+    def _mini_step(self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor,
+                   old_logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
+                   loss_cfg: Any, stats: dict[str, list[float]]) -> int:
+        """One optimizer step over ``rows``, accumulating gradients over micro-batches.
+
+        Sequences whose advantage is zero contribute no policy gradient; when no KL term
+        needs them they are skipped, keeping the aggregation's denominators unchanged.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        active = rows if ref_logp is not None else rows[advantages[rows] != 0]
+        seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
+        denominator = len(rows) if seq_mode else mask[rows].sum().clamp_min(1).item()
+        tokens, total_loss = 0, 0.0
+        attention = batch.sequences()[1]
+        for micro in self._micro_batches(active):
+            logp, entropy = self._logprobs(self.model, batch, micro, with_entropy=True)
+            m = mask[micro]
+            loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro], advantages[micro],
+                                 m, loss_cfg, None if ref_logp is None else ref_logp[micro])
+            share = (len(micro) if seq_mode else m.sum().item()) / denominator
+            (loss * share).backward()
+            total_loss += loss.item() * share
+            tokens += int(attention[micro].sum())
+            for k, v in st.items():
+                stats.setdefault(k, []).append(v.item())
+            stats.setdefault("entropy", []).append(masked_mean(entropy, m).item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.cfg.grpo.max_grad_norm or math.inf)
+        if active.numel():
+            self.optimizer.step()
+        stats.setdefault("loss", []).append(total_loss)
+        stats.setdefault("grad_norm", []).append(float(grad_norm))
+        stats.setdefault("active_fraction", []).append(active.numel() / max(len(rows), 1))
+        return tokens
+
+    def _reference_model(self) -> torch.nn.Module:
+        ref = copy.deepcopy(self.model)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref.eval()
+
+    # ----- run, checkpoints, resume --------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "cursor": (self.cursor.epoch, self.cursor.index),
+            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(),
+            "rollout_rng": self.rollout_generator.get_state(),
+            "recovery": {n: m.recovery.state_dict() for n, m in fp4_layers(self.model).items()},
+            "config": self.cfg.model_dump(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.cursor = DataCursor(*state["cursor"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        self.rollout_generator.set_state(state["rollout_rng"])
+        for name, layer in fp4_layers(self.model).items():
+            layer.recovery.load_state_dict(state["recovery"].get(name, {}))
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
+                                    self.state(), keep=self.cfg.run.keep_checkpoints)
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint, if any, and cut metrics.jsonl back to its step."""
+        path = ckpt.latest_checkpoint(self.out)
+        if path is None:
+            return False
+        self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
+        _truncate_metrics(self.out / METRICS, self.step)
+        if self.ref_model is not None:  # the reference policy is the initial one
+            self.log("note: the KL reference model is rebuilt from the resumed weights")
+            self.ref_model = self._reference_model()
+        self.log(f"resumed from {path} (step {self.step})")
+        return True
+
+    def train(self, steps: int | None = None, resume: bool = False,
+              progress: Callable[[int, int, dict[str, Any]], None] | None = None
+              ) -> list[dict[str, Any]]:
+        """Run until ``steps`` (default ``run.steps``); returns this call's metrics."""
+        total = steps or self.cfg.run.steps
+        if resume:
+            self.resume()
+        elif (self.out / METRICS).exists():
+            (self.out / METRICS).unlink()
+        history = []
+        while self.step < total:
+            metrics = self.train_step()
+            _append_metrics(self.out / METRICS, metrics)
+            history.append(metrics)
+            if self.step % self.cfg.run.save_steps == 0 or self.step == total:
+                self.save()
+            if progress:
+                progress(self.step, total, metrics)
+        return history
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _append_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and _parse_step(line) is not None and _parse_step(line) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _parse_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut short by a kill
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All complete lines of a metrics.jsonl file."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

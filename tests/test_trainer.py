@@ -1,0 +1,155 @@
+"""The GRPO trainer on a tiny model: one step, metrics, checkpoints, kill-and-resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4rl.models import tiny_model
+from fp4rl.rl import checkpoint as ckpt
+from fp4rl.rl.config import ConfigError, load_config
+from fp4rl.rl.trainer import METRICS, Trainer, read_metrics
+
+OVERRIDES = [
+    "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
+    "rollout.weights=hif4", "rollout.activations=hif4", "rollout.recovery.method=resq",
+    "grpo.num_generations=4", "grpo.batch_size=2", "grpo.micro_batch_size=4",
+    "grpo.max_response_length=6", "grpo.learning_rate=1e-3", "data.train_size=12",
+    "data.reward=has_digit", "run.save_steps=2",
+]
+TIMING = ("time/", "tokens_per_second/")
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from fp4rl.models import tiny_model
+    from fp4rl.rl import checkpoint, rewards
+    from fp4rl.rl.config import load_config
+    from fp4rl.rl.trainer import Trainer
+
+    out, kill_at, how, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    cfg = load_config(None, sys.argv[5:])
+    model, tok = tiny_model("llama")
+    trainer = Trainer(cfg, out, model, tok, log=lambda m: None)
+
+    if how == "save":  # die inside the checkpoint write, after the model file
+        real = checkpoint._fsync_tree
+        def dying(path):
+            if trainer.step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(path)
+        checkpoint._fsync_tree = dying
+
+    def progress(step, total, metrics):
+        if how == "step" and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.train(resume=resume, progress=progress)
+""")
+
+
+def run_driver(tmp_path, out, kill_at, how, resume, steps):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    args = [sys.executable, str(script), str(out), str(kill_at), how, "1" if resume else "0",
+            *OVERRIDES, f"run.steps={steps}"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_one_step_writes_metrics_and_checkpoint(tmp_path):
+    from fp4rl.rl import rewards
+
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    model, tok = tiny_model("qwen2")
+    cfg = load_config(None, [*OVERRIDES, "run.steps=2"])
+    before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    history = Trainer(cfg, tmp_path, model, tok, log=lambda m: None).train()
+    rows = read_metrics(tmp_path / METRICS)
+    assert [r["step"] for r in rows] == [1, 2] and rows == history
+    for key in ("reward_mean", "loss", "sampling/sampling_logp_difference/mean",
+                "sampling/importance_sampling_ratio/mean", "clip_ratio/region_mean",
+                "completions/mean_length", "tokens_per_second/rollout",
+                "tokens_per_second/train", "frac_reward_zero_std", "entropy"):
+        assert key in rows[0], key
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-000002"
+    if any(r["active_fraction"] > 0 for r in rows):
+        assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("how,kill_at", [("step", 3), ("save", 4)])
+def test_kill_and_resume_reproduces_uninterrupted_run(tmp_path, how, kill_at):
+    steps = 5
+    straight = run_driver(tmp_path, tmp_path / "a", 0, "none", False, steps)
+    assert straight.returncode == 0, straight.stderr
+    killed = run_driver(tmp_path, tmp_path / "b", kill_at, how, False, steps)
+    assert killed.returncode == -9, killed.stderr  # SIGKILL
+    partial = read_metrics(tmp_path / "b" / METRICS)
+    assert len(partial) == kill_at
+    resumed = run_driver(tmp_path, tmp_path / "b", 0, "none", True, steps)
+    assert resumed.returncode == 0, resumed.stderr
+    a = read_metrics(tmp_path / "a" / METRICS)
+    b = read_metrics(tmp_path / "b" / METRICS)
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    assert without_timing(a) == without_timing(b)
+    assert any(r["active_fraction"] > 0 for r in a), "the run never updated the policy"
+
+
+def test_interrupted_save_never_becomes_latest(tmp_path):
+    model, tok = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
+    # a half-written later checkpoint (no completion marker) and a stale temp dir
+    (tmp_path / "checkpoints" / "step-000002").mkdir()
+    (tmp_path / "checkpoints" / ".step-000003.abc").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-000001"
+    (tmp_path / "checkpoints" / "latest").write_text("step-000002")
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-000001"
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"grpo\.batch_size \(6\) must be a multiple"):
+        load_config(None, ["grpo.batch_size=6", "grpo.mini_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"grpo\.learning_rate"):
+        load_config(None, ["grpo.learning_rate=-1"])
+    with pytest.raises(ConfigError, match=r"train\.weights: 'fp5' is not a format"):
+        load_config(None, ["train.weights=fp5"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, ["grpo.learning_rate"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_presets_validate():
+    for name in ("smoke", "demo", "qwen2.5-3b-gsm8k", "qwen2.5-math-7b-dapo"):
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        assert cfg.recipe().rollout.recovery.method == "resq"
+    paper = load_config(CONFIGS / "qwen2.5-math-7b-dapo.yaml")
+    assert (paper.grpo.epsilon, paper.grpo.epsilon_high, paper.grpo.num_generations,
+            paper.grpo.batch_size, paper.grpo.learning_rate) == (0.2, 0.28, 16, 128, 1e-6)
+
+
+def test_metrics_lines_are_json(tmp_path):
+    from fp4rl.rl.trainer import _append_metrics, _truncate_metrics
+
+    path = tmp_path / METRICS
+    for step in range(1, 5):
+        _append_metrics(path, {"step": step})
+    with open(path, "a") as f:
+        f.write('{"step": 5, "rew')  # a line cut by a kill
+    _truncate_metrics(path, 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
