@@ -42,3 +42,9 @@ def test_reference_fallback_without_kernel(monkeypatch):
         monkeypatch.delenv("FP4RL_DISABLE_KERNELS")
         cpu.load_library.cache_clear()
     assert cpu.load_library() is not None
+
+
+def test_cost_cli_reproduces_paper(capsys):
+    assert main(["cost", "--m", "512", "--d", "1024", "--n", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "| resq-dense |" in out and "2.00x" in out and "2.67x" in out

@@ -184,6 +184,17 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cost(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.analysis.cost import cost_table, format_cost_table
+
+    rows = cost_table(args.m, args.d, args.n, sparsities=args.sparsity,
+                      fp4_speedup=args.fp4_speedup)
+    console.print(f"linear layer X[{args.m}x{args.d}] W[{args.n}x{args.d}]^T, FP4 throughput "
+                  f"{args.fp4_speedup:g}x FP16")
+    console.print(format_cost_table(rows), markup=False)
+    return 0
+
+
 def track(items: object, description: str, console: Console) -> object:
     """A progress bar over ``items`` (rich)."""
     from rich.progress import track as rich_track
@@ -262,6 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--json", help="write the rows to this JSON file")
     fid.add_argument("--plot", help="write a bar chart PNG here")
     fid.set_defaults(func=_fidelity)
+
+    cost = sub.add_parser("cost", help="effective FLOPs of FP4 and Rollout-ResQ GEMMs")
+    cost.add_argument("--m", type=int, default=4096, help="tokens")
+    cost.add_argument("--d", type=int, default=4096, help="in_features")
+    cost.add_argument("--n", type=int, default=4096, help="out_features")
+    cost.add_argument("--sparsity", nargs="+", default=["dense", "2:4"],
+                      help="ResQ patterns to cost (dense, 2:4, channel:0.5, ...)")
+    cost.add_argument("--fp4-speedup", type=float, default=4.0,
+                      help="FP4 GEMM throughput relative to FP16")
+    cost.set_defaults(func=_cost)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
     bench.add_argument("what", choices=["formats"])

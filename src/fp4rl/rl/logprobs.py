@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, so a padded row sees the positions of an unpadded one."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+from fp4rl.rl.rollout import position_ids
 
 
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
