@@ -1,0 +1,27 @@
+"""GRPO with FP4 rollout and training policies: rollout engine, rewards, loss, trainer."""
+
+from fp4rl.rl.config import ConfigError, TrainConfig, load_config
+from fp4rl.rl.evaluate import EvalResult, evaluate
+from fp4rl.rl.grpo import LossConfig, group_advantages, grpo_loss
+from fp4rl.rl.rewards import get_reward_fn, register_reward
+from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
+from fp4rl.rl.trainer import Trainer, read_metrics
+
+__all__ = [
+           "ConfigError",
+           "EvalResult",
+           "LossConfig",
+           "RolloutBatch",
+           "SamplingConfig",
+           "TrainConfig",
+           "Trainer",
+           "evaluate",
+           "generate",
+           "get_reward_fn",
+           "group_advantages",
+           "grpo_loss",
+           "load_config",
+           "position_ids",
+           "read_metrics",
+           "register_reward",
+]
