@@ -129,3 +129,17 @@ def test_preset_builds_every_recovery():
         layer = FP4Linear.from_linear(nn.Linear(128, 64), preset(name))
         layer.mode = Mode.ROLLOUT
         assert layer(torch.randn(4, 128)).shape == (4, 64)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4", "1:4", "4:8", "3:8"])
+@pytest.mark.parametrize("length", [256, 100, 7])
+def test_fused_resq_kernel_matches_composed_steps(fmt, pattern, length):
+    x = outlier_activations(tokens=9, d=256)[:, :length].contiguous()
+    x[2, 3] = float("nan")
+    x[4, :5] = x[4, 5]  # exact ties inside 2:4 groups
+    qx = quantize(x, fmt)
+    composed = qx + sparsify(quantize(x - qx, fmt), pattern)
+    fused = resq_activation(x, fmt, pattern)
+    assert torch.equal(fused.view(torch.int32), composed.view(torch.int32)) or \
+        torch.equal(torch.nan_to_num(fused, 7.0), torch.nan_to_num(composed, 7.0))

@@ -8,12 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fp4rl.data.answers import last_boxed
+from fp4rl.rl import rewards
 from fp4rl.rl.rewards import (
     auto_reward,
     get_reward_fn,
     gsm8k_reward,
-    last_boxed,
     math_reward,
+    register_reward,
     reward_names,
 )
 
@@ -158,6 +160,19 @@ def test_registry_names_and_lookup() -> None:
 def test_unknown_reward_name_lists_choices(name: str) -> None:
     with pytest.raises(ValueError, match=r"unknown reward .*auto, gsm8k, math"):
         get_reward_fn(name)
+
+
+def test_registered_rewards_are_found_and_replaceable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rewards, "_REWARDS", dict(rewards._REWARDS))
+    register_reward("always", lambda completion, reference: 1.0)
+    assert get_reward_fn("always")(None, "") == 1.0
+    register_reward("always", lambda completion, reference: 0.0)
+    assert get_reward_fn("always")(None, "") == 0.0
+    assert "always" in reward_names()
+    with pytest.raises(ValueError, match="non-empty"):
+        register_reward("", gsm8k_reward)
+    with pytest.raises(TypeError, match="must be callable"):
+        register_reward("broken", "not a function")  # type: ignore[arg-type]
 
 
 def test_auto_reward_routes_by_reference_style() -> None:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fp4rl.rl.rewards import gsm8k_reference_value
+from fp4rl.data.answers import GSM8K_MARKER, gsm8k_reference_value
 
 AnswerExtractor = Callable[[str], str]
 """Maps the stored answer text to the final answer; raises ``ValueError`` if there is none."""
@@ -32,7 +32,7 @@ def gsm8k_reference(text: str) -> str:
     Keeping the marker makes the answer self-describing: ``auto`` grading and readers
     both see that it is a single number graded numerically.
     """
-    if "####" not in text:
+    if GSM8K_MARKER not in text:
         raise ValueError("no '####' final answer in the solution")
     value = gsm8k_reference_value(text)
     if value is None:

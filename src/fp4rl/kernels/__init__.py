@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4rl.kernels.cpu import quantize_rows_cpu
+from fp4rl.kernels.cpu import quantize_rows_cpu, resq_rows_cpu
 
 
 def quantize_rows(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
@@ -26,4 +26,21 @@ def quantize_rows(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None
     return quantize_rows_cpu(kernel_id, rows, noise, tensor_scale)
 
 
-__all__ = ["quantize_rows"]
+#: kernel ids whose fused ResQ path exists (NVFP4's per-tensor scale needs two passes)
+RESQ_KERNELS = (0, 1, 3)
+#: largest n:m group the fused path handles
+RESQ_MAX_GROUP = 64
+
+
+def resq_rows(kernel_id: int, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+    """Fused Rollout-ResQ activation ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` (group 0: dense).
+
+    Returns None where no fused path applies; the caller then composes the steps.
+    """
+    if (rows.device.type != "cpu" or rows.dtype != torch.float32 or kernel_id not in
+            RESQ_KERNELS or group > RESQ_MAX_GROUP):
+        return None
+    return resq_rows_cpu(kernel_id, rows.contiguous(), keep, group)
+
+
+__all__ = ["quantize_rows", "resq_rows"]

@@ -80,7 +80,29 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.fp4rl_resq.restype = ctypes.c_int
+    lib.fp4rl_resq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
+
+
+def _threads(t: torch.Tensor) -> int:
+    """A parallel region costs more than it saves on small tensors (decode steps)."""
+    return torch.get_num_threads() if t.numel() >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def resq_rows_cpu(kernel_id: int, rows: torch.Tensor, keep: int,
+                  group: int) -> torch.Tensor | None:
+    """Fused ``Q(x) + S(Q(x - Q(x)))`` over contiguous float32 rows (None if unavailable)."""
+    lib = load_library()
+    if lib is None:
+        return None
+    out = torch.empty_like(rows)
+    status = lib.fp4rl_resq(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                            rows.shape[1], keep, group, _threads(rows))
+    if status != 0:
+        raise ValueError(f"fused ResQ kernel refused format {kernel_id} / group {group}")
+    return out
 
 
 def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
@@ -94,11 +116,9 @@ def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | 
         return None
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
-    # a parallel region costs more than it saves on small tensors (decode steps)
-    threads = torch.get_num_threads() if rows.numel() >= PARALLEL_MIN_ELEMENTS else 1
     status = lib.fp4rl_quantize(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
                                 rows.shape[1], noise_ptr, noise_stride, tensor_scale or 0.0,
-                                threads)
+                                _threads(rows))
     if status != 0:
         raise ValueError(f"unknown kernel id {kernel_id}")
     return out

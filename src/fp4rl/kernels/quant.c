@@ -16,6 +16,7 @@
  * Compile without -ffast-math: NaN checks and exact rounding depend on IEEE.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -167,6 +168,16 @@ static void nvfp4_block(const float *x, float *y, int n, const float *u, float g
 
 static const int BLOCK[4] = {64, 32, 16, 32};
 
+static void quantize_block(int fmt, const float *xb, float *yb, int n, const float *ub, float g)
+{
+    switch (fmt) {
+    case FMT_HIF4: hif4_block(xb, yb, n, ub); break;
+    case FMT_MXFP4: mx_block(xb, yb, n, ub, 1, 0, 6.0, 2); break;
+    case FMT_NVFP4: nvfp4_block(xb, yb, n, ub, g); break;
+    default: mx_block(xb, yb, n, ub, 3, -6, 448.0, 8); break;
+    }
+}
+
 int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
                    const float *noise, int64_t noise_stride, float tensor_scale, int nthreads)
 {
@@ -178,15 +189,70 @@ int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
     for (int64_t b = 0; b < total; b++) {
         const int64_t row = b / nb, col = (b % nb) * bs;
         const int n = (int)(len - col < bs ? len - col : bs);
-        const float *xb = x + row * len + col;
-        float *yb = y + row * len + col;
         const float *ub = noise ? noise + row * noise_stride + col : NULL;
-        switch (fmt) {
-        case FMT_HIF4: hif4_block(xb, yb, n, ub); break;
-        case FMT_MXFP4: mx_block(xb, yb, n, ub, 1, 0, 6.0, 2); break;
-        case FMT_NVFP4: nvfp4_block(xb, yb, n, ub, tensor_scale); break;
-        default: mx_block(xb, yb, n, ub, 3, -6, 448.0, 8); break;
-        }
+        quantize_block(fmt, x + row * len + col, y + row * len + col, n, ub, tensor_scale);
     }
     return 0;
+}
+
+/* Quantize one row block by block (block-only scaling). */
+static void quantize_row(int fmt, const float *x, float *y, int64_t len)
+{
+    const int bs = BLOCK[fmt];
+    for (int64_t col = 0; col < len; col += bs)
+        quantize_block(fmt, x + col, y + col, (int)(len - col < bs ? len - col : bs), NULL, 0.0f);
+}
+
+/*
+ * Keep the `keep` largest magnitudes of every `group` consecutive values (a partial last
+ * group is zero-padded); ties go to the lower index, exactly as fp4rl.recovery.sparsity.
+ */
+static void sparsify_row(float *v, int64_t len, int keep, int group)
+{
+    float a[64];
+    int rank[64];
+    for (int64_t start = 0; start < len; start += group) {
+        for (int k = 0; k < group; k++) {
+            a[k] = start + k < len ? fabsf(v[start + k]) : 0.0f;
+            rank[k] = 0;
+        }
+        for (int i = 0; i < group; i++)
+            for (int j = i + 1; j < group; j++) {
+                if (a[j] > a[i]) rank[i]++;
+                else rank[j]++;
+            }
+        for (int k = 0; k < group && start + k < len; k++)
+            if (rank[k] >= keep) v[start + k] = 0.0f;
+    }
+}
+
+/*
+ * Rollout-ResQ activation, fused: out = Q(x) + S(Q(x - Q(x))) along each row, S keeping
+ * `keep` of every `group` values (group == 0: dense). One pass per row, two row buffers. Block-only scaling: NVFP4's per-tensor scale needs the whole
+ * tensor first and takes the unfused path.
+ */
+int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, int keep,
+               int group, int nthreads)
+{
+    if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t row = 0; row < rows; row++) {
+        float *q = malloc((size_t)len * 2 * sizeof(float));
+        if (q == NULL) {
+#pragma omp atomic write
+            status = -2;
+            continue;
+        }
+        float *r = q + len;
+        const float *xr = x + row * len;
+        quantize_row(fmt, xr, q, len);
+        for (int64_t i = 0; i < len; i++) r[i] = xr[i] - q[i];
+        quantize_row(fmt, r, r, len);
+        if (group > 0) sparsify_row(r, len, keep, group);
+        float *o = out + row * len;
+        for (int64_t i = 0; i < len; i++) o[i] = q[i] + r[i];
+        free(q);
+    }
+    return status;
 }

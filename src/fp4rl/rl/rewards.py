@@ -18,9 +18,7 @@ comparison and score 0.0.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
-from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
@@ -28,14 +26,10 @@ from math_verify import parse, verify
 from sympy import Basic, MatrixBase, Pow, gamma, preorder_traversal
 from sympy.functions.combinatorial.factorials import CombinatorialFunction
 
+from fp4rl.data.answers import GSM8K_MARKER, extract_gsm8k_answer, gsm8k_reference_value
+
 RewardFn = Callable[[str | None, str], float]
 """A reward maps ``(completion, reference)`` to 1.0 (correct) or 0.0."""
-
-# A number as people write it: optional sign (ASCII or Unicode minus) and "$", thousands
-# separators, decimals. The lookbehind keeps "3-5" from reading as -5 and "v1.2" as 1.2.
-_NUMBER = re.compile(r"(?<![\w.])([-\u2212]?)\$?(\d{1,3}(?:,\d{3})+(?!\d)|\d+)(\.\d+)?")
-_BOX_OPENERS = ("\\boxed{", "\\fbox{")
-_GSM8K_MARKER = "####"
 
 # Completions can be long; answers sit at the end, and bounding the text handed to the
 # LaTeX parser bounds its work.
@@ -48,70 +42,6 @@ _MAX_COMBINATORIAL_ARG = 10_000
 
 
 # --------------------------------------------------------------------------- GSM8K style
-
-
-def _to_decimal(match: re.Match[str]) -> Decimal:
-    """Turn one ``_NUMBER`` match into an exact value (commas and "$" dropped)."""
-    sign, digits, fraction = match.groups()
-    return Decimal(("-" if sign else "") + digits.replace(",", "") + (fraction or ""))
-
-
-def _first_number(text: str) -> Decimal | None:
-    match = _NUMBER.search(text)
-    return _to_decimal(match) if match else None
-
-
-def _last_number(text: str) -> Decimal | None:
-    matches = list(_NUMBER.finditer(text))
-    return _to_decimal(matches[-1]) if matches else None
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced.
-
-    Returns ``None`` when there is no box or the last one is never closed (a truncated
-    completion), so callers can fall back to other answer markers.
-    """
-    position, opener = max((text.rfind(candidate), candidate) for candidate in _BOX_OPENERS)
-    if position < 0:
-        return None
-    start = position + len(opener)
-    depth = 1
-    for pos in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[pos], 0)
-        if depth == 0:
-            return text[start:pos]
-    return None
-
-
-def _boxed_number(content: str) -> Decimal | None:
-    """The number a boxed GSM8K answer states: after the last "=", the first number.
-
-    ``x = 5`` gives 5 and ``5 \\text{ cm}^2`` gives 5, not the exponent.
-    """
-    return _first_number(content.rsplit("=", 1)[-1])
-
-
-def _after_marker(text: str) -> str | None:
-    _, found, tail = text.rpartition(_GSM8K_MARKER)
-    return tail if found else None
-
-
-def extract_gsm8k_answer(completion: str) -> Decimal | None:
-    """The numeric answer a completion commits to, or ``None`` if it states none."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return _boxed_number(boxed)
-    tail = _after_marker(completion)
-    if tail is not None and (number := _first_number(tail)) is not None:
-        return number
-    return _last_number(completion)
-
-
-def gsm8k_reference_value(reference: str) -> Decimal | None:
-    """The number in a GSM8K reference: the first after the last ``####``, else the first."""
-    tail = _after_marker(reference)
-    return _first_number(reference if tail is None else tail)
 
 
 def gsm8k_reward(completion: str | None, reference: str) -> float:
@@ -194,7 +124,7 @@ def math_reward(completion: str | None, reference: str) -> float:
 
 def auto_reward(completion: str | None, reference: str) -> float:
     """Grade GSM8K-style references (they contain ``####``) numerically, others with math."""
-    if isinstance(reference, str) and _GSM8K_MARKER in reference:
+    if isinstance(reference, str) and GSM8K_MARKER in reference:
         return gsm8k_reward(completion, reference)
     return math_reward(completion, reference)
 
@@ -207,12 +137,15 @@ _REWARDS: dict[str, RewardFn] = {
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
-    """Add a verifiable reward under ``name`` (usable as ``data.reward`` in a config).
+    """Add a reward under ``name`` (usable as ``data.reward`` in a config).
 
-    ``fn(completion, reference)`` must return 1.0 or 0.0 and never raise.
+    ``fn(completion, reference)`` must return 1.0 or 0.0 and never raise. Registering a
+    name again replaces it, so plugins and tests can redefine their own rewards.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError("a reward needs a non-empty name")
+        raise ValueError(f"a reward name must be non-empty text, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
     _REWARDS[name] = fn
 
 
