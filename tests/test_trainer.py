@@ -28,11 +28,13 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys
+    import torch
     from fp4rl.models import tiny_model
     from fp4rl.rl import checkpoint, rewards
     from fp4rl.rl.config import load_config
     from fp4rl.rl.trainer import Trainer
 
+    torch.set_num_threads(1)
     out, kill_at, how, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
     rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
     cfg = load_config(None, sys.argv[5:])
@@ -153,3 +155,19 @@ def test_metrics_lines_are_json(tmp_path):
         f.write('{"step": 5, "rew')  # a line cut by a kill
     _truncate_metrics(path, 3)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_smoke_config_trains_the_embedded_model(tmp_path):
+    """configs/smoke.yaml: one GRPO step of smollm2-135m, both policies in HiF4."""
+    from fp4rl.cli import main
+
+    out = tmp_path / "smoke"
+    assert main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--output", str(out)]) == 0
+    (row,) = read_metrics(out / METRICS)
+    assert row["step"] == 1 and 0.0 <= row["reward_mean"] <= 1.0
+    assert row["completions/mean_length"] > 0
+    # the FP4 rollout (HiF4 + ResQ-2:4) and the FP4 training policy disagree a little
+    assert 0 < row["sampling/sampling_logp_difference/mean"] < 1.0
+    assert ckpt.latest_checkpoint(out).name == "step-000001"
+    assert (out / "curves.png").is_file()
