@@ -9,8 +9,8 @@ import torch
 
 from fp4rl.rl.grpo import (
     LossConfig,
-    grpo_loss,
     group_advantages,
+    grpo_loss,
     k3_kl,
     mismatch_stats,
     tis_weights,

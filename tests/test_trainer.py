@@ -108,7 +108,7 @@ def test_kill_and_resume_reproduces_uninterrupted_run(tmp_path, how, kill_at):
 
 
 def test_interrupted_save_never_becomes_latest(tmp_path):
-    model, tok = tiny_model("llama")
+    model, _ = tiny_model("llama")
     optimizer = torch.optim.AdamW(model.parameters())
     ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {"step": 1})
     # a half-written later checkpoint (no completion marker) and a stale temp dir
