@@ -56,10 +56,11 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     plots.plot_sparsify_error(layers, formats, out / "sparsify_error.png")
     worst = max(layers, key=lambda d: d.zero_frac[formats[0]])
     plots.plot_heatmaps(acts[worst.name], formats[0], worst.name, out / "heatmap.png")
-    table = Table(title="means over layers: zeros, outlier blocks, 2:4 RMSE of Q(X) | residual")
+    table = Table(title="means over layers: share of zeros, of outlier blocks, and the 2:4 "
+                        "RMSE of the residual relative to that of Q(X)")
     table.add_column("layers")
     for col in (*(f"0s {s}" for s in series), *(f"outl {f}" for f in formats),
-                *(f"2:4 {f}" for f in formats)):
+                *(f"2:4 res/QX {f}" for f in formats)):
         table.add_column(col, justify="right")
     for kind in ("", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                  "down_proj"):
@@ -67,7 +68,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
         table.add_row(kind.removesuffix("_proj") or "all",
                       *(f"{m['zero_frac'][s]:.1%}" for s in series),
                       *(f"{m['outlier_block_frac'][f]:.1%}" for f in formats),
-                      *(f"{m['sparsify_rmse_qx'][f]:.3f}|{m['sparsify_rmse_residual'][f]:.3f}"
+                      *(f"{m['sparsify_rmse_residual'][f] / m['sparsify_rmse_qx'][f]:.2f}"
                         for f in formats))
     console.print(table)
     json_path = Path(args.json) if args.json else out / "diagnose.json"
