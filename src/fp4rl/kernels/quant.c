@@ -113,14 +113,17 @@ static void hif4_block(const float *x, float *y, int n, const float *u)
      * Per element, |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is |y|;
      * both factors are exact powers of two times r or s.
      */
-    double lvl8[8], in_scale[64], out_scale[64];
-    for (int j = 0; j < 8; j++) lvl8[j] = v8[j] * r >= 4.0 ? 1.0 : 0.0;
-    for (int k = 0; k < 16; k++) {
-        const double d8 = lvl8[k >> 1];
-        const double d = d8 + (v16[k] * r >= (d8 > 0.0 ? 4.0 : 2.0) ? 1.0 : 0.0);
-        const double fin = d == 0.0 ? 4.0 * r : d == 1.0 ? 2.0 * r : r;
-        const double fout = d == 0.0 ? 0.25 * s : d == 1.0 ? 0.5 * s : s;
-        for (int i = 0; i < 4; i++) { in_scale[4 * k + i] = fin; out_scale[4 * k + i] = fout; }
+    double c8[8], fin[16], fout[16], in_scale[64], out_scale[64];
+    for (int j = 0; j < 8; j++) c8[j] = v8[j] * r >= 4.0 ? 1.0 : 0.0;
+    for (int k = 0; k < 16; k++) {  /* branch-free: d is 0, 1 or 2 */
+        const double e8 = c8[k >> 1];
+        const double d = e8 + (v16[k] * r >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
+        fin[k] = 4.0 * r * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));  /* 4 r 2^-d */
+        fout[k] = 0.25 * s * (1.0 + d + 0.5 * d * (d - 1.0));         /* s 2^(d-2) */
+    }
+    for (int i = 0; i < 64; i++) {
+        in_scale[i] = fin[i >> 2];
+        out_scale[i] = fout[i >> 2];
     }
     double offset[64];  /* rha adds 1/2 before the floor; stochastic rounding adds u */
     if (u) {
