@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fp4rl.cli import main
 
-BENCHMARKS = ("formats",)
+BENCHMARKS = ("formats", "rollout")
 
 
 def run_all(out_dir: Path) -> int:

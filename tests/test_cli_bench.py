@@ -48,3 +48,18 @@ def test_cost_cli_reproduces_paper(capsys):
     assert main(["cost", "--m", "512", "--d", "1024", "--n", "2048"]) == 0
     out = capsys.readouterr().out
     assert "| resq-dense |" in out and "2.00x" in out and "2.67x" in out
+
+
+def test_bench_rollout_on_tiny_model(tmp_path):
+    from fp4rl.models import tiny_model
+
+    model, tok = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = tmp_path / "r.json"
+    assert main(["bench", "rollout", "--model", str(tmp_path / "m"), "--repeats", "1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in rows] == ["rollout.hif4_vs_unquantized",
+                                         "rollout.hif4+resq-2:4_vs_unquantized"]
+    assert all(r["ratio"] > 0 and r["baseline"] == "unquantized" for r in rows)

@@ -19,8 +19,11 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS, size=args.size,
                             repeats=args.repeats)
         bench.render(results, console, args.size)
-    else:  # argparse restricts the choices
-        raise AssertionError(args.what)
+    else:  # rollout
+        from fp4rl.bench import rollout as bench
+
+        results, tokens = bench.run(args.model, repeats=args.repeats)
+        bench.render(results, tokens, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
         common.write_json(args.json, results, benchmark=args.what, size=args.size)
@@ -286,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     cost.set_defaults(func=_cost)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
-    bench.add_argument("what", choices=["formats"])
+    bench.add_argument("what", choices=["formats", "rollout"])
+    bench.add_argument("--model", default="smollm2-135m", help="model for bench rollout")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",
                        help="limit to this format (repeatable)")
     bench.add_argument("--size", type=int, default=4096, help="square tensor side")
-    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--repeats", type=int, default=5)
     bench.set_defaults(func=_bench)
     return parser
 
