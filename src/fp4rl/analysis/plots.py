@@ -102,14 +102,13 @@ def plot_heatmaps(x: torch.Tensor, fmt: str, name: str, path: Path, tokens: int 
 
 
 def plot_fidelity(rows: Sequence[object], path: Path) -> None:
-    """KL to the unquantized policy (log scale) and greedy accuracy, one bar per method."""
+    """KL to the unquantized policy and greedy accuracy, one bar per method."""
     names = [r.method for r in rows]  # type: ignore[attr-defined]
     colors = [COLORS.get(n.split("+")[0], "#777777") for n in names]
     fig, (ax_kl, ax_acc) = plt.subplots(2, 1, figsize=(max(6, 0.55 * len(rows)), 6),
                                         sharex=True)
-    ax_kl.bar(names, [max(r.kl, 1e-6) for r in rows], color=colors)  # type: ignore[attr-defined]
-    ax_kl.set_yscale("log")
-    ax_kl.set_ylabel("KL to unquantized")
+    ax_kl.bar(names, [r.kl for r in rows], color=colors)  # type: ignore[attr-defined]
+    ax_kl.set_ylabel("per-token KL to unquantized")
     ax_acc.bar(names, [100 * r.accuracy for r in rows], color=colors)  # type: ignore[attr-defined]
     ax_acc.set_ylabel("greedy accuracy %")
     ax_acc.tick_params(axis="x", rotation=60, labelsize=8)
