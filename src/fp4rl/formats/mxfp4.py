@@ -5,6 +5,8 @@ Also home of the E2M1 element grid that NVFP4 shares.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
@@ -41,15 +43,31 @@ def shared_exponent(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.where(amax > 0, e, -127).clamp(min=-127)
 
 
-class MXFP4(BlockFormat):
-    name = "mxfp4"
+class MXFormat(BlockFormat):
+    """OCP MX: 32 values share an E8M0 exponent ``floor(log2 amax) - scale_offset``.
+
+    Subclasses choose the element grid: how magnitudes round onto it and how a
+    (magnitude, sign) pair is stored as element codes.
+    """
+
     block_size = 32
-    bits_per_value = 4.25
-    kernel_id = 1
+    scale_offset: int
+
+    @abstractmethod
+    def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """Magnitudes ``v = |x| / 2^E`` rounded onto the element grid."""
+
+    @abstractmethod
+    def element_codes(self, q: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        """Packed uint8 storage of the signed elements."""
+
+    @abstractmethod
+    def decode_elements(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Magnitudes and sign mask back from the element storage."""
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        e = shared_exponent(blocks, 2)
-        q = e2m1_round(blocks.abs() * pow2(-e), noise)
+        e = shared_exponent(blocks, self.scale_offset)
+        q = self.round_elements(blocks.abs() * pow2(-e), noise)
         return {"exponent": e, "q": q, "neg": torch.signbit(blocks)}
 
     def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -59,10 +77,26 @@ class MXFP4(BlockFormat):
     def pack(self, fields: dict[str, torch.Tensor], nan: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = torch.where(nan, E8M0_NAN, fields["exponent"].squeeze(-1) + 127)
         return {"scale": scale.to(torch.uint8),
-                "codes": pack_nibbles(e2m1_codes(fields["q"], fields["neg"]))}
+                "codes": self.element_codes(fields["q"], fields["neg"])}
 
     def unpack(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
                                                                torch.Tensor]:
         scale = buffers["scale"].to(torch.int64)
-        q, neg = e2m1_decode(unpack_nibbles(buffers["codes"]))
+        q, neg = self.decode_elements(buffers["codes"])
         return {"exponent": (scale - 127).unsqueeze(-1), "q": q, "neg": neg}, scale == E8M0_NAN
+
+
+class MXFP4(MXFormat):
+    name = "mxfp4"
+    bits_per_value = 4.25
+    kernel_id = 1
+    scale_offset = 2  # E2M1's largest exponent
+
+    def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        return e2m1_round(v, noise)
+
+    def element_codes(self, q: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles(e2m1_codes(q, neg))
+
+    def decode_elements(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return e2m1_decode(unpack_nibbles(codes))

@@ -16,7 +16,6 @@ and the other copy is discarded.
 import contextlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -24,7 +23,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from fp4rl.paths import cache_root
+from fp4rl.paths import cache_root, fsync_path
 
 MANIFEST = "fp4rl-cache.json"
 STALE_AFTER_S = 3600.0
@@ -96,25 +95,17 @@ def _size(path: Path) -> int:
         return -1
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _seal(directory: Path, fingerprint: Fingerprint) -> None:
     """Flush the built files to disk, then write the manifest that marks them complete."""
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
     if not files:
         raise RuntimeError(f"building cache entry {directory.name!r} produced no files")
     for name in files:
-        _fsync(directory / name)
+        fsync_path(directory / name)
     manifest = {"fingerprint": dict(fingerprint), "files": files, "created": time.time()}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync(directory / MANIFEST)
-    _fsync(directory)
+    fsync_path(directory / MANIFEST)
+    fsync_path(directory)
 
 
 def _publish(tmp: Path, final: Path, fingerprint: Fingerprint) -> None:
@@ -130,7 +121,7 @@ def _publish(tmp: Path, final: Path, fingerprint: Fingerprint) -> None:
         if not is_complete(final, fingerprint):
             raise
     else:
-        _fsync(final.parent)
+        fsync_path(final.parent)
 
 
 def _sweep_stale(parent: Path) -> None:

@@ -18,24 +18,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from fp4rl.paths import fsync_path
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "trainer_state.json"  # written last inside a checkpoint
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
-        with open(f, "rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(path)
+        fsync_path(f)
+    fsync_path(path)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -66,10 +59,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp"
     tmp.write_text(name)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
+    fsync_path(tmp)
     os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    fsync_path(root)
 
 
 def _complete(path: Path) -> bool:
