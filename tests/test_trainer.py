@@ -171,3 +171,21 @@ def test_smoke_config_trains_the_embedded_model(tmp_path):
     assert 0 < row["sampling/sampling_logp_difference/mean"] < 1.0
     assert ckpt.latest_checkpoint(out).name == "step-000001"
     assert (out / "curves.png").is_file()
+
+
+def test_cli_train_then_resume_keeps_history(tmp_path):
+    from fp4rl.cli import main
+    from fp4rl.rl import rewards
+
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    model, tok = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = tmp_path / "run"
+    args = ["train", "--output", str(out), f"model={tmp_path / 'm'}", *OVERRIDES]
+    assert main([*args, "--steps", "2"]) == 0
+    with pytest.raises(SystemExit, match="--resume"):
+        main([*args, "--steps", "3"])
+    assert main([*args, "--steps", "3", "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(out / METRICS)] == [1, 2, 3]
+    assert (out / "config.yaml").is_file() and (out / "curves.png").is_file()

@@ -147,10 +147,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
             bar.update(task, completed=step, info=f"reward {m['reward_mean']:.3f}  "
                        f"loss {m['loss']:+.4f}  len {m['completions/mean_length']:.0f}")
 
-        if args.resume:
-            trainer.resume()
-            bar.update(task, completed=trainer.step)
-        trainer.train(progress=show)
+        trainer.train(resume=args.resume, progress=show)
     write_run_report(out)
     console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
     return 0
