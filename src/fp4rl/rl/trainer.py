@@ -92,11 +92,11 @@ class Trainer:
     def next_batch(self) -> list[int]:
         """Indices of the next ``batch_size`` prompts, cycling through shuffled epochs."""
         chosen = []
+        order = self._order(self.cursor.epoch)
         while len(chosen) < self.cfg.grpo.batch_size:
-            order = self._order(self.cursor.epoch)
             if self.cursor.index >= len(order):
                 self.cursor = DataCursor(self.cursor.epoch + 1, 0)
-                continue
+                order = self._order(self.cursor.epoch)
             chosen.append(order[self.cursor.index])
             self.cursor.index += 1
         return chosen
@@ -116,10 +116,10 @@ class Trainer:
 
     def rewards(self, indices: list[int], batch: RolloutBatch) -> torch.Tensor:
         texts = batch.texts(self.tok)
-        answers = [self.train_examples[i] for i in indices
-                   for _ in range(self.cfg.grpo.num_generations)]
+        examples = [self.train_examples[i] for i in indices
+                    for _ in range(self.cfg.grpo.num_generations)]
         return torch.tensor([get_reward_fn(self._reward_name(e))(t, e.answer)
-                             for t, e in zip(texts, answers, strict=True)])
+                             for t, e in zip(texts, examples, strict=True)])
 
     def _reward_name(self, example: Example) -> str:
         return self.cfg.data.reward or example.reward
