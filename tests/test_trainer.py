@@ -189,3 +189,19 @@ def test_cli_train_then_resume_keeps_history(tmp_path):
     assert main([*args, "--steps", "3", "--resume"]) == 0
     assert [r["step"] for r in read_metrics(out / METRICS)] == [1, 2, 3]
     assert (out / "config.yaml").is_file() and (out / "curves.png").is_file()
+
+
+def test_several_updates_per_rollout_batch(tmp_path):
+    """Two PPO epochs over two mini-batches: four optimizer steps, ratios leave 1."""
+    from fp4rl.rl import rewards
+
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    model, tok = tiny_model("llama")
+    cfg = load_config(None, [*OVERRIDES, "run.steps=3", "grpo.ppo_epochs=2",
+                             "grpo.mini_batch_size=1", "grpo.loss_agg_mode=token-mean",
+                             "grpo.beta=0.1"])
+    trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
+    rows = trainer.train()
+    assert all("kl" in r for r in rows if r["active_fraction"] > 0)
+    assert trainer.optimizer.state and max(
+        s["step"].item() for s in trainer.optimizer.state.values()) == 4 * 3

@@ -86,7 +86,6 @@ class RunConfig(_Section):
     seed: int = 0
     save_steps: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
-    tensorboard: bool = False
 
 
 class TrainConfig(_Section):
