@@ -205,3 +205,18 @@ def test_several_updates_per_rollout_batch(tmp_path):
     assert all("kl" in r for r in rows if r["active_fraction"] > 0)
     assert trainer.optimizer.state and max(
         s["step"].item() for s in trainer.optimizer.state.values()) == 4 * 3
+
+
+def test_mean_at_k_and_best_at_k():
+    from fp4rl.data import Example
+    from fp4rl.rl.evaluate import evaluate
+
+    model, tok = tiny_model("llama")
+    examples = [Example(f"What is {i} + 1?", f"#### {i + 1}", "gsm8k", "t", i, {"level": 1})
+                for i in range(3)]
+    prompts = [tok(e.prompt)["input_ids"] for e in examples]
+    res = evaluate(model, tok, examples, prompts, k=4, max_new_tokens=4, seed=0)
+    assert res.k == 4 and res.n == 3 and res.name == "mean@4"
+    assert 0.0 <= res.mean <= res.best <= 1.0 and set(res.per_level) == {"1"}
+    greedy = evaluate(model, tok, examples, prompts, k=1, max_new_tokens=4)
+    assert greedy.mean == greedy.best  # one sample per prompt
