@@ -81,25 +81,25 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
 
 
 def _fidelity(args: argparse.Namespace, console: Console) -> int:
-    import json
     from dataclasses import asdict
 
     from rich.table import Table
 
     from fp4rl.analysis import fidelity, plots
-    from fp4rl.data import build_prompt, synthetic_dataset
+    from fp4rl.data import synthetic_dataset
     from fp4rl.models import load_model
+    from fp4rl.nn import preset
+    from fp4rl.paths import write_json
+    from fp4rl.rl.datasets import encode_examples
 
     methods = args.methods or fidelity.default_methods()
     for m in methods:
-        from fp4rl.nn import preset
-
         preset(m)  # fail fast on a bad name, before loading anything
-    examples = synthetic_dataset("test", n=args.n, levels=args.levels, seed=args.seed)
     with console.status(f"loading {args.model}"):
         model, tok = load_model(args.model)
-    prompts = [tok(build_prompt(e, tok), add_special_tokens=False)["input_ids"]
-               for e in examples]
+    examples, prompts = encode_examples(
+        synthetic_dataset("test", n=args.n, levels=args.levels, seed=args.seed), tok,
+        max_prompt_length=4096, log=console.print)
     with console.status("scoring methods") as status:
         rows = fidelity.run_fidelity(
             model, tok, prompts, [e.answer for e in examples], methods,
@@ -115,11 +115,9 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
                       f"{r.logprob_diff_vs_train:.4f}", f"{r.accuracy:.1%}")
     console.print(table)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        write_json(args.json, {
             "model": args.model, "prompts": len(examples), "levels": list(args.levels),
-            "max_new_tokens": args.max_new_tokens, "rows": [asdict(r) for r in rows]},
-            indent=2))
+            "max_new_tokens": args.max_new_tokens, "rows": [asdict(r) for r in rows]})
     if args.plot:
         plots.plot_fidelity(rows, Path(args.plot))
     return 0
@@ -160,8 +158,7 @@ def cfg_yaml(cfg: object) -> str:
 
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
-    import json
-
+    from fp4rl.paths import write_json
     from fp4rl.progress import progress_bar
     from fp4rl.rl.evaluate import evaluate
     from fp4rl.rl.sources import eval_examples, load_policy
@@ -179,9 +176,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
                   f"mean@{result.k} = {result.mean:.1%}, best@{result.k} = {result.best:.1%}"
                   + (f", per level {result.per_level}" if result.per_level else ""))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"policy": label, "data": args.data,
-                                               **result.as_dict()}, indent=2))
+        write_json(args.json, {"policy": label, "data": args.data, **result.as_dict()})
     return 0
 
 

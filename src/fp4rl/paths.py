@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
     """The user cache directory: ``$FP4RL_CACHE`` if set, else ``~/.cache/fp4rl``."""
     configured = os.environ.get("FP4RL_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "fp4rl"
+
+
+def write_json(path: str | Path, payload: Any) -> Path:
+    """Write ``payload`` as indented JSON, creating the parent directories."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=2))
+    return target
 
 
 def fsync_path(path: Path) -> None:

@@ -14,7 +14,6 @@ of prompts, quantized along the reduction axis:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.analysis.activations import capture_linear_inputs, zero_fraction
+from fp4rl.analysis.activations import zero_fraction
 from fp4rl.formats import get_format, quantize
+from fp4rl.paths import write_json as save_json
 from fp4rl.recovery.outliers import outlier_block_fraction
 from fp4rl.recovery.sparsity import sparsify
 
@@ -64,20 +64,11 @@ def diagnose_activations(name: str, x: torch.Tensor,
     return diag
 
 
-def diagnose_model(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
-                   formats: Sequence[str], pattern: str | None = None) -> list[LayerDiagnosis]:
-    """Capture every block linear's input over ``inputs`` and diagnose each layer."""
-    acts = capture_linear_inputs(model, inputs, pattern)
-    return [diagnose_activations(name, x, formats) for name, x in acts.items()]
-
-
 def write_json(path: str | Path, model_name: str, formats: Sequence[str],
                layers: list[LayerDiagnosis]) -> None:
-    payload = {"model": model_name, "formats": list(formats),
-               "outlier_rule": "block max|x| >= 24 * block median|x|",
-               "layers": [asdict(d) for d in layers]}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2))
+    save_json(path, {"model": model_name, "formats": list(formats),
+                     "outlier_rule": "block max|x| >= 24 * block median|x|",
+                     "layers": [asdict(d) for d in layers]})
 
 
 def summarize(layers: list[LayerDiagnosis], formats: Sequence[str],

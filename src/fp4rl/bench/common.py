@@ -6,7 +6,6 @@ process hits all of them alike, so the ratios stay meaningful on a shared machin
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -15,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from fp4rl.paths import write_json as save_json
 
 
 @dataclass
@@ -84,6 +85,4 @@ def machine() -> dict[str, object]:
 
 def write_json(path: str | Path, results: list[Comparison], **extra: object) -> None:
     """Write ``{"machine": ..., "results": [...]}`` to ``path``."""
-    payload = {"machine": machine(), **extra, "results": [asdict(r) for r in results]}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2))
+    save_json(path, {"machine": machine(), **extra, "results": [asdict(r) for r in results]})
