@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +41,14 @@ from fp4rl.rl.rewards import get_reward_fn
 from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate
 
 METRICS = "metrics.jsonl"
+
+
+class _Sequences(NamedTuple):
+    """The rollout batch laid out for teacher forcing, built once per update."""
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    prompt_width: int
 
 
 @dataclass
@@ -163,13 +171,12 @@ class Trainer:
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(rows.split(self.cfg.grpo.micro_batch_size)) if rows.numel() else []
 
-    def _logprobs(self, model: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor,
+    def _logprobs(self, model: torch.nn.Module, seqs: _Sequences, rows: torch.Tensor,
                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids, mask = batch.sequences()
-        width = ids.shape[1] - batch.response_ids.shape[1]
         with train_mode(model) if fp4_layers(model) else contextlib.nullcontext():
-            return response_logprobs(model, ids[rows], mask[rows], width,
-                                     self.cfg.grpo.temperature, with_entropy)
+            return response_logprobs(model, seqs.ids[rows], seqs.attention[rows],
+                                     seqs.prompt_width, self.cfg.grpo.temperature,
+                                     with_entropy)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, Any]:
         """PPO-style epochs of GRPO over mini-batches of whole groups; returns statistics."""
@@ -177,8 +184,10 @@ class Trainer:
         loss_cfg = g.loss()
         n = advantages.numel()
         mask = batch.response_mask.bool()
-        old_logp = self._no_grad_logprobs(self.model, batch)
-        ref_logp = self._no_grad_logprobs(self.ref_model, batch) if self.ref_model else None
+        ids, attention = batch.sequences()
+        seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
+        old_logp = self._no_grad_logprobs(self.model, seqs)
+        ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
         stats: dict[str, list[float]] = {}
         tokens = 0
@@ -189,19 +198,20 @@ class Trainer:
             rows_all = (perm[:, None] * g.num_generations
                         + torch.arange(g.num_generations)).reshape(-1)
             for mini in rows_all.split(seq_per_mini):
-                tokens += self._mini_step(batch, mini, advantages, old_logp, ref_logp, mask,
-                                          loss_cfg, stats)
+                tokens += self._mini_step(batch, seqs, mini, advantages, old_logp, ref_logp,
+                                          mask, loss_cfg, stats)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(old_logp, batch.logprobs, mask, g.tis_imp_ratio_cap))
         out["_tokens"] = tokens
         return out
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
-        rows = torch.arange(batch.response_ids.shape[0])
-        return torch.cat([self._logprobs(model, batch, r)[0] for r in self._micro_batches(rows)])
+    def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
+        rows = torch.arange(seqs.ids.shape[0])
+        return torch.cat([self._logprobs(model, seqs, r)[0] for r in self._micro_batches(rows)])
 
-    def _mini_step(self, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor,
+    def _mini_step(self, batch: RolloutBatch, seqs: _Sequences, rows: torch.Tensor,
+                   advantages: torch.Tensor,
                    old_logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
                    loss_cfg: Any, stats: dict[str, list[float]]) -> int:
         """One optimizer step over ``rows``, accumulating gradients over micro-batches.
@@ -214,16 +224,15 @@ class Trainer:
         seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
         denominator = len(rows) if seq_mode else mask[rows].sum().clamp_min(1).item()
         tokens, total_loss = 0, 0.0
-        attention = batch.sequences()[1]
         for micro in self._micro_batches(active):
-            logp, entropy = self._logprobs(self.model, batch, micro, with_entropy=True)
+            logp, entropy = self._logprobs(self.model, seqs, micro, with_entropy=True)
             m = mask[micro]
             loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro], advantages[micro],
                                  m, loss_cfg, None if ref_logp is None else ref_logp[micro])
             share = (len(micro) if seq_mode else m.sum().item()) / denominator
             (loss * share).backward()
             total_loss += loss.item() * share
-            tokens += int(attention[micro].sum())
+            tokens += int(seqs.attention[micro].sum())
             for k, v in st.items():
                 stats.setdefault(k, []).append(v.item())
             stats.setdefault("entropy", []).append(masked_mean(entropy, m).item())
