@@ -81,9 +81,7 @@ class FP4Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: Recipe | None = None, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-        self.mode = Mode.TRAIN
-        self.seed = seed
-        self.set_recipe(recipe or Recipe())
+        self._init_policy(recipe or Recipe(), seed)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe, seed: int = 0) -> FP4Linear:
@@ -92,10 +90,13 @@ class FP4Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new.mode = Mode.TRAIN
-        new.seed = seed
-        new.set_recipe(recipe)
+        new._init_policy(recipe, seed)
         return new
+
+    def _init_policy(self, recipe: Recipe, seed: int) -> None:
+        self.mode = Mode.TRAIN
+        self.seed = seed
+        self.set_recipe(recipe)
 
     def set_recipe(self, recipe: Recipe) -> None:
         """Switch formats/recovery; drops cached rollout weights."""
