@@ -23,6 +23,7 @@ import torch
 
 from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
 from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rollout import SamplingConfig, generate
 
 RECOVERIES = ("", "+resq-dense", "+resq-2:4", "+resq-channel:0.5", "+resq-block:32x64:0.5",
               "+smoothquant", "+rht", "+occ")
@@ -81,24 +82,14 @@ def compare(ref: torch.Tensor, other: torch.Tensor, tokens: torch.Tensor) -> tup
     return kl, diff.mean().item()
 
 
-@torch.no_grad()
 def greedy_completions(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
                        max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations (token ids, stopped at EOS), batched with left padding."""
-    pad = tokenizer.pad_token_id  # type: ignore[attr-defined]
-    eos = tokenizer.eos_token_id  # type: ignore[attr-defined]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad, eos_token_id=eos)[:, width:]
-    completions = []
-    for row in out.tolist():
-        completions.append(row[: row.index(eos) + 1] if eos in row else row)
-    return completions
+    """Greedy continuations (token ids, EOS included), from the KV-cache rollout engine."""
+    batch = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, greedy=True),
+                     pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+                     eos_token_ids=tokenizer.eos_token_id)  # type: ignore[attr-defined]
+    return [ids[:n] for ids, n in zip(batch.response_ids.tolist(),
+                                      batch.response_lengths().tolist(), strict=True)]
 
 
 def accuracy(tokenizer: object, completions: list[list[int]], answers: Sequence[str],
