@@ -31,8 +31,6 @@ class Mode(StrEnum):
 
 
 def _q(x: torch.Tensor, fmt: str, dim: int, stochastic: bool = False) -> torch.Tensor:
-    if fmt == "bf16" and not stochastic:
-        return x.to(torch.bfloat16).to(x.dtype)
     return quantize(x, fmt, dim=dim, rounding="stochastic" if stochastic else "nearest")
 
 
