@@ -198,6 +198,44 @@ def track(items: object, description: str, console: Console) -> object:
     return rich_track(items, description=description, console=console, transient=True)
 
 
+def _experiment(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl import experiments as ex
+    from fp4rl.progress import progress_bar
+
+    preset = ex.get_preset(args.preset)
+    formats = tuple(args.formats or preset.formats)
+    exp = ex.Experiment(args.kind, preset, Path(args.output), formats, tuple(args.overrides),
+                        tuple(ex.EvalSpec.parse(e) for e in args.evals or []))
+    cells = ex.grid_cells(args.kind, formats)
+    for cell in cells:
+        ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
+    exp.output.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        console.print(f"{args.kind} grid, {preset.name} preset: {len(cells)} cells in "
+                      f"{exp.output / 'cells'} ({args.jobs} at a time)")
+        with progress_bar(console) as bar:
+            grid = bar.add_task("cells", total=len(cells), info="")
+            steps = bar.add_task("GRPO", total=None, info="", visible=args.jobs <= 1)
+
+            def status(cell: ex.Cell, what: str) -> None:
+                if what in ("done", "finished earlier"):
+                    bar.advance(grid)
+                if what == "running":
+                    bar.reset(steps)
+                bar.update(grid, info=f"{cell.name}: {what}")
+
+            def step(s: int, total: int, m: dict) -> None:
+                bar.update(steps, total=total, completed=s,
+                           info=f"reward {m['reward_mean']:.3f}")
+
+            ex.run_cells(exp, cells, jobs=args.jobs, on_status=status, progress=step)
+    results = {c.name: ex.load_result(exp, c) for c in cells}
+    path = ex.write_report(exp, cells, results)
+    console.print(path.read_text(), markup=False, soft_wrap=True)
+    console.print(f"report: {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.demo import DemoSize, run_demo
 
@@ -279,6 +317,27 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--fp4-speedup", type=float, default=4.0,
                       help="FP4 GEMM throughput relative to FP16")
     cost.set_defaults(func=_cost)
+
+    exp = sub.add_parser("experiment", help="the paper's Table 1 (precision) or Tables 2/4 "
+                         "(recovery) grid: a GRPO run + evaluation per cell, resumable")
+    exp.add_argument("kind", choices=["precision", "recovery"])
+    exp.add_argument("--preset", default="tiny", choices=["tiny", "paper-3b", "paper-7b"],
+                     help="tiny: smollm2-135m + synthetic task on a CPU; paper-*: the paper's "
+                     "Qwen runs (local weights and data via --set)")
+    exp.add_argument("--output", required=True, help="directory for the cells and the report "
+                     "(rerun the same command to resume)")
+    exp.add_argument("--format", dest="formats", action="append",
+                     help="FP4 format (repeatable; default: the preset's)")
+    exp.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="key=value", help="config override for every cell, e.g. "
+                     "model=/models/Qwen2.5-3B (repeatable)")
+    exp.add_argument("--eval", dest="evals", action="append", metavar="NAME=LAYOUT:PATH",
+                     help="benchmark column (repeatable; default: the preset's test split)")
+    exp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (each gets "
+                     "cpu_count/jobs torch threads)")
+    exp.add_argument("--report-only", action="store_true",
+                     help="write the tables from the finished cells without running any")
+    exp.set_defaults(func=_experiment)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
     bench.add_argument("what", choices=["formats", "rollout"])

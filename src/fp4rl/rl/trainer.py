@@ -294,10 +294,8 @@ class Trainer:
               ) -> list[dict[str, Any]]:
         """Run until ``steps`` (default ``run.steps``); returns this call's metrics."""
         total = steps or self.cfg.run.steps
-        if resume:
-            self.resume()
-        elif (self.out / METRICS).exists():
-            (self.out / METRICS).unlink()
+        if not (resume and self.resume()) and (self.out / METRICS).exists():
+            (self.out / METRICS).unlink()  # lines of a run that never reached a checkpoint
         history = []
         while self.step < total:
             metrics = self.train_step()

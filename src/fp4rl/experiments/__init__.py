@@ -1,0 +1,17 @@
+"""The paper's experiments: grids of GRPO runs, run cell by cell, reported as its tables."""
+
+from fp4rl.experiments.grid import (
+    KINDS,
+    PRESETS,
+    Cell,
+    EvalSpec,
+    ExperimentPreset,
+    get_preset,
+    grid_cells,
+)
+from fp4rl.experiments.report import write_report
+from fp4rl.experiments.runner import Experiment, cell_config, load_result, run_cell, run_cells
+
+__all__ = ["KINDS", "PRESETS", "Cell", "EvalSpec", "Experiment", "ExperimentPreset",
+           "cell_config", "get_preset", "grid_cells", "load_result", "run_cell", "run_cells",
+           "write_report"]

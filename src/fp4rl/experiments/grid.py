@@ -1,0 +1,148 @@
+"""The paper's experiment grids as lists of cells, and the presets that size them.
+
+A cell is one GRPO run named by its recipe preset (``"hif4:bf16/fp4"``,
+``"mxfp4+resq-2:4"``, ``"bf16"``). Names are canonical, so the cells two grids have in
+common (BF16, and plain FP4 = "FP4 train / FP4 rollout" = "recovery: none") are run once
+when both grids write to the same directory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp4rl.nn.recipe import FP4_FORMATS, Recipe, preset
+
+KINDS = ("precision", "recovery")
+#: rows of the paper's Table 1: (train, rollout)
+PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "w4a8"),
+                  ("fp4", "w16a4"), ("fp4", "fp4"), ("bf16", "fp4"))
+#: rows of the paper's Tables 2 and 4: recovery suffix -> label
+RECOVERY_ROWS = {
+    "": "--", "smoothquant": "SmoothQuant", "rht": "RHT", "occ": "OCC",
+    "resq-dense": "ResQ (dense)", "resq-channel:0.5": "ResQ (channel 0.5)",
+    "resq-block:32x64:0.5": "ResQ (block 32x64 0.5)", "resq-2:4": "ResQ (2:4)",
+}
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One GRPO run of a grid: its recipe preset and where it sits in the table."""
+
+    name: str  # canonical preset name
+    fmt: str | None  # FP4 format of the column/row group; None for the BF16 baseline
+    row: str  # row label in the table
+
+    @property
+    def slug(self) -> str:
+        """A directory name: the preset name with ``:``, ``/`` and ``+`` replaced."""
+        return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
+
+    def recipe(self) -> Recipe:
+        return preset(self.name)
+
+
+def precision_name(fmt: str, train: str, rollout: str) -> str:
+    """Canonical preset name of a Table 1 cell."""
+    if (train, rollout) == ("bf16", "bf16"):
+        return "bf16"
+    return fmt if (train, rollout) == ("fp4", "fp4") else f"{fmt}:{train}/{rollout}"
+
+
+def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
+    """The cells of a grid, BF16 first, then row by row (all formats of a row together),
+    so that a partial run already fills whole rows of the table."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown experiment {kind!r}; choose one of {', '.join(KINDS)}")
+    bad = [f for f in formats if f not in FP4_FORMATS]
+    if bad or not formats:
+        raise ValueError(f"experiment formats must be among {', '.join(FP4_FORMATS)}, got "
+                         f"{list(formats)}")
+    cells = [Cell("bf16", None, "BF16")]
+    if kind == "precision":
+        for train, rollout in PRECISION_ROWS[1:]:
+            row = f"{train.upper()} / {rollout.upper()}"
+            cells += [Cell(precision_name(f, train, rollout), f, row) for f in formats]
+    else:
+        for suffix, label in RECOVERY_ROWS.items():
+            cells += [Cell(f"{f}+{suffix}" if suffix else f, f, label) for f in formats]
+    return cells
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """One benchmark column: the config's own test split (``data`` None) or LAYOUT:PATH."""
+
+    name: str
+    data: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> EvalSpec:
+        name, sep, data = text.partition("=")
+        if not sep or not name or ":" not in data:
+            raise ValueError(f"--eval {text!r}: give NAME=LAYOUT:PATH, e.g. "
+                             "Math500=math500:/data/math500.jsonl")
+        return cls(name, data)
+
+
+@dataclass(frozen=True)
+class ExperimentPreset:
+    """Base config of every cell, the benchmarks it is scored on, and the FP4 formats."""
+
+    name: str
+    description: str
+    config: str | None = None  # YAML file under configs/ (None: ``changes`` is everything)
+    changes: dict[str, Any] = field(default_factory=dict)
+    evals: tuple[EvalSpec, ...] = ()
+    formats: tuple[str, ...] = ("hif4", "mxfp4")
+
+    def config_path(self) -> Path | None:
+        if self.config is None:
+            return None
+        path = CONFIGS / self.config
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the paper presets read configs/ from "
+                                    "a checkout of the repository")
+        return path
+
+
+TINY = ExperimentPreset(
+    "tiny",
+    "smollm2-135m on the synthetic arithmetic task (levels 1-2), 16 GRPO steps of 4 prompts "
+    "x 8 samples, scored greedily on 100 test prompts: about 13 CPU-minutes per cell",
+    changes={
+        "model": "smollm2-135m",
+        "data": {"source": "synthetic", "levels": [1, 2], "train_size": 400, "test_size": 100},
+        "grpo": {"num_generations": 8, "batch_size": 4, "micro_batch_size": 16,
+                 "learning_rate": 1.0e-5, "temperature": 0.8, "max_prompt_length": 256,
+                 "max_response_length": 48},
+        "eval": {"mean_at_k": 1, "max_new_tokens": 48},
+        "run": {"steps": 16, "seed": 0, "save_steps": 4, "keep_checkpoints": 1},
+    },
+    evals=(EvalSpec("synthetic"),),
+)
+PAPER_3B = ExperimentPreset(
+    "paper-3b",
+    "Qwen2.5-3B on GSM8K (configs/qwen2.5-3b-gsm8k.yaml); set model and data paths with "
+    "--set, add MATH-500 with --eval Math500=math500:PATH",
+    config="qwen2.5-3b-gsm8k.yaml",
+    evals=(EvalSpec("GSM8K-test"),),
+)
+PAPER_7B = ExperimentPreset(
+    "paper-7b",
+    "Qwen2.5-Math-7B on DAPO-Math-17K (configs/qwen2.5-math-7b-dapo.yaml), HiF4 only, "
+    "Mean@32; give the benchmarks with --eval AIME24=aime24:PATH (and AIME25, AMC23, Math500)",
+    config="qwen2.5-math-7b-dapo.yaml",
+    formats=("hif4",),
+)
+PRESETS = {p.name: p for p in (TINY, PAPER_3B, PAPER_7B)}
+
+
+def get_preset(name: str) -> ExperimentPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown experiment preset {name!r}; choose one of "
+                         f"{', '.join(PRESETS)}")
+    return PRESETS[name]

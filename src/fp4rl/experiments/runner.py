@@ -1,0 +1,272 @@
+"""Running a grid cell by cell: every cell is a GRPO run plus its evaluation.
+
+``<output>/cells/<cell>/`` holds the cell's training run (checkpoints, metrics.jsonl),
+``initial.json`` (the starting model scored as that cell's rollout policy) and, once the
+cell is finished, ``result.json``. A finished cell is never run again; an interrupted one
+resumes from its last checkpoint. A lock file with the owner's pid lets two runners
+(e.g. the precision and the recovery grid) share one output directory: each skips the
+cells the other is running and waits for them before it writes its report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPreset
+from fp4rl.paths import write_json
+
+RESULT = "result.json"
+INITIAL = "initial.json"
+LOCK = ".lock"
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What ``fp4rl experiment`` was asked to run (picklable, for worker processes)."""
+
+    kind: str
+    preset: ExperimentPreset
+    output: Path
+    formats: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+    evals: tuple[EvalSpec, ...] = ()
+
+    def cell_dir(self, cell: Cell) -> Path:
+        return self.output / "cells" / cell.slug
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def cell_config(exp: Experiment, cell: Cell) -> Any:
+    """The cell's TrainConfig: preset config < ``--set`` overrides < the cell's recipe."""
+    from fp4rl.rl.config import ConfigError, apply_override, validate
+
+    path = exp.preset.config_path()
+    data: dict[str, Any] = yaml.safe_load(path.read_text()) if path else {}
+    data = _merge(data, exp.preset.changes)
+    for item in exp.overrides:
+        apply_override(data, item)
+    recipe = cell.recipe().to_dict()
+    data["train"], data["rollout"] = recipe["train"], recipe["rollout"]
+    cfg = validate(data)
+    for where in ("model", "data.train_path", "data.test_path"):
+        value = cfg.model if where == "model" else getattr(cfg.data, where.split(".")[1])
+        if isinstance(value, str) and value.startswith("/path/to/"):
+            raise ConfigError(f"{where} is still the placeholder {value!r}: pass "
+                              f"--set {where}=<local path>")
+    return cfg
+
+
+@contextlib.contextmanager
+def cell_lock(directory: Path) -> Iterator[bool]:
+    """Hold ``directory/.lock`` while running a cell; yields False if a live process
+    (on this host) holds it. A lock left by a dead process is taken over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / LOCK
+    owner = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _holder_alive(lock):
+                yield False
+                return
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(owner)
+        try:
+            yield True
+        finally:
+            lock.unlink(missing_ok=True)
+        return
+    yield False
+
+
+def _holder_alive(lock: Path) -> bool:
+    try:
+        host, pid = lock.read_text().split()
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return True  # cannot tell; assume another machine is working on it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, list]]:
+    from fp4rl.rl.datasets import encode_examples, load_split
+    from fp4rl.rl.sources import eval_examples
+
+    evals = exp.evals or exp.preset.evals
+    if not evals:
+        raise ValueError(f"preset {exp.preset.name!r} names no benchmark: add "
+                         "--eval NAME=LAYOUT:PATH (repeatable)")
+    n = cfg.eval.size or cfg.data.test_size
+    sets = []
+    for spec in evals:
+        if spec.data is None:
+            examples, prompts = encode_examples(load_split(cfg.data, "test", cfg.run.seed, n),
+                                                tok, cfg.grpo.max_prompt_length, log=lambda m: None)
+        else:
+            examples, prompts = eval_examples(spec.data, tok, n, cfg.data.levels, cfg.run.seed,
+                                              max_prompt_length=cfg.grpo.max_prompt_length)
+        sets.append((spec.name, examples, prompts))
+    return sets
+
+
+def _score(model: torch.nn.Module, tok: Any, cfg: Any,
+           sets: list[tuple[str, list, list]]) -> dict[str, Any]:
+    from fp4rl.rl.evaluate import evaluate
+
+    e = cfg.eval
+    out = {}
+    for name, examples, prompts in sets:
+        result = evaluate(model, tok, examples, prompts, k=e.mean_at_k,
+                          temperature=e.temperature, seed=cfg.run.seed,
+                          max_new_tokens=e.max_new_tokens or cfg.grpo.max_response_length)
+        out[name] = result.as_dict()
+    return out
+
+
+def run_cell(exp: Experiment, cell: Cell, log: Log = print,
+             progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
+    """Train and score one cell (resuming it if it was interrupted); returns its result."""
+    from fp4rl.nn import quantize_model
+    from fp4rl.rl import checkpoint as ckpt
+    from fp4rl.rl.trainer import METRICS, Trainer, read_metrics
+
+    directory = exp.cell_dir(cell)
+    cfg = cell_config(exp, cell)
+    run_dir = directory / "run"
+    trainer = Trainer(cfg, run_dir, log=log)
+    sets = _eval_sets(exp, cfg, trainer.tok)
+    if not (directory / INITIAL).is_file() and ckpt.latest_checkpoint(run_dir) is None:
+        start = time.perf_counter()
+        scores = _score(trainer.model, trainer.tok, cfg, sets)
+        write_json(directory / INITIAL, {"rollout": scores, "seconds": time.perf_counter() - start})
+    trainer.train(resume=True, progress=progress)
+    start = time.perf_counter()
+    final = _score(trainer.model, trainer.tok, cfg, sets)  # as the cell's rollout policy
+    quantize_model(trainer.model, "bf16")
+    unquantized = _score(trainer.model, trainer.tok, cfg, sets)
+    eval_seconds = time.perf_counter() - start
+    history = read_metrics(run_dir / METRICS)
+    initial = _read_json(directory / INITIAL)
+    result = {
+        "cell": cell.name, "format": cell.fmt, "row": cell.row,
+        "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
+        "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
+        "rewards": [r["reward_mean"] for r in history],
+        "train_seconds": sum(r["time/rollout"] + r["time/reward"] + r["time/update"]
+                             for r in history),
+        "eval_seconds": eval_seconds + initial["seconds"],
+        "torch_threads": torch.get_num_threads(),
+    }
+    write_json(directory / RESULT, result)
+    for state in (run_dir / ckpt.CHECKPOINTS).glob("step-*/optimizer.pt"):
+        state.unlink()  # a finished cell keeps its trained weights, not AdamW's moments
+    log(f"{cell.name}: done")
+    return result
+
+
+def _read_json(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def load_result(exp: Experiment, cell: Cell) -> dict[str, Any] | None:
+    path = exp.cell_dir(cell) / RESULT
+    return _read_json(path) if path.is_file() else None
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_in_worker(exp: Experiment, cell: Cell,
+                   progress: Callable[[int, int, dict], None] | None = None) -> str:
+    directory = exp.cell_dir(cell)
+    with cell_lock(directory) as mine:
+        if not mine:
+            return "busy"
+        with open(directory / "log.txt", "a") as f:
+            def log(message: str) -> None:
+                f.write(message + "\n")
+                f.flush()
+
+            run_cell(exp, cell, log=log, progress=progress)
+    return "done"
+
+
+def run_cells(exp: Experiment, cells: list[Cell], jobs: int = 1,
+              on_status: Callable[[Cell, str], None] = lambda c, s: None,
+              progress: Callable[[int, int, dict], None] | None = None,
+              poll_seconds: float = 30.0) -> None:
+    """Run every unfinished cell (``jobs`` at a time), then wait for any cell another
+    runner holds, so that on return every cell has a result."""
+    pending = [c for c in cells if load_result(exp, c) is None]
+    for c in cells:
+        if c not in pending:
+            on_status(c, "finished earlier")
+    busy = _run_batch(exp, pending, jobs, on_status, progress)
+    while busy:
+        time.sleep(poll_seconds)
+        busy = [c for c in busy if load_result(exp, c) is None]
+        # a runner that died leaves its lock stale: take the cell over
+        busy = _run_batch(exp, busy, jobs, on_status, progress)
+
+
+def _run_batch(exp: Experiment, cells: list[Cell], jobs: int,
+               on_status: Callable[[Cell, str], None],
+               progress: Callable[[int, int, dict], None] | None) -> list[Cell]:
+    busy: list[Cell] = []
+    if jobs <= 1:
+        for cell in cells:
+            on_status(cell, "running")
+            status = _run_in_worker(exp, cell, progress)
+            on_status(cell, status)
+            if status == "busy":
+                busy.append(cell)
+        return busy
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
+                             initargs=(threads,)) as pool:
+        futures = {cell: pool.submit(_run_in_worker, exp, cell) for cell in cells}
+        for cell in cells:
+            on_status(cell, "queued")
+        for cell, future in futures.items():
+            status = future.result()
+            on_status(cell, status)
+            if status == "busy":
+                busy.append(cell)
+    return busy

@@ -1,0 +1,162 @@
+"""Experiment grids: cells, configs, the resumable runner and the paper-layout tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from fp4rl.cli import main
+from fp4rl.experiments import (
+    EvalSpec,
+    Experiment,
+    cell_config,
+    get_preset,
+    grid_cells,
+    load_result,
+    run_cells,
+    runner,
+)
+from fp4rl.experiments.report import precision_table, recovery_table
+from fp4rl.models import tiny_model
+from fp4rl.rl import checkpoint as ckpt
+from fp4rl.rl.config import ConfigError
+from fp4rl.rl.trainer import METRICS, read_metrics
+
+SMALL = ["run.steps=2", "run.save_steps=1", "grpo.num_generations=4", "grpo.batch_size=2",
+         "grpo.max_response_length=4", "data.train_size=8", "data.test_size=3",
+         "eval.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model, tok = tiny_model("llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _experiment(tmp_path, model_dir, kind="recovery", formats=("hif4",)):
+    return Experiment(kind, get_preset("tiny"), tmp_path / "out", formats,
+                      (f"model={model_dir}", *SMALL))
+
+
+def test_grids_have_the_paper_rows_and_share_cells():
+    precision = grid_cells("precision", ("hif4", "mxfp4"))
+    recovery = grid_cells("recovery", ("hif4", "mxfp4"))
+    assert len(precision) == 1 + 6 * 2 and len(recovery) == 1 + 8 * 2
+    assert {c.name for c in precision} & {c.name for c in recovery} == {"bf16", "hif4", "mxfp4"}
+    assert [c.name for c in precision if c.fmt == "mxfp4"] == [
+        "mxfp4:fp4/bf16", "mxfp4:fp4/w4a16", "mxfp4:fp4/w4a8", "mxfp4:fp4/w16a4", "mxfp4",
+        "mxfp4:bf16/fp4"]
+    rec = {c.name: c.recipe() for c in recovery}
+    assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.sparsity == "block:32x64:0.5"
+    assert rec["mxfp4+smoothquant"].rollout.recovery.method == "smoothquant"
+    assert len({c.slug for c in recovery}) == len(recovery)
+    with pytest.raises(ValueError, match="hif4, mxfp4, nvfp4"):
+        grid_cells("recovery", ("fp8",))
+    with pytest.raises(ValueError, match="precision, recovery"):
+        grid_cells("table9", ("hif4",))
+
+
+def test_eval_spec_and_preset_errors():
+    assert EvalSpec.parse("Math500=math500:/d/m.jsonl") == EvalSpec("Math500",
+                                                                    "math500:/d/m.jsonl")
+    with pytest.raises(ValueError, match="NAME=LAYOUT:PATH"):
+        EvalSpec.parse("math500.jsonl")
+    with pytest.raises(ValueError, match="tiny, paper-3b, paper-7b"):
+        get_preset("huge")
+
+
+def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
+    exp = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",),
+                     ("grpo.learning_rate=3e-5", "train.weights=bf16"))
+    cell = next(c for c in grid_cells("precision", ("hif4",)) if c.name == "hif4:bf16/fp4")
+    cfg = cell_config(exp, cell)
+    assert cfg.grpo.learning_rate == 3e-5 and cfg.grpo.num_generations == 8
+    assert cfg.train["weights"] == "bf16" and cfg.rollout["activations"] == "hif4"
+    paper = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",))
+    with pytest.raises(ConfigError, match="--set model="):
+        cell_config(paper, grid_cells("recovery", ("hif4",))[1])
+
+
+def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, model_dir, monkeypatch):
+    exp = _experiment(tmp_path, model_dir)
+    cells = grid_cells("recovery", ("hif4",))[:3]
+    # an interrupted cell: one step done and checkpointed, then killed
+    first = cells[1]
+    first_run = exp.cell_dir(first) / "run"
+    from fp4rl.rl.trainer import Trainer
+
+    Trainer(cell_config(exp, first), first_run, log=lambda m: None).train(steps=1)
+    (exp.cell_dir(first) / runner.INITIAL).write_text(json.dumps(
+        {"rollout": {"synthetic": {"mean@1": 0.0, "n": 3}}, "seconds": 0.0}))
+    seen = []
+    run_cells(exp, cells, on_status=lambda c, s: seen.append((c.name, s)))
+    assert all(load_result(exp, c) is not None for c in cells)
+    assert [r["step"] for r in read_metrics(first_run / METRICS)] == [1, 2]
+    result = load_result(exp, cells[2])
+    assert len(result["rewards"]) == 2 and set(result) >= {"initial", "rollout", "bf16"}
+    assert not list((exp.cell_dir(cells[2]) / "run").glob("checkpoints/*/optimizer.pt"))
+    assert ckpt.latest_checkpoint(exp.cell_dir(cells[2]) / "run") is not None
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a finished cell ran again")
+
+    monkeypatch.setattr(runner, "run_cell", boom)
+    seen.clear()
+    run_cells(exp, cells, on_status=lambda c, s: seen.append((c.name, s)))
+    assert seen == [(c.name, "finished earlier") for c in cells]
+
+
+def test_cell_lock_skips_a_live_holder_and_takes_over_a_dead_one(tmp_path):
+    lock = tmp_path / runner.LOCK
+    lock.write_text(f"{socket.gethostname()} {os.getpid()}")
+    with runner.cell_lock(tmp_path) as mine:
+        assert not mine
+    lock.write_text(f"{socket.gethostname()} 999999999")  # no such process
+    with runner.cell_lock(tmp_path) as mine:
+        assert mine and lock.read_text().endswith(str(os.getpid()))
+    assert not lock.exists()
+
+
+def _fake(acc_rollout, acc_bf16=None):
+    def scores(a):
+        return {"synthetic": {"mean@1": a, "n": 100}}
+
+    return {"rollout": scores(acc_rollout), "bf16": scores(acc_bf16 or acc_rollout),
+            "initial": scores(acc_rollout), "rewards": [0.1, 0.2], "train_seconds": 1.0,
+            "eval_seconds": 1.0, "torch_threads": 1, "config": {}}
+
+
+def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
+    results = {"bf16": _fake(0.80), "hif4": _fake(0.75), "hif4:bf16/fp4": _fake(0.70),
+               "mxfp4": _fake(0.60)}
+    lines = precision_table(results, ("hif4", "mxfp4"), "synthetic", "rollout")
+    assert lines[0] == "| Train | Rollout | FP4 = HiF4 | FP4 = MXFP4 |"
+    assert lines[2] == "| BF16 | BF16 | 80.0 | 80.0 |"
+    assert lines[7] == "| FP4 | FP4 | 75.0 (-5.0) | 60.0 (-20.0) |"
+    assert lines[8] == "| BF16 | FP4 | 70.0 (-10.0) | -- |"
+    cells = grid_cells("recovery", ("hif4",))
+    rec = recovery_table({"bf16": _fake(0.5), "hif4+resq-2:4": _fake(0.45)}, cells,
+                         ["synthetic"], "rollout")
+    assert rec[2] == "| BF16 | -- | 50.0 |"
+    assert rec[3] == "| HiF4 | -- | -- |"
+    assert rec[-1] == "|  | ResQ (2:4) | 45.0 (-5.0) |"
+
+
+def test_cli_experiment_writes_the_report(tmp_path, model_dir):
+    out = tmp_path / "exp"
+    args = ["experiment", "precision", "--output", str(out), "--format", "hif4",
+            "--set", f"model={model_dir}", *[a for s in SMALL for a in ("--set", s)]]
+    assert main(args) == 0
+    text = (out / "precision.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| FP4 | W4A8 |"))
+    assert row.count("(") == 1  # accuracy (gap to BF16) for the one format
+    assert (out / "precision_rewards.png").is_file()
+    payload = json.loads((out / "precision.json").read_text())
+    assert len(payload["cells"]) == 7 and all("rollout" in c for c in payload["cells"])
+    assert main([*args, "--report-only"]) == 0
