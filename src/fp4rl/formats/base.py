@@ -21,7 +21,7 @@ import torch
 
 from fp4rl.formats._exact import nonfinite_blocks
 from fp4rl.formats.packing import PackedTensor
-from fp4rl.kernels import quantize_rows
+from fp4rl.kernels import has_matrix_kernel, quantize_matrix, quantize_rows
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -152,7 +152,7 @@ class BlockFormat(NumberFormat):
         scale = self._tensor_scale(rows, opts)
         if scale is not None:
             rows = rows / scale
-        blocks, noise = self._to_blocks(rows, self._noise(rows, opts))
+        blocks, noise = self._to_blocks(rows, self._noise(*rows.shape, rows.device, opts))
         nan = nonfinite_blocks(blocks)
         fields = self.fields(torch.where(nan, 0.0, blocks), noise)
         buffers = self.pack(fields, nan.squeeze(-1))
@@ -182,9 +182,11 @@ class BlockFormat(NumberFormat):
         d = check_tensor(x, dim)
         if x.numel() == 0:
             return x.clone()
+        if fast and x.dim() == 2 and has_matrix_kernel(x):
+            return self._quantize_matrix(x, d, opts)
         rows, restore = _to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
-        noise = self._noise(rows, opts)
+        noise = self._noise(*rows.shape, rows.device, opts)
         g = None if scale is None else float(scale)
         out = quantize_rows(self.kernel_id, rows, noise, g) if fast else None
         if out is None:
@@ -192,6 +194,16 @@ class BlockFormat(NumberFormat):
             if scale is not None:
                 out = out * scale
         return restore(out)
+
+    def _quantize_matrix(self, x: torch.Tensor, dim: int, opts: QuantOptions) -> torch.Tensor:
+        """A matrix quantized along either axis by a strided kernel (no transposed copy),
+        with the same scale and noise draws as the row path."""
+        m = x.to(torch.float32)
+        scale = self._tensor_scale(m, opts)
+        noise = self._noise(m.shape[1 - dim], m.shape[dim], m.device, opts)
+        out = quantize_matrix(self.kernel_id, m, dim, noise,
+                              None if scale is None else float(scale))
+        return out.to(x.dtype)
 
     def _reference_rows(self, rows: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         length = rows.shape[-1]
@@ -208,13 +220,13 @@ class BlockFormat(NumberFormat):
         u = None if noise is None else noise.to(torch.float64).reshape(-1, self.block_size)
         return blocks, u
 
-    def _noise(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
-        """Uniform [0, 1) draws over the zero-padded rows, shared by both paths."""
+    def _noise(self, n_rows: int, length: int, device: torch.device,
+               opts: QuantOptions) -> torch.Tensor | None:
+        """Uniform [0, 1) draws over ``n_rows`` zero-padded rows, shared by every path."""
         if opts.rounding is Rounding.NEAREST:
             return None
-        shape = (rows.shape[0], _padded(rows.shape[1], self.block_size))
-        return torch.rand(shape, generator=opts.generator, dtype=torch.float32,
-                          device=rows.device)
+        shape = (n_rows, _padded(length, self.block_size))
+        return torch.rand(shape, generator=opts.generator, dtype=torch.float32, device=device)
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
         """Per-tensor float32 scale g (blocks see ``x / g``), or None; only NVFP4 has one."""

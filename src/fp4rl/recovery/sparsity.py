@@ -168,12 +168,13 @@ def sparsify(x: Tensor, pattern: str | SparsityPattern) -> Tensor:
     """Zero the entries of ``x`` that ``pattern`` drops.
 
     Returns a tensor of the same shape and dtype; ``"dense"`` returns ``x``
-    itself without copying.
+    itself without copying. Dropped entries become +0 (not ``x * 0``, which would keep
+    the sign of a negative value and turn NaN into NaN), as in the fused kernels.
     """
     parsed = parse_pattern(pattern)
     if isinstance(parsed, Dense):
         return x
-    return x * keep_mask(x, parsed)
+    return torch.where(keep_mask(x, parsed), x, x.new_zeros(()))
 
 
 def keep_mask(x: Tensor, pattern: str | SparsityPattern) -> Tensor:

@@ -1,0 +1,215 @@
+"""Triton kernels: block fake quantization (HiF4, MXFP4, NVFP4, MXFP8) and fused ResQ.
+
+The arithmetic mirrors ``quant.c`` step for step and is exact: scales and products are
+formed in float64, where they fit without rounding, and the round-to-grid steps work
+on the bits of those exact values, so the output is bit-identical to the float64
+reference in :mod:`fp4rl.formats`. Float32 divisions use ``div_rn`` (Triton's default
+float32 division is approximate on GPUs).
+
+One program quantizes a tile of ``ROWS`` independent rows by one block of ``BS``
+values along the quantization axis. The axis is a stride, so a matrix is quantized
+along either of its axes in place, without a transposed copy. On a machine without a
+GPU the same kernels run under ``TRITON_INTERPRET=1`` (how the tests check them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = {0: 64, 1: 32, 2: 16, 3: 32}  # kernel id -> block size (hif4, mxfp4, nvfp4, mxfp8)
+TILE_ELEMENTS = 2048
+MAGIC = 4503599627370496.0  # 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float64 for integer e in the normal range."""
+    return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _floor_log2(v):
+    """floor(log2 v) of a positive normal float64."""
+    return ((v.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
+
+
+@triton.jit
+def _round_frac_bits(v, FRAC: tl.constexpr):
+    """Round a non-negative float64 to FRAC fraction bits, ties to even."""
+    DROP: tl.constexpr = 52 - FRAC
+    u = v.to(tl.int64, bitcast=True)
+    u = u + ((1 << (DROP - 1)) - 1) + ((u >> DROP) & 1)
+    u = (u >> DROP) << DROP
+    return tl.where(v == 0.0, 0.0, u.to(tl.float64, bitcast=True))
+
+
+@triton.jit
+def _round_step(t, noise, HAS_NOISE: tl.constexpr):
+    """Nearest-even integer of t >= 0, or floor(t + u) for stochastic rounding."""
+    if HAS_NOISE:
+        return tl.floor(t + noise)
+    return (t + MAGIC) - MAGIC
+
+
+@triton.jit
+def _round_minifloat(v, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr,
+                     HAS_NOISE: tl.constexpr):
+    """Minifloat rounding of v >= 0 with MBITS fraction bits and min normal exponent EMIN."""
+    e = tl.maximum(tl.where(v > 0.0, _floor_log2(v), EMIN), EMIN)
+    q = _round_step(v * _pow2(MBITS - e), noise, HAS_NOISE) * _pow2(e - MBITS)
+    return tl.minimum(q, VMAX)
+
+
+@triton.jit
+def _expand(v, ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """(ROWS, N) -> (ROWS, N * K), each value repeated K times."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (ROWS, N, K)), (ROWS, N * K))
+
+
+@triton.jit
+def _hif4_mag(a, noise, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
+    """|Q(x)| of finite (ROWS, 64) blocks of |x| (formats.md, HiF4)."""
+    v16 = tl.max(tl.reshape(a, (ROWS, 16, 4)), axis=2).to(tl.float64)
+    v8 = tl.max(tl.reshape(v16, (ROWS, 8, 2)), axis=2)
+    amax = tl.max(v8, axis=1)
+    s = _round_frac_bits(amax * 0.142578125, 7)
+    s = _round_frac_bits(tl.minimum(tl.maximum(s, 3.552713678800501e-15), 49152.0), 2)
+    r = _round_frac_bits(1.0 / s, 7)
+    c8 = _expand(tl.where(v8 * r[:, None] >= 4.0, 1.0, 0.0), ROWS, 8, 2)
+    d = c8 + tl.where(v16 * r[:, None] >= 2.0 + 2.0 * c8, 1.0, 0.0)
+    fin = _expand(4.0 * r[:, None] * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0)), ROWS, 16, 4)
+    fout = _expand(0.25 * s[:, None] * (1.0 + d + 0.5 * d * (d - 1.0)), ROWS, 16, 4)
+    if HAS_NOISE:
+        q = tl.floor(a.to(tl.float64) * fin + noise)  # stochastic: floor(t + u)
+    else:
+        q = tl.floor(a.to(tl.float64) * fin + 0.5)  # round half away (values are >= 0)
+    return (tl.minimum(q, 7.0) * fout).to(tl.float32)
+
+
+@triton.jit
+def _mx_mag(a, amax, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr,
+            SCALE_OFFSET: tl.constexpr, HAS_NOISE: tl.constexpr):
+    """|Q(x)| of finite MX blocks: shared power-of-two scale, minifloat elements."""
+    am = amax.to(tl.float64)
+    e = tl.maximum(tl.where(am > 0.0, _floor_log2(am) - SCALE_OFFSET, -127), -127)[:, None]
+    v = a.to(tl.float64) * _pow2(-e)
+    return (_round_minifloat(v, noise, MBITS, EMIN, VMAX, HAS_NOISE) * _pow2(e)).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
+    """|Q(x)| of finite NVFP4 blocks: E4M3 scale of amax / 6, E2M1 elements."""
+    s = tl.minimum(amax.to(tl.float64) / 6.0, 448.0)
+    s = _round_minifloat(s, 0.0, 3, -6, 448.0, False)[:, None]
+    v = tl.where(s > 0.0, a.to(tl.float64) / tl.where(s > 0.0, s, 1.0), 0.0)
+    return (_round_minifloat(v, noise, 1, 0, 6.0, HAS_NOISE) * s).to(tl.float32)
+
+
+@triton.jit
+def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
+    """Fake-quantize a (ROWS, block) float32 tile; a block holding NaN/Inf becomes NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    top = tl.max(bits & 0x7FFFFFFF, axis=1)  # NaN and Inf sort above every finite value
+    amax = top.to(tl.float32, bitcast=True)
+    if FMT == 0:
+        mag = _hif4_mag(a, noise, ROWS, HAS_NOISE)
+    elif FMT == 1:
+        mag = _mx_mag(a, amax, noise, 1, 0, 6.0, 2, HAS_NOISE)
+    elif FMT == 2:
+        mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
+    else:
+        mag = _mx_mag(a, amax, noise, 3, -6, 448.0, 8, HAS_NOISE)
+    y = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    nan = tl.full(y.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where((top >= 0x7F800000)[:, None], nan, y)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, snr, snc, g,
+                     FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
+    inside = (rows < n_rows) & (cols < length)
+    x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0)
+    if HAS_SCALE:
+        x = tl.math.div_rn(x, tl.zeros_like(x) + g)
+    noise = 0.0
+    if HAS_NOISE:
+        noise = tl.load(noise_ptr + rows * snr + cols * snc, mask=rows < n_rows,
+                        other=0.0).to(tl.float64)
+    y = _quantize_tile(x, noise, FMT, ROWS, HAS_NOISE)
+    if HAS_SCALE:
+        y = y * g
+    tl.store(y_ptr + rows * sxr + cols * sxc, y, mask=inside)
+
+
+@triton.jit
+def _resq_kernel(x_ptr, y_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.constexpr,
+                 ROWS: tl.constexpr, KEEP: tl.constexpr, GROUP: tl.constexpr):
+    """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps KEEP of every GROUP (0: dense)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
+    inside = (rows < n_rows) & (cols < length)
+    x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0)
+    q = _quantize_tile(x, 0.0, FMT, ROWS, False)
+    res = _quantize_tile(x - q, 0.0, FMT, ROWS, False)
+    if GROUP > 0:
+        a = tl.reshape(tl.abs(res), (ROWS, BS // GROUP, GROUP))
+        idx = tl.arange(0, GROUP)
+        # rank of value i in its group: larger values, plus equal ones at lower index
+        beats = (a[:, :, None, :] > a[:, :, :, None]) | (
+            (a[:, :, None, :] == a[:, :, :, None]) & (idx[None, :] < idx[:, None])[None, None])
+        rank = tl.reshape(tl.sum(beats.to(tl.int32), axis=3), (ROWS, BS))
+        res = tl.where(rank < KEEP, res, 0.0)
+    tl.store(y_ptr + rows * length + cols, q + res, mask=inside)
+
+
+def _rows_per_program(block: int) -> int:
+    return max(1, TILE_ELEMENTS // block)
+
+
+def quantize_2d(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
+                tensor_scale: float | None = None) -> torch.Tensor:
+    """Fake-quantize a float32 matrix along ``axis`` (0 or 1), blocks along that axis.
+
+    ``noise`` holds the stochastic-rounding draws laid out as rows along the axis:
+    shape (other dim, padded length), as :class:`fp4rl.formats.base.BlockFormat` draws them.
+    ``tensor_scale`` g quantizes ``x / g`` and multiplies the result by g (NVFP4).
+    """
+    if x.dim() != 2 or x.dtype != torch.float32 or axis not in (0, 1):
+        raise ValueError("quantize_2d takes a float32 matrix and axis 0 or 1")
+    bs = BLOCK[kernel_id]
+    if not (x.is_contiguous() or x.t().is_contiguous()):
+        x = x.contiguous()
+    y = torch.empty_like(x)  # same strides as x
+    sxr, sxc = (x.stride(1), x.stride(0)) if axis == 0 else x.stride()
+    n_rows, length = (x.shape[1], x.shape[0]) if axis == 0 else x.shape
+    rows = _rows_per_program(bs)
+    grid = (triton.cdiv(n_rows, rows), triton.cdiv(length, bs))
+    snr, snc = noise.stride() if noise is not None else (0, 0)
+    _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
+                           snr, snc, float(tensor_scale or 0.0), FMT=kernel_id, BS=bs, ROWS=rows,
+                           HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None)
+    return y
+
+
+def fused_resq(kernel_id: int, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+    """Fused ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` over contiguous float32 rows.
+
+    None where the kernel does not apply: NVFP4 (its per-tensor scale needs a first pass
+    over the whole tensor) or a group that is not a power of two dividing the block.
+    """
+    bs = BLOCK[kernel_id]
+    if kernel_id == 2 or (group and (group & (group - 1) or bs % group)):
+        return None
+    rows = rows.contiguous()
+    out = torch.empty_like(rows)
+    per = _rows_per_program(bs)
+    grid = (triton.cdiv(rows.shape[0], per), triton.cdiv(rows.shape[1], bs))
+    _resq_kernel[grid](rows, out, rows.shape[0], rows.shape[1], FMT=kernel_id, BS=bs,
+                       ROWS=per, KEEP=keep, GROUP=group)
+    return out
