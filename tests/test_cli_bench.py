@@ -63,3 +63,34 @@ def test_bench_rollout_on_tiny_model(tmp_path):
     assert [r["name"] for r in rows] == ["rollout.hif4_vs_unquantized",
                                          "rollout.hif4+resq-2:4_vs_unquantized"]
     assert all(r["ratio"] > 0 and r["baseline"] == "unquantized" for r in rows)
+
+
+def test_bench_linear_reports_both_baselines(tmp_path):
+    out = tmp_path / "linear.json"
+    assert main(["bench", "linear", "--tokens", "16", "--shapes", "2", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == [
+        "linear.smollm2-135m.up_proj[16x576->1536].hif4_vs_fp32",
+        "linear.smollm2-135m.up_proj[16x576->1536].hif4_vs_bf16",
+        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_fp32",
+        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_bf16"]
+    assert all(r["ratio"] > 0 and len(r["candidate_times"]) == 1 for r in results)
+
+
+def test_bench_train_splits_a_step_into_phases(tmp_path):
+    from fp4rl.models import tiny_model
+
+    model, tok = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--model", str(tmp_path / "m"), "--repeats", "1",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in results] == [f"train.{p}.fp4_vs_bf16" for p in
+                                            ("rollout", "reward", "old_logprob", "update",
+                                             "step")]
+    step = results[-1]
+    parts = sum(r["candidate_times"][0] for r in results[:-1])
+    assert step["candidate_times"][0] == pytest.approx(parts)

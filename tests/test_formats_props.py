@@ -229,3 +229,21 @@ def test_stochastic_rounding_is_unbiased(fmt):
     assert mean_err < 0.15 * nearest_err
     if fmt in ("mxfp4", "mxfp8_e4m3", "bf16"):  # each draw lies on the grid
         assert same(f.quantize(q), q)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_matrix_kernel_either_axis(fmt, dim, transposed):
+    """2-D tensors take the kernel that quantizes along either axis without a copy."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(150, 70, generator=g) * torch.exp(2 * torch.randn(150, 70, generator=g))
+    x[7, 9] = float("nan")
+    x = x.t() if transposed else x
+    f = fp4rl.get_format(fmt)
+    assert same(f.quantize(x, dim=dim), f.quantize_reference(x, dim=dim))
+    fast = f.quantize(x, dim=dim, rounding="stochastic",
+                      generator=torch.Generator().manual_seed(4))
+    ref = f.quantize_reference(x, dim=dim, rounding="stochastic",
+                               generator=torch.Generator().manual_seed(4))
+    assert same(fast, ref)

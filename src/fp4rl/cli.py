@@ -19,11 +19,24 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS, size=args.size,
                             repeats=args.repeats)
         bench.render(results, console, args.size)
-    else:  # rollout
+    elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
 
         results, tokens = bench.run(args.model, repeats=args.repeats)
         bench.render(results, tokens, console)
+    elif args.what == "linear":
+        from fp4rl.bench import linear as bench
+
+        fmt = (args.formats or ["hif4"])[0]
+        shapes = bench.SHAPES if args.tokens is None else tuple(
+            (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
+        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats)
+        bench.render(results, console)
+    else:  # train
+        from fp4rl.bench import train as bench
+
+        results = bench.run(args.model, repeats=args.repeats)
+        bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
         common.write_json(args.json, results, benchmark=args.what, size=args.size)
@@ -340,12 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_experiment)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
-    bench.add_argument("what", choices=["formats", "rollout"])
-    bench.add_argument("--model", default="smollm2-135m", help="model for bench rollout")
+    bench.add_argument("what", choices=["formats", "linear", "rollout", "train"])
+    bench.add_argument("--model", default="smollm2-135m", help="model for rollout / train")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",
                        help="limit to this format (repeatable)")
-    bench.add_argument("--size", type=int, default=4096, help="square tensor side")
+    bench.add_argument("--size", type=int, default=4096, help="square tensor side (formats)")
+    bench.add_argument("--tokens", type=int, help="tokens per linear (default: 512)")
+    bench.add_argument("--shapes", type=int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=int, default=5)
     bench.set_defaults(func=_bench)
     return parser

@@ -186,7 +186,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
         "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
         "rewards": [r["reward_mean"] for r in history],
         "train_seconds": sum(r["time/rollout"] + r["time/reward"] + r["time/update"]
-                             for r in history),
+                             + r.get("time/old_logprob", 0.0) for r in history),
         "eval_seconds": eval_seconds + initial["seconds"],
         "torch_threads": torch.get_num_threads(),
     }

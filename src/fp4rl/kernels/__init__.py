@@ -46,8 +46,12 @@ def _triton_for(t: torch.Tensor) -> ModuleType | None:
 
 
 def has_matrix_kernel(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_matrix` runs for ``x`` (a strided kernel is available)."""
-    return _triton_for(x) is not None
+    """Whether :func:`quantize_matrix` runs for ``x`` (a kernel for either axis exists)."""
+    if _triton_for(x) is not None:
+        return True
+    from fp4rl.kernels.cpu import load_library
+
+    return x.device.type == "cpu" and load_library() is not None
 
 
 def quantize_rows(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
@@ -71,10 +75,17 @@ def quantize_matrix(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Ten
                     tensor_scale: float | None = None) -> torch.Tensor:
     """Fake-quantize a float32 matrix along ``axis`` without a transposed copy; only where
     :func:`has_matrix_kernel`. ``noise`` is laid out as rows along ``axis``."""
+    if noise is not None:
+        noise = noise.contiguous()
     tri = _triton_for(x)
-    if tri is None:
-        raise RuntimeError("no strided quantization kernel for this tensor")
-    return tri.quantize_2d(kernel_id, x, axis, noise, tensor_scale)
+    if tri is not None:
+        return tri.quantize_2d(kernel_id, x, axis, noise, tensor_scale)
+    if not x.is_contiguous() and x.t().is_contiguous():  # a transposed view: flip the axis
+        return quantize_matrix(kernel_id, x.t(), 1 - axis, noise, tensor_scale).t()
+    out = quantize_rows_cpu(kernel_id, x.contiguous(), noise, tensor_scale, axis)
+    if out is None:
+        raise RuntimeError("no quantization kernel for this tensor (see has_matrix_kernel)")
+    return out
 
 
 def resq_rows(kernel_id: int, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:

@@ -80,6 +80,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.fp4rl_quantize_cols.restype = ctypes.c_int
+    lib.fp4rl_quantize_cols.argtypes = lib.fp4rl_quantize.argtypes
     lib.fp4rl_resq.restype = ctypes.c_int
     lib.fp4rl_resq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -106,19 +108,19 @@ def resq_rows_cpu(kernel_id: int, rows: torch.Tensor, keep: int,
 
 
 def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
-                      tensor_scale: float | None) -> torch.Tensor | None:
-    """Fake-quantize contiguous float32 CPU rows with the fused kernel (None if unavailable).
-
-    ``tensor_scale`` g quantizes ``rows / g`` and multiplies the result by g (NVFP4).
+                      tensor_scale: float | None, axis: int = 1) -> torch.Tensor | None:
+    """Fake-quantize a contiguous float32 CPU matrix along ``axis`` (1: rows, 0: columns)
+    with the fused kernel (None if unavailable). ``noise`` is laid out as rows along the
+    axis; ``tensor_scale`` g quantizes ``x / g`` and multiplies the result by g (NVFP4).
     """
     lib = load_library()
     if lib is None:
         return None
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
-    status = lib.fp4rl_quantize(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
-                                rows.shape[1], noise_ptr, noise_stride, tensor_scale or 0.0,
-                                _threads(rows))
+    kernel = lib.fp4rl_quantize if axis == 1 else lib.fp4rl_quantize_cols
+    status = kernel(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+                    noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
     if status != 0:
         raise ValueError(f"unknown kernel id {kernel_id}")
     return out

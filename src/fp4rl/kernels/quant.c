@@ -198,6 +198,44 @@ int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
     return 0;
 }
 
+/*
+ * The same quantization along axis 0 of a row-major (rows x cols) matrix: blocks of
+ * consecutive rows within a column, so that no transposed copy is needed. A tile of
+ * COL_TILE neighbouring columns is gathered row by row (contiguous reads), its blocks
+ * quantized, and scattered back the same way.
+ * `noise` is laid out as rows along the axis: (cols x noise_stride).
+ */
+enum { COL_TILE = 64 };
+
+int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t cols,
+                        const float *noise, int64_t noise_stride, float tensor_scale,
+                        int nthreads)
+{
+    if (fmt < 0 || fmt > 3) return -1;
+    const int bs = BLOCK[fmt];
+    const int64_t stripes = (rows + bs - 1) / bs, tiles = (cols + COL_TILE - 1) / COL_TILE;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < stripes * tiles; b++) {
+        const int64_t row0 = (b / tiles) * bs, col0 = (b % tiles) * COL_TILE;
+        const int n = (int)(rows - row0 < bs ? rows - row0 : bs);
+        const int w = (int)(cols - col0 < COL_TILE ? cols - col0 : COL_TILE);
+        float in[COL_TILE][64], out[COL_TILE][64];
+        for (int i = 0; i < n; i++) {
+            const float *src = x + (row0 + i) * cols + col0;
+            for (int t = 0; t < w; t++) in[t][i] = src[t];
+        }
+        for (int t = 0; t < w; t++) {
+            const float *ub = noise ? noise + (col0 + t) * noise_stride + row0 : NULL;
+            quantize_block(fmt, in[t], out[t], n, ub, tensor_scale);
+        }
+        for (int i = 0; i < n; i++) {
+            float *dst = y + (row0 + i) * cols + col0;
+            for (int t = 0; t < w; t++) dst[t] = out[t][i];
+        }
+    }
+    return 0;
+}
+
 /* Quantize one row block by block (block-only scaling). */
 static void quantize_row(int fmt, const float *x, float *y, int64_t len)
 {

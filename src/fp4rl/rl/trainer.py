@@ -150,6 +150,8 @@ class Trainer:
         grouped = rewards.reshape(-1, g.num_generations)
         rollout_tokens = lengths.sum().item()
         train_tokens = update.pop("_tokens")
+        logprob_time = update.pop("_logprob_time")
+        update_time -= logprob_time
         return {
             "step": self.step,
             "reward_mean": rewards.mean().item(),
@@ -162,7 +164,8 @@ class Trainer:
             "completions/clipped_ratio": (~batch.finished).float().mean().item(),
             "time/rollout": rollout_time,
             "time/reward": reward_time,
-            "time/update": update_time,
+            "time/old_logprob": logprob_time,  # teacher-forced pi_old (and reference)
+            "time/update": update_time,  # the loss, backward and optimizer steps
             "tokens_per_second/rollout": rollout_tokens / max(rollout_time, 1e-9),
             "tokens_per_second/train": train_tokens / max(update_time, 1e-9),
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -186,8 +189,10 @@ class Trainer:
         mask = batch.response_mask.bool()
         ids, attention = batch.sequences()
         seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
+        start = time.perf_counter()
         old_logp = self._no_grad_logprobs(self.model, seqs)
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
+        logprob_time = time.perf_counter() - start
         seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
         stats: dict[str, list[float]] = {}
         tokens = 0
@@ -203,6 +208,7 @@ class Trainer:
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(old_logp, batch.logprobs, mask, g.tis_imp_ratio_cap))
         out["_tokens"] = tokens
+        out["_logprob_time"] = logprob_time
         return out
 
     @torch.no_grad()
