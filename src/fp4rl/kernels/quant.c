@@ -247,23 +247,46 @@ static void quantize_row(int fmt, const float *x, float *y, int64_t len)
 /*
  * Keep the `keep` largest magnitudes of every `group` consecutive values (a partial last
  * group is zero-padded); ties go to the lower index, exactly as fp4rl.recovery.sparsity.
+ * Dropped values become +0. The ranks are counted without branches (random data would
+ * mispredict every comparison), with a fixed-size copy for the common 2:4 pattern.
  */
+static inline void sparsify_group(float *v, const float *a, int n, int keep, int group)
+{
+    int rank[64];
+    for (int k = 0; k < group; k++) rank[k] = 0;
+    for (int i = 0; i < group; i++)
+        for (int j = i + 1; j < group; j++) {
+            const int later_wins = a[j] > a[i];
+            rank[i] += later_wins;
+            rank[j] += 1 - later_wins;
+        }
+    for (int k = 0; k < n; k++) v[k] = rank[k] < keep ? v[k] : 0.0f;
+}
+
+static inline void sparsify_group4(float *v, int keep)
+{
+    const float a0 = fabsf(v[0]), a1 = fabsf(v[1]), a2 = fabsf(v[2]), a3 = fabsf(v[3]);
+    /* rank = larger values before + larger-or-equal values after (ties: lower index wins) */
+    const int r0 = (a1 > a0) + (a2 > a0) + (a3 > a0);
+    const int r1 = (a0 >= a1) + (a2 > a1) + (a3 > a1);
+    const int r2 = (a0 >= a2) + (a1 >= a2) + (a3 > a2);
+    const int r3 = (a0 >= a3) + (a1 >= a3) + (a2 >= a3);
+    v[0] = r0 < keep ? v[0] : 0.0f;
+    v[1] = r1 < keep ? v[1] : 0.0f;
+    v[2] = r2 < keep ? v[2] : 0.0f;
+    v[3] = r3 < keep ? v[3] : 0.0f;
+}
+
 static void sparsify_row(float *v, int64_t len, int keep, int group)
 {
     float a[64];
-    int rank[64];
-    for (int64_t start = 0; start < len; start += group) {
-        for (int k = 0; k < group; k++) {
-            a[k] = start + k < len ? fabsf(v[start + k]) : 0.0f;
-            rank[k] = 0;
-        }
-        for (int i = 0; i < group; i++)
-            for (int j = i + 1; j < group; j++) {
-                if (a[j] > a[i]) rank[i]++;
-                else rank[j]++;
-            }
-        for (int k = 0; k < group && start + k < len; k++)
-            if (rank[k] >= keep) v[start + k] = 0.0f;
+    int64_t start = 0;
+    if (group == 4)
+        for (; start + 4 <= len; start += 4) sparsify_group4(v + start, keep);
+    for (; start < len; start += group) {
+        const int n = (int)(len - start < group ? len - start : group);
+        for (int k = 0; k < group; k++) a[k] = k < n ? fabsf(v[start + k]) : 0.0f;
+        sparsify_group(v + start, a, n, keep, group);
     }
 }
 

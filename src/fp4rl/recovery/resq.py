@@ -9,6 +9,8 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from fp4rl.formats import BlockFormat, get_format, quantize
@@ -17,7 +19,8 @@ from fp4rl.recovery.base import RolloutRecovery, register
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
 
-def resq_activation(x: torch.Tensor, fmt: str, pattern: str = "2:4") -> torch.Tensor:
+def resq_activation(x: torch.Tensor, fmt: str,
+                    pattern: str | SparsityPattern = "2:4") -> torch.Tensor:
     """``Q(x) + S(Q(x - Q(x)))``: the effective rollout activation of ResQ.
 
     Float32 inputs with a dense or n:m pattern take one fused kernel pass (bit-identical
@@ -58,5 +61,10 @@ def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4"
 class ResQ(RolloutRecovery):
     name = "resq"
 
+    @cached_property
+    def pattern(self) -> SparsityPattern:
+        """The parsed sparsity pattern (parsed once, not on every decode step)."""
+        return parse_pattern(self.config.sparsity)
+
     def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return resq_activation(x, self.act_format, self.config.sparsity) @ qw.t()
+        return resq_activation(x, self.act_format, self.pattern) @ qw.t()
