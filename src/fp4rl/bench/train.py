@@ -6,10 +6,16 @@ are interleaved, so both see the same machine load; each phase's time is the med
 the repeats. The phases are the trainer's own timers: rollout (KV-cache sampling in the
 rollout policy), reward, old-log-prob recomputation (teacher forcing in the training
 policy) and update (loss, backward, optimizer step).
+
+Both trainers do the same work, so that the ratios compare precisions and not luck:
+every response runs to the length limit (no EOS) and the reward is a fixed pseudo-random
+sequence, the same for both, so the same groups carry advantages and are trained on.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from statistics import median
 from typing import Any
 
@@ -26,14 +32,26 @@ SMALL = {"data.train_size": 64, "grpo.num_generations": 8, "grpo.batch_size": 2,
          "grpo.temperature": 0.8, "grpo.learning_rate": 1e-6, "run.save_steps": 1000}
 
 
-def _trainer(model_name: str, recipe: str, out: str, changes: dict[str, Any]) -> Any:
+def _coin_flips(seed: int) -> Callable[[str, str], float]:
+    """A reward that ignores the completion: a reproducible stream of 0/1 values."""
+    rng = random.Random(seed)
+    return lambda completion, reference: float(rng.random() < 0.5)
+
+
+def _trainer(model_name: str, key: str, recipe: str, out: str,
+             changes: dict[str, Any]) -> Any:
     from fp4rl.nn import preset
+    from fp4rl.rl.rewards import register_reward
     from fp4rl.rl.trainer import Trainer
 
+    register_reward(f"bench_coin_flips_{key}", _coin_flips(0))
     rec = preset(recipe).to_dict()
     cfg = load_config(None, None, {"model": model_name, **SMALL, **changes,
+                                   "data.reward": f"bench_coin_flips_{key}",
                                    "train": rec["train"], "rollout": rec["rollout"]})
-    return Trainer(cfg, out, log=lambda message: None)
+    trainer = Trainer(cfg, out, log=lambda message: None)
+    trainer.eos_ids = []  # every response runs to grpo.max_response_length
+    return trainer
 
 
 def run(model_name: str = "smollm2-135m", repeats: int = 3,
@@ -44,7 +62,7 @@ def run(model_name: str = "smollm2-135m", repeats: int = 3,
     times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "step")}
                                                 for k in RECIPES}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {k: _trainer(model_name, r, f"{tmp}/{k}", changes or {})
+        trainers = {k: _trainer(model_name, k, r, f"{tmp}/{k}", changes or {})
                     for k, r in RECIPES.items()}
         for i in range(repeats + 1):  # the first step warms up caches and kernels
             for key, trainer in trainers.items():
