@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fp4rl.cli import main
 
-BENCHMARKS = ("formats", "rollout")
+BENCHMARKS = ("formats", "linear", "rollout", "train")
 
 
 def run_all(out_dir: Path) -> int:

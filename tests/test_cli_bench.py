@@ -22,7 +22,7 @@ def test_bench_formats_writes_ratios(tmp_path, capsys):
                      "mxfp4.fast_vs_clone", "mxfp4.fast_vs_reference"]
     for r in data["results"]:
         assert r["ratio"] > 0 and r["candidate_times"] and r["baseline_times"]
-    assert "fast / clone" in capsys.readouterr().out
+    assert "fake quantization, 128 x 128" in capsys.readouterr().out
 
 
 def test_bench_rejects_unknown_format():

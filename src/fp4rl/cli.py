@@ -17,7 +17,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         from fp4rl.bench import formats as bench
 
         results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS, size=args.size,
-                            repeats=args.repeats)
+                            repeats=args.repeats, device=args.device, dim=args.dim)
         bench.render(results, console, args.size)
     elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--format", dest="formats", action="append",
                        help="limit to this format (repeatable)")
     bench.add_argument("--size", type=int, default=4096, help="square tensor side (formats)")
+    bench.add_argument("--device", default="cpu", help="formats: cpu, or cuda (the Triton "
+                       "kernels)")
+    bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
+                       help="formats: the axis to quantize along")
     bench.add_argument("--tokens", type=int, help="tokens per linear (default: 512)")
     bench.add_argument("--shapes", type=int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=int, default=5)
