@@ -160,3 +160,13 @@ def test_cli_experiment_writes_the_report(tmp_path, model_dir):
     payload = json.loads((out / "precision.json").read_text())
     assert len(payload["cells"]) == 7 and all("rollout" in c for c in payload["cells"])
     assert main([*args, "--report-only"]) == 0
+
+
+def test_parallel_cells_run_in_worker_processes(tmp_path, model_dir):
+    exp = _experiment(tmp_path, model_dir, kind="precision", formats=("mxfp4",))
+    cells = grid_cells("precision", ("mxfp4",))[:2]
+    seen = []
+    run_cells(exp, cells, jobs=2, on_status=lambda c, s: seen.append((c.name, s)))
+    assert {(c.name, "done") for c in cells} <= set(seen)
+    assert all(load_result(exp, c)["torch_threads"] >= 1 for c in cells)
+    assert all((exp.cell_dir(c) / "log.txt").read_text().strip() for c in cells)
