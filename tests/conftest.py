@@ -8,9 +8,21 @@ be chosen before any kernel is defined.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_reward_registry():
+    """Rewards a test (or a benchmark it runs) registers do not leak into the next test."""
+    from fp4rl.rl import rewards
+
+    saved = dict(rewards._REWARDS)
+    yield
+    rewards._REWARDS.clear()
+    rewards._REWARDS.update(saved)
