@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,25 @@ def test_parallel_cells_run_in_worker_processes(tmp_path, model_dir):
     assert {(c.name, "done") for c in cells} <= set(seen)
     assert all(load_result(exp, c)["torch_threads"] >= 1 for c in cells)
     assert all((exp.cell_dir(c) / "log.txt").read_text().strip() for c in cells)
+
+
+def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, model_dir):
+    data = Path(__file__).parent / "fixtures" / "data"
+    out = tmp_path / "paper"
+    small = [s for s in SMALL if not s.startswith("data.")] + [
+        "grpo.max_prompt_length=512", "data.train_size=4", "data.test_size=2"]
+    args = ["experiment", "recovery", "--preset", "paper-3b", "--output", str(out),
+            "--format", "hif4", "--set", f"model={model_dir}",
+            "--set", f"data.train_path={data / 'gsm8k.jsonl'}",
+            "--set", f"data.test_path={data / 'gsm8k.jsonl'}",
+            "--eval", f"Math500=math500:{data / 'math500.jsonl'}",
+            *[a for s in small for a in ("--set", s)]]
+    assert main([*args, "--report-only"]) == 0  # nothing run yet: every cell is '--'
+    assert "| HiF4 | -- | -- | -- |" in (out / "recovery.md").read_text()
+    assert main(args) == 0
+    text = (out / "recovery.md").read_text()
+    assert "| Format | Recovery | GSM8K-test | Math500 |" in text
+    assert "| HiF4 | -- | -- |" not in text
+    result = json.loads((out / "cells" / "hif4_resq-2_4" / "result.json").read_text())
+    assert set(result["rollout"]) == {"GSM8K-test", "Math500"}
+    assert result["rollout"]["Math500"]["n"] == 2

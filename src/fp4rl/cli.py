@@ -243,7 +243,7 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
 
             ex.run_cells(exp, cells, jobs=args.jobs, on_status=status, progress=step)
     results = {c.name: ex.load_result(exp, c) for c in cells}
-    path = ex.write_report(exp, cells, results)
+    path = ex.write_report(exp, cells, results, command=["fp4rl", *args.argv])
     console.print(path.read_text(), markup=False, soft_wrap=True)
     console.print(f"report: {path}")
     return 0
@@ -372,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args, Console())
 
 

@@ -115,7 +115,8 @@ def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) ->
         ax.set_xlabel("RL step")
         ax.set_ylabel("mean training reward (moving average)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -136,7 +137,7 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
                  command: list[str] | None = None) -> Path:
     """``<output>/<kind>.md``, ``<kind>_rewards.png`` and ``<kind>.json``; returns the .md."""
     out = exp.output
-    benches = [e.name for e in (exp.evals or exp.preset.evals)]
+    benches = [e.name for e in exp.benchmarks()]
     title = "Train x rollout precision" if exp.kind == "precision" else "Rollout recovery"
     plot = out / f"{exp.kind}_rewards.png"
     plot_rewards(results, cells, plot, title)

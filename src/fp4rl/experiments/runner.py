@@ -48,6 +48,10 @@ class Experiment:
     def cell_dir(self, cell: Cell) -> Path:
         return self.output / "cells" / cell.slug
 
+    def benchmarks(self) -> tuple[EvalSpec, ...]:
+        """The preset's benchmarks followed by those added with ``--eval``."""
+        return self.preset.evals + self.evals
+
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
@@ -125,7 +129,7 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, lis
     from fp4rl.rl.datasets import encode_examples, load_split
     from fp4rl.rl.sources import eval_examples
 
-    evals = exp.evals or exp.preset.evals
+    evals = exp.benchmarks()
     if not evals:
         raise ValueError(f"preset {exp.preset.name!r} names no benchmark: add "
                          "--eval NAME=LAYOUT:PATH (repeatable)")
