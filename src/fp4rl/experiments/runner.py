@@ -176,7 +176,14 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
         start = time.perf_counter()
         scores = _score(trainer.model, trainer.tok, cfg, sets)
         write_json(directory / INITIAL, {"rollout": scores, "seconds": time.perf_counter() - start})
-    trainer.train(resume=True, progress=progress)
+
+    def step(s: int, total: int, m: dict) -> None:
+        log(f"step {s}/{total}: reward {m['reward_mean']:.3f}, "
+            f"{m['time/rollout'] + m['time/update']:.0f} s")
+        if progress is not None:
+            progress(s, total, m)
+
+    trainer.train(resume=True, progress=step)
     start = time.perf_counter()
     final = _score(trainer.model, trainer.tok, cfg, sets)  # as the cell's rollout policy
     quantize_model(trainer.model, "bf16")
@@ -227,6 +234,7 @@ def _run_in_worker(exp: Experiment, cell: Cell,
                 f.write(message + "\n")
                 f.flush()
 
+            log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {cell.name}: start (pid {os.getpid()})")
             run_cell(exp, cell, log=log, progress=progress)
     return "done"
 
