@@ -193,3 +193,16 @@ def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, mo
     result = json.loads((out / "cells" / "hif4_resq-2_4" / "result.json").read_text())
     assert set(result["rollout"]) == {"GSM8K-test", "Math500"}
     assert result["rollout"]["Math500"]["n"] == 2
+
+
+def test_a_cell_finished_by_another_runner_is_not_run_again(tmp_path, monkeypatch):
+    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",))
+    cell = grid_cells("recovery", ("hif4",))[0]
+    exp.cell_dir(cell).mkdir(parents=True)
+    (exp.cell_dir(cell) / runner.RESULT).write_text("{}")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("ran a finished cell")
+
+    monkeypatch.setattr(runner, "run_cell", boom)
+    assert runner._run_in_worker(exp, cell) == "finished earlier"

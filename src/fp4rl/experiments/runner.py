@@ -229,6 +229,8 @@ def _run_in_worker(exp: Experiment, cell: Cell,
     with cell_lock(directory) as mine:
         if not mine:
             return "busy"
+        if load_result(exp, cell) is not None:  # another runner finished it meanwhile
+            return "finished earlier"
         with open(directory / "log.txt", "a") as f:
             def log(message: str) -> None:
                 f.write(message + "\n")
