@@ -206,3 +206,13 @@ def test_a_cell_finished_by_another_runner_is_not_run_again(tmp_path, monkeypatc
 
     monkeypatch.setattr(runner, "run_cell", boom)
     assert runner._run_in_worker(exp, cell) == "finished earlier"
+
+
+def test_select_cells_by_name():
+    from fp4rl.experiments import select_cells
+
+    cells = grid_cells("recovery", ("hif4", "mxfp4"))
+    chosen = select_cells(cells, ["mxfp4+resq-2:4", "hif4+resq-2:4", "mxfp4+resq-2:4"])
+    assert [c.name for c in chosen] == ["mxfp4+resq-2:4", "hif4+resq-2:4"]
+    with pytest.raises(ValueError, match="its cells are: bf16, hif4, mxfp4"):
+        select_cells(cells, ["hif4+resq-3:4"])

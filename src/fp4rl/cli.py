@@ -222,12 +222,13 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
     cells = ex.grid_cells(args.kind, formats)
     for cell in cells:
         ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
+    chosen = ex.select_cells(cells, args.cells) if args.cells else cells
     exp.output.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        console.print(f"{args.kind} grid, {preset.name} preset: {len(cells)} cells in "
-                      f"{exp.output / 'cells'} ({args.jobs} at a time)")
+        console.print(f"{args.kind} grid, {preset.name} preset: {len(chosen)} of {len(cells)} "
+                      f"cells in {exp.output / 'cells'} ({args.jobs} at a time)")
         with progress_bar(console) as bar:
-            grid = bar.add_task("cells", total=len(cells), info="")
+            grid = bar.add_task("cells", total=len(chosen), info="")
             steps = bar.add_task("GRPO", total=None, info="", visible=args.jobs <= 1)
 
             def status(cell: ex.Cell, what: str) -> None:
@@ -241,7 +242,7 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
                 bar.update(steps, total=total, completed=s,
                            info=f"reward {m['reward_mean']:.3f}")
 
-            ex.run_cells(exp, cells, jobs=args.jobs, on_status=status, progress=step)
+            ex.run_cells(exp, chosen, jobs=args.jobs, on_status=status, progress=step)
     results = {c.name: ex.load_result(exp, c) for c in cells}
     path = ex.write_report(exp, cells, results, command=["fp4rl", *args.argv])
     console.print(path.read_text(), markup=False, soft_wrap=True)
@@ -348,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="benchmark column (repeatable; default: the preset's test split)")
     exp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (each gets "
                      "cpu_count/jobs torch threads)")
+    exp.add_argument("--cells", nargs="+", metavar="NAME",
+                     help="run only these cells (preset names such as hif4+resq-2:4 or "
+                     "mxfp4:bf16/fp4); the report still covers the whole grid")
     exp.add_argument("--report-only", action="store_true",
                      help="write the tables from the finished cells without running any")
     exp.set_defaults(func=_experiment)

@@ -8,10 +8,11 @@ from fp4rl.experiments.grid import (
     ExperimentPreset,
     get_preset,
     grid_cells,
+    select_cells,
 )
 from fp4rl.experiments.report import write_report
 from fp4rl.experiments.runner import Experiment, cell_config, load_result, run_cell, run_cells
 
 __all__ = ["KINDS", "PRESETS", "Cell", "EvalSpec", "Experiment", "ExperimentPreset",
            "cell_config", "get_preset", "grid_cells", "load_result", "run_cell", "run_cells",
-           "write_report"]
+           "select_cells", "write_report"]

@@ -72,6 +72,16 @@ def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
     return cells
 
 
+def select_cells(cells: list[Cell], names: list[str]) -> list[Cell]:
+    """The cells named (in the order given); an unknown name raises, listing the grid's."""
+    by_name = {c.name: c for c in cells}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"no cell {unknown} in this grid; its cells are: "
+                         f"{', '.join(by_name)}")
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
 @dataclass(frozen=True)
 class EvalSpec:
     """One benchmark column: the config's own test split (``data`` None) or LAYOUT:PATH."""
