@@ -97,6 +97,12 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return [mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
+def _legend(cell: Cell) -> str:
+    if cell.fmt is None:
+        return "BF16"
+    return f"{FORMAT_LABELS[cell.fmt]} (no recovery)" if cell.row == "--" else cell.row
+
+
 def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) -> None:
     """Figure 4: mean training reward per step, one panel per FP4 format."""
     formats = list(dict.fromkeys(c.fmt for c in cells if c.fmt))
@@ -110,7 +116,7 @@ def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) ->
             window = max(1, len(r["rewards"]) // 5)
             style = {"color": "black", "ls": "--"} if c.fmt is None else {}
             ax.plot(steps, _smooth(r["rewards"], window), lw=1.6,
-                    label=c.row if c.fmt else "BF16", **style)
+                    label=_legend(c), **style)
         ax.set_title(f"{title}: {FORMAT_LABELS[fmt]}", fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel("mean training reward (moving average)")
