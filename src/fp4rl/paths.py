@@ -15,10 +15,13 @@ def cache_root() -> Path:
 
 
 def write_json(path: str | Path, payload: Any) -> Path:
-    """Write ``payload`` as indented JSON, creating the parent directories."""
+    """Write ``payload`` as indented JSON, creating the parent directories; atomic (a
+    reader, or a rerun after a kill, sees the old file or the whole new one)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(payload, indent=2))
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, target)
     return target
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import multiprocessing
 import os
 import socket
@@ -190,7 +191,8 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     unquantized = _score(trainer.model, trainer.tok, cfg, sets)
     eval_seconds = time.perf_counter() - start
     history = read_metrics(run_dir / METRICS)
-    initial = _read_json(directory / INITIAL)
+    initial = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
+               else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
     result = {
         "cell": cell.name, "format": cell.fmt, "row": cell.row,
         "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
@@ -209,8 +211,6 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
 
 
 def _read_json(path: Path) -> Any:
-    import json
-
     return json.loads(path.read_text())
 
 
