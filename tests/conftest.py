@@ -26,3 +26,16 @@ def _isolated_reward_registry():
     yield
     rewards._REWARDS.clear()
     rewards._REWARDS.update(saved)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A saved tiny random Llama and its tokenizer: a checkpoint directory the commands
+    load by path, as they would a real Hugging Face model. Tests only read it."""
+    from fp4rl.models import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model, tok = tiny_model("llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

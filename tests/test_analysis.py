@@ -12,16 +12,6 @@ from fp4rl.analysis.fidelity import compare, default_methods, make_batch
 from fp4rl.analysis.prompts import load_prompts
 from fp4rl.cli import main
 from fp4rl.formats import quantize
-from fp4rl.models import tiny_model
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    model, tok = tiny_model("llama")
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def test_diagnose_statistics_match_definitions():
@@ -41,12 +31,13 @@ def test_diagnose_statistics_match_definitions():
         assert d.sparsify_rmse[fmt]["qx"] == pytest.approx(d.sparsify_mse[fmt]["qx"] ** 0.5)
 
 
-def test_diagnose_cli_on_tiny_model(tiny_dir, tmp_path):
+def test_diagnose_cli_on_tiny_model(tiny_llama_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"question": "What is 2 + 2?"}\n\n{"prompt": "Add 3 and 4."}\n')
     out, js = tmp_path / "diag", tmp_path / "d.json"
-    assert main(["diagnose", "--model", tiny_dir, "--format", "hif4", "--format", "mxfp4",
-                 "--prompts", str(prompts), "--out", str(out), "--json", str(js)]) == 0
+    assert main(["diagnose", "--model", str(tiny_llama_dir), "--format", "hif4",
+                 "--format", "mxfp4", "--prompts", str(prompts), "--out", str(out),
+                 "--json", str(js)]) == 0
     data = json.loads(js.read_text())
     assert len(data["layers"]) == 14
     first = data["layers"][0]
@@ -88,9 +79,9 @@ def test_default_methods_cover_the_paper():
             "hif4+smoothquant", "hif4+rht", "hif4+occ", "mxfp4+resq-dense"} <= set(methods)
 
 
-def test_fidelity_cli_on_tiny_model(tiny_dir, tmp_path):
+def test_fidelity_cli_on_tiny_model(tiny_llama_dir, tmp_path):
     js, png = tmp_path / "f.json", tmp_path / "f.png"
-    assert main(["fidelity", "--model", tiny_dir, "--methods", "bf16", "mxfp4",
+    assert main(["fidelity", "--model", str(tiny_llama_dir), "--methods", "bf16", "mxfp4",
                  "mxfp4+resq-dense", "--n", "4", "--max-new-tokens", "6", "--json", str(js),
                  "--plot", str(png)]) == 0
     rows = {r["method"]: r for r in json.loads(js.read_text())["rows"]}
@@ -101,6 +92,6 @@ def test_fidelity_cli_on_tiny_model(tiny_dir, tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_fidelity_rejects_bad_method(tiny_dir):
+def test_fidelity_rejects_bad_method(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown preset"):
-        main(["fidelity", "--model", tiny_dir, "--methods", "hif5"])
+        main(["fidelity", "--model", str(tiny_llama_dir), "--methods", "hif5"])

@@ -50,14 +50,9 @@ def test_cost_cli_reproduces_paper(capsys):
     assert "| resq-dense |" in out and "2.00x" in out and "2.67x" in out
 
 
-def test_bench_rollout_on_tiny_model(tmp_path):
-    from fp4rl.models import tiny_model
-
-    model, tok = tiny_model("llama")
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+def test_bench_rollout_on_tiny_model(tmp_path, tiny_llama_dir):
     out = tmp_path / "r.json"
-    assert main(["bench", "rollout", "--model", str(tmp_path / "m"), "--repeats", "1",
+    assert main(["bench", "rollout", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["name"] for r in rows] == ["rollout.hif4_vs_unquantized",
@@ -78,14 +73,9 @@ def test_bench_linear_reports_both_baselines(tmp_path):
     assert all(r["ratio"] > 0 and len(r["candidate_times"]) == 1 for r in results)
 
 
-def test_bench_train_splits_a_step_into_phases(tmp_path):
-    from fp4rl.models import tiny_model
-
-    model, tok = tiny_model("llama")
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+def test_bench_train_splits_a_step_into_phases(tmp_path, tiny_llama_dir):
     out = tmp_path / "train.json"
-    assert main(["bench", "train", "--model", str(tmp_path / "m"), "--repeats", "1",
+    assert main(["bench", "train", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert [r["name"] for r in results] == [f"train.{p}.fp4_vs_bf16" for p in

@@ -21,7 +21,6 @@ from fp4rl.experiments import (
     runner,
 )
 from fp4rl.experiments.report import precision_table, recovery_table
-from fp4rl.models import tiny_model
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import ConfigError
 from fp4rl.rl.trainer import METRICS, read_metrics
@@ -31,18 +30,9 @@ SMALL = ["run.steps=2", "run.save_steps=1", "grpo.num_generations=4", "grpo.batc
          "eval.max_new_tokens=4"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    model, tok = tiny_model("llama")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def _experiment(tmp_path, model_dir, kind="recovery", formats=("hif4",)):
+def _experiment(tmp_path, tiny_llama_dir, kind="recovery", formats=("hif4",)):
     return Experiment(kind, get_preset("tiny"), tmp_path / "out", formats,
-                      (f"model={model_dir}", *SMALL))
+                      (f"model={tiny_llama_dir}", *SMALL))
 
 
 def test_grids_have_the_paper_rows_and_share_cells():
@@ -84,8 +74,8 @@ def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
         cell_config(paper, grid_cells("recovery", ("hif4",))[1])
 
 
-def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, model_dir, monkeypatch):
-    exp = _experiment(tmp_path, model_dir)
+def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, tiny_llama_dir, monkeypatch):
+    exp = _experiment(tmp_path, tiny_llama_dir)
     cells = grid_cells("recovery", ("hif4",))[:3]
     # an interrupted cell: one step done and checkpointed, then killed
     first = cells[1]
@@ -149,10 +139,10 @@ def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
     assert rec[-1] == "|  | ResQ (2:4) | 45.0 (-5.0) |"
 
 
-def test_cli_experiment_writes_the_report(tmp_path, model_dir):
+def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):
     out = tmp_path / "exp"
     args = ["experiment", "precision", "--output", str(out), "--format", "hif4",
-            "--set", f"model={model_dir}", *[a for s in SMALL for a in ("--set", s)]]
+            "--set", f"model={tiny_llama_dir}", *[a for s in SMALL for a in ("--set", s)]]
     assert main(args) == 0
     text = (out / "precision.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| FP4 | W4A8 |"))
@@ -163,8 +153,8 @@ def test_cli_experiment_writes_the_report(tmp_path, model_dir):
     assert main([*args, "--report-only"]) == 0
 
 
-def test_parallel_cells_run_in_worker_processes(tmp_path, model_dir):
-    exp = _experiment(tmp_path, model_dir, kind="precision", formats=("mxfp4",))
+def test_parallel_cells_run_in_worker_processes(tmp_path, tiny_llama_dir):
+    exp = _experiment(tmp_path, tiny_llama_dir, kind="precision", formats=("mxfp4",))
     cells = grid_cells("precision", ("mxfp4",))[:2]
     seen = []
     run_cells(exp, cells, jobs=2, on_status=lambda c, s: seen.append((c.name, s)))
@@ -173,13 +163,13 @@ def test_parallel_cells_run_in_worker_processes(tmp_path, model_dir):
     assert all((exp.cell_dir(c) / "log.txt").read_text().strip() for c in cells)
 
 
-def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, model_dir):
+def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, tiny_llama_dir):
     data = Path(__file__).parent / "fixtures" / "data"
     out = tmp_path / "paper"
     small = [s for s in SMALL if not s.startswith("data.")] + [
         "grpo.max_prompt_length=512", "data.train_size=4", "data.test_size=2"]
     args = ["experiment", "recovery", "--preset", "paper-3b", "--output", str(out),
-            "--format", "hif4", "--set", f"model={model_dir}",
+            "--format", "hif4", "--set", f"model={tiny_llama_dir}",
             "--set", f"data.train_path={data / 'gsm8k.jsonl'}",
             "--set", f"data.test_path={data / 'gsm8k.jsonl'}",
             "--eval", f"Math500=math500:{data / 'math500.jsonl'}",

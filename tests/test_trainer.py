@@ -173,16 +173,13 @@ def test_smoke_config_trains_the_embedded_model(tmp_path):
     assert (out / "curves.png").is_file()
 
 
-def test_cli_train_then_resume_keeps_history(tmp_path):
+def test_cli_train_then_resume_keeps_history(tmp_path, tiny_llama_dir):
     from fp4rl.cli import main
     from fp4rl.rl import rewards
 
     rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
-    model, tok = tiny_model("llama")
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
     out = tmp_path / "run"
-    args = ["train", "--output", str(out), f"model={tmp_path / 'm'}", *OVERRIDES]
+    args = ["train", "--output", str(out), f"model={tiny_llama_dir}", *OVERRIDES]
     assert main([*args, "--steps", "2"]) == 0
     with pytest.raises(SystemExit, match="--resume"):
         main([*args, "--steps", "3"])
