@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt
 from fp4rl.experiments.grid import PRECISION_ROWS, Cell, precision_name
 from fp4rl.experiments.runner import Experiment
 from fp4rl.paths import write_json
+from fp4rl.rl.report import moving_average
 
 Results = dict[str, dict[str, Any]]
 POLICIES = (("rollout", "scored as the cell's rollout policy"),
@@ -93,10 +94,6 @@ def recovery_table(results: Results, cells: list[Cell], benches: list[str],
     return lines
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    return [mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
-
-
 def _legend(cell: Cell) -> str:
     if cell.fmt is None:
         return "BF16"
@@ -115,7 +112,7 @@ def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) ->
             steps = range(1, len(r["rewards"]) + 1)
             window = max(1, len(r["rewards"]) // 5)
             style = {"color": "black", "ls": "--"} if c.fmt is None else {}
-            ax.plot(steps, _smooth(r["rewards"], window), lw=1.6,
+            ax.plot(steps, moving_average(r["rewards"], window), lw=1.6,
                     label=_legend(c), **style)
         ax.set_title(f"{title}: {FORMAT_LABELS[fmt]}", fontsize=10)
         ax.set_xlabel("RL step")

@@ -76,8 +76,9 @@ def cell_config(exp: Experiment, cell: Cell) -> Any:
     recipe = cell.recipe().to_dict()
     data["train"], data["rollout"] = recipe["train"], recipe["rollout"]
     cfg = validate(data)
-    for where in ("model", "data.train_path", "data.test_path"):
-        value = cfg.model if where == "model" else getattr(cfg.data, where.split(".")[1])
+    paths = {"model": cfg.model, "data.train_path": cfg.data.train_path,
+             "data.test_path": cfg.data.test_path}
+    for where, value in paths.items():
         if isinstance(value, str) and value.startswith("/path/to/"):
             raise ConfigError(f"{where} is still the placeholder {value!r}: pass "
                               f"--set {where}=<local path>")

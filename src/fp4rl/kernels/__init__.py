@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from fp4rl.kernels.cpu import quantize_rows_cpu, resq_rows_cpu
+from fp4rl.kernels.cpu import load_library, quantize_rows_cpu, resq_rows_cpu
 
 #: kernel ids whose fused ResQ path exists (NVFP4's per-tensor scale needs two passes)
 RESQ_KERNELS = (0, 1, 3)
@@ -49,8 +49,6 @@ def has_matrix_kernel(x: torch.Tensor) -> bool:
     """Whether :func:`quantize_matrix` runs for ``x`` (a kernel for either axis exists)."""
     if _triton_for(x) is not None:
         return True
-    from fp4rl.kernels.cpu import load_library
-
     return x.device.type == "cpu" and load_library() is not None
 
 

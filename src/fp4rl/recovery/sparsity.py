@@ -168,8 +168,8 @@ def sparsify(x: Tensor, pattern: str | SparsityPattern) -> Tensor:
     """Zero the entries of ``x`` that ``pattern`` drops.
 
     Returns a tensor of the same shape and dtype; ``"dense"`` returns ``x``
-    itself without copying. Dropped entries become +0 (not ``x * 0``, which would keep
-    the sign of a negative value and turn NaN into NaN), as in the fused kernels.
+    itself without copying. Dropped entries become +0, as in the fused kernels (``x * 0``
+    would keep the sign of a dropped negative value and a dropped NaN).
     """
     parsed = parse_pattern(pattern)
     if isinstance(parsed, Dense):

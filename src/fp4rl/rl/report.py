@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import mean
 
 import matplotlib
 
@@ -21,6 +22,12 @@ PANELS = (
 )
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (fewer at the start): a noisy per-step
+    reward made readable without shifting it in time."""
+    return [mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
 def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     steps = [r["step"] for r in rows]
@@ -28,10 +35,8 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
         values = [r.get(key, float("nan")) for r in rows]
         ax.plot(steps, values, lw=1, color="#9ecae1" if key == "reward_mean" else "#1f77b4")
         if key == "reward_mean" and len(values) >= 5:
-            window = 5
-            smooth = [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i -
-                      window + 1): i + 1]) for i in range(len(values))]
-            ax.plot(steps, smooth, lw=2, color="#1f77b4", label="5-step mean")
+            ax.plot(steps, moving_average(values, 5), lw=2, color="#1f77b4",
+                    label="5-step mean")
             ax.legend(fontsize=8)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
