@@ -92,9 +92,37 @@ static inline void store_block(const float *buf, const float *mag, float *y, int
     }
 }
 
+/*
+ * Round one HiF4 block's magnitudes given its scale s, r = bf16(1 / s) and its group
+ * maxima. Level bits: d8 = [v8 r >= 4]; d16 = [v16 r 2^-d8 >= 2] = [v16 r >= 2^(1 + d8)].
+ * Per element, |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is |y|; both factors
+ * are exact powers of two times r or s. Inlined twice, so that the nearest-rounding copy
+ * (u == NULL, the hot path) has a constant offset and its 4-value groups vectorize.
+ */
+static inline void hif4_round(const float *buf, float *mag, int n, double s, double r,
+                              const double *v8, const double *v16, const float *u)
+{
+    for (int j = 0; j < 8; j++) {
+        const double e8 = v8[j] * r >= 4.0 ? 1.0 : 0.0;
+        for (int h = 0; h < 2; h++) {
+            const int k = 2 * j + h;  /* branch-free: d is 0, 1 or 2 */
+            const double d = e8 + (v16[k] * r >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
+            const double fin = 4.0 * r * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));  /* 4 r 2^-d */
+            const double fout = 0.25 * s * (1.0 + d + 0.5 * d * (d - 1.0));        /* s 2^(d-2) */
+            for (int t = 0; t < 4; t++) {
+                const int i = 4 * k + t;
+                /* rha adds 1/2 before the floor; stochastic rounding adds u */
+                const double offset = u ? (i < n ? (double)u[i] : 0.0) : 0.5;
+                const double q = floor((double)fabsf(buf[i]) * fin + offset);
+                mag[i] = (float)((q < 7.0 ? q : 7.0) * fout);
+            }
+        }
+    }
+}
+
 static void hif4_block(const float *x, float *y, int n, const float *u)
 {
-    float buf[64], amax;
+    float buf[64], mag[64], amax;
     if (load_block(x, n, 64, 0.0f, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
     double v16[16], v8[8];
     for (int k = 0; k < 16; k++) {
@@ -108,34 +136,10 @@ static void hif4_block(const float *x, float *y, int n, const float *u)
     if (s > 49152.0) s = 49152.0;
     s = round_frac_bits(s, 2);                                         /* E6M2 */
     const double r = round_frac_bits(1.0 / s, 7);                      /* bf16(1 / s) */
-    /*
-     * Level bits: d8 = [v8 r >= 4]; d16 = [v16 r 2^-d8 >= 2] = [v16 r >= 2^(1 + d8)].
-     * Per element, |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is |y|;
-     * both factors are exact powers of two times r or s.
-     */
-    double c8[8], fin[16], fout[16], in_scale[64], out_scale[64];
-    for (int j = 0; j < 8; j++) c8[j] = v8[j] * r >= 4.0 ? 1.0 : 0.0;
-    for (int k = 0; k < 16; k++) {  /* branch-free: d is 0, 1 or 2 */
-        const double e8 = c8[k >> 1];
-        const double d = e8 + (v16[k] * r >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
-        fin[k] = 4.0 * r * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));  /* 4 r 2^-d */
-        fout[k] = 0.25 * s * (1.0 + d + 0.5 * d * (d - 1.0));         /* s 2^(d-2) */
-    }
-    for (int i = 0; i < 64; i++) {
-        in_scale[i] = fin[i >> 2];
-        out_scale[i] = fout[i >> 2];
-    }
-    double offset[64];  /* rha adds 1/2 before the floor; stochastic rounding adds u */
-    if (u) {
-        for (int i = 0; i < 64; i++) offset[i] = i < n ? (double)u[i] : 0.0;
-    } else {
-        for (int i = 0; i < 64; i++) offset[i] = 0.5;
-    }
-    float mag[64];
-    for (int i = 0; i < 64; i++) {
-        const double q = floor((double)fabsf(buf[i]) * in_scale[i] + offset[i]);
-        mag[i] = (float)((q < 7.0 ? q : 7.0) * out_scale[i]);
-    }
+    if (u)
+        hif4_round(buf, mag, n, s, r, v8, v16, u);
+    else
+        hif4_round(buf, mag, n, s, r, v8, v16, NULL);
     store_block(buf, mag, y, n, 0.0f);
 }
 
@@ -199,39 +203,177 @@ int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
 }
 
 /*
- * The same quantization along axis 0 of a row-major (rows x cols) matrix: blocks of
- * consecutive rows within a column, so that no transposed copy is needed. A tile of
- * COL_TILE neighbouring columns is gathered row by row (contiguous reads), its blocks
- * quantized, and scattered back the same way.
+ * Quantization along axis 0 of a row-major (rows x cols) matrix: blocks of consecutive
+ * rows within a column. The nearest-rounding path is "vertical": a stripe of one block
+ * of rows by LANES neighbouring columns is processed with the columns as SIMD lanes, so
+ * every step of a block's arithmetic runs on LANES blocks at once and the matrix is read
+ * and written row by row, without a transposed copy. Each lane kernel repeats its
+ * format's block function above, one operation per lane.
+ */
+enum { LANES = 64 };
+typedef float lanes_f[LANES];
+
+/* Largest |x| per lane; a lane whose block holds a NaN or an Inf is flagged in `bad`. */
+static inline void lanes_amax(const lanes_f *buf, int bs, float *amax, int *bad)
+{
+    uint32_t m[LANES] = {0};
+    for (int i = 0; i < bs; i++)
+        for (int c = 0; c < LANES; c++) {
+            uint32_t b;
+            memcpy(&b, &buf[i][c], 4);
+            b &= 0x7FFFFFFFu;
+            m[c] = b > m[c] ? b : m[c];
+        }
+    for (int c = 0; c < LANES; c++) {
+        memcpy(&amax[c], &m[c], 4);
+        bad[c] = m[c] >= 0x7F800000u;
+    }
+}
+
+static void hif4_lanes(const lanes_f *buf, lanes_f *mag)
+{
+    double v16[16][LANES], v8[8][LANES], s[LANES], r[LANES];
+    for (int k = 0; k < 16; k++)
+        for (int c = 0; c < LANES; c++) {
+            float m = 0.0f;
+            for (int i = 0; i < 4; i++) { float a = fabsf(buf[4 * k + i][c]); m = a > m ? a : m; }
+            v16[k][c] = m;
+        }
+    for (int j = 0; j < 8; j++)
+        for (int c = 0; c < LANES; c++)
+            v8[j][c] = v16[2 * j][c] > v16[2 * j + 1][c] ? v16[2 * j][c] : v16[2 * j + 1][c];
+    for (int c = 0; c < LANES; c++) {
+        double amax = 0.0;
+        for (int j = 0; j < 8; j++) amax = v8[j][c] > amax ? v8[j][c] : amax;
+        double sc = round_frac_bits(amax * 0.142578125, 7);
+        sc = sc < 0x1p-48 ? 0x1p-48 : sc;
+        sc = round_frac_bits(sc > 49152.0 ? 49152.0 : sc, 2);
+        s[c] = sc;
+        r[c] = round_frac_bits(1.0 / sc, 7);
+    }
+    for (int k = 0; k < 16; k++) {
+        double fin[LANES], fout[LANES];
+        for (int c = 0; c < LANES; c++) {
+            const double e8 = v8[k >> 1][c] * r[c] >= 4.0 ? 1.0 : 0.0;
+            const double d = e8 + (v16[k][c] * r[c] >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
+            fin[c] = 4.0 * r[c] * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));
+            fout[c] = 0.25 * s[c] * (1.0 + d + 0.5 * d * (d - 1.0));
+        }
+        for (int i = 4 * k; i < 4 * k + 4; i++)
+            for (int c = 0; c < LANES; c++) {
+                const double q = floor((double)fabsf(buf[i][c]) * fin[c] + 0.5);
+                mag[i][c] = (float)((q < 7.0 ? q : 7.0) * fout[c]);
+            }
+    }
+}
+
+static void mx_lanes(const lanes_f *buf, lanes_f *mag, const float *amax, int elem_mbits,
+                     int elem_emin, double elem_max, int scale_offset)
+{
+    double inv[LANES], sc[LANES];
+    for (int c = 0; c < LANES; c++) {
+        int E = amax[c] > 0.0f ? floor_log2((double)amax[c]) - scale_offset : -127;
+        E = E < -127 ? -127 : E;
+        inv[c] = pow2(-E);
+        sc[c] = pow2(E);
+    }
+    for (int i = 0; i < 32; i++)
+        for (int c = 0; c < LANES; c++) {
+            const double v = (double)fabsf(buf[i][c]) * inv[c];
+            mag[i][c] = (float)(round_minifloat(v, elem_mbits, elem_emin, elem_max, NULL, 0) * sc[c]);
+        }
+}
+
+static void nvfp4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
+{
+    double s[LANES];
+    for (int c = 0; c < LANES; c++) {
+        const double t = (double)amax[c] / 6.0;
+        s[c] = round_minifloat(t > 448.0 ? 448.0 : t, 3, -6, 448.0, NULL, 0);
+    }
+    for (int i = 0; i < 16; i++)
+        for (int c = 0; c < LANES; c++) {
+            const double v = s[c] > 0.0 ? (double)fabsf(buf[i][c]) / s[c] : 0.0;
+            mag[i][c] = (float)(round_minifloat(v, 1, 0, 6.0, NULL, 0) * s[c]);
+        }
+}
+
+/* One stripe: n (<= bs) rows by w (<= LANES) columns at x, rows `stride` apart. */
+static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, int n, int w,
+                            float g)
+{
+    const int bs = BLOCK[fmt];
+    lanes_f buf[64], mag[64];
+    float amax[LANES];
+    int bad[LANES];
+    if (n < bs || w < LANES) memset(buf, 0, sizeof(buf));
+    for (int i = 0; i < n; i++) memcpy(buf[i], x + i * stride, (size_t)w * sizeof(float));
+    if (g != 0.0f)
+        for (int i = 0; i < bs; i++)
+            for (int c = 0; c < LANES; c++) buf[i][c] = buf[i][c] / g;
+    lanes_amax(buf, bs, amax, bad);
+    switch (fmt) {
+    case FMT_HIF4: hif4_lanes(buf, mag); break;
+    case FMT_MXFP4: mx_lanes(buf, mag, amax, 1, 0, 6.0, 2); break;
+    case FMT_NVFP4: nvfp4_lanes(buf, mag, amax); break;
+    default: mx_lanes(buf, mag, amax, 3, -6, 448.0, 8); break;
+    }
+    /* A block holding a NaN or an Inf becomes the quiet NaN, selected by bit masks. */
+    const float scale = g != 0.0f ? g : 1.0f;
+    uint32_t keep[LANES], nan_bits[LANES];
+    for (int c = 0; c < LANES; c++) {
+        keep[c] = bad[c] ? 0u : ~0u;
+        nan_bits[c] = bad[c] ? 0x7FC00000u : 0u;
+    }
+    for (int i = 0; i < n; i++) {
+        for (int c = 0; c < LANES; c++) {
+            const float v = copysignf(mag[i][c], buf[i][c]) * scale;
+            uint32_t b;
+            memcpy(&b, &v, 4);
+            b = (b & keep[c]) | nan_bits[c];
+            memcpy(&mag[i][c], &b, 4);
+        }
+        memcpy(y + i * stride, mag[i], (size_t)w * sizeof(float));
+    }
+}
+
+/*
+ * Stochastic rounding along axis 0 keeps the per-block functions: a tile of COL_TILE
+ * columns is gathered row by row, its blocks quantized, and scattered back.
  * `noise` is laid out as rows along the axis: (cols x noise_stride).
  */
 enum { COL_TILE = 64 };
+
+static void quantize_tile_noisy(int fmt, const float *x, float *y, int64_t cols, int n, int w,
+                                const float *noise, int64_t noise_stride, float g)
+{
+    float in[COL_TILE][64], out[COL_TILE][64];
+    for (int i = 0; i < n; i++)
+        for (int t = 0; t < w; t++) in[t][i] = x[i * cols + t];
+    for (int t = 0; t < w; t++)
+        quantize_block(fmt, in[t], out[t], n, noise + t * noise_stride, g);
+    for (int i = 0; i < n; i++)
+        for (int t = 0; t < w; t++) y[i * cols + t] = out[t][i];
+}
 
 int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t cols,
                         const float *noise, int64_t noise_stride, float tensor_scale,
                         int nthreads)
 {
     if (fmt < 0 || fmt > 3) return -1;
-    const int bs = BLOCK[fmt];
-    const int64_t stripes = (rows + bs - 1) / bs, tiles = (cols + COL_TILE - 1) / COL_TILE;
+    const int bs = BLOCK[fmt], width = noise ? COL_TILE : LANES;
+    const int64_t stripes = (rows + bs - 1) / bs, tiles = (cols + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < stripes * tiles; b++) {
-        const int64_t row0 = (b / tiles) * bs, col0 = (b % tiles) * COL_TILE;
+        const int64_t row0 = (b / tiles) * bs, col0 = (b % tiles) * width;
         const int n = (int)(rows - row0 < bs ? rows - row0 : bs);
-        const int w = (int)(cols - col0 < COL_TILE ? cols - col0 : COL_TILE);
-        float in[COL_TILE][64], out[COL_TILE][64];
-        for (int i = 0; i < n; i++) {
-            const float *src = x + (row0 + i) * cols + col0;
-            for (int t = 0; t < w; t++) in[t][i] = src[t];
-        }
-        for (int t = 0; t < w; t++) {
-            const float *ub = noise ? noise + (col0 + t) * noise_stride + row0 : NULL;
-            quantize_block(fmt, in[t], out[t], n, ub, tensor_scale);
-        }
-        for (int i = 0; i < n; i++) {
-            float *dst = y + (row0 + i) * cols + col0;
-            for (int t = 0; t < w; t++) dst[t] = out[t][i];
-        }
+        const int w = (int)(cols - col0 < width ? cols - col0 : width);
+        const int64_t at = row0 * cols + col0;
+        if (noise)
+            quantize_tile_noisy(fmt, x + at, y + at, cols, n, w,
+                                noise + col0 * noise_stride + row0, noise_stride, tensor_scale);
+        else
+            quantize_stripe(fmt, x + at, y + at, cols, n, w, tensor_scale);
     }
     return 0;
 }
