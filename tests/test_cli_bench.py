@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +87,19 @@ def test_bench_train_splits_a_step_into_phases(tmp_path, tiny_llama_dir):
     step = results[-1]
     parts = sum(r["candidate_times"][0] for r in results[:-1])
     assert step["candidate_times"][0] == pytest.approx(parts)
+
+
+def test_kernel_harness_builds_against_the_kernel(tmp_path):
+    """The C timing harness declares the kernel's entry points itself; keep them in step."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    root = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "harness"
+    subprocess.run([compiler, "-O1", "-fopenmp", "-Wall", "-Werror",
+                    str(root / "benchmarks" / "kernel_harness.c"), str(cpu.SOURCE),
+                    "-lm", "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe), "64", "128"], check=True, capture_output=True,
+                         text=True).stdout
+    lines = [line for line in out.splitlines() if "axis" in line]
+    assert len(lines) == 8 and all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
