@@ -232,6 +232,17 @@ def test_stochastic_rounding_is_unbiased(fmt):
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@settings(max_examples=30, deadline=None)
+@given(x=tensors())
+def test_axis0_kernel_matches_reference(fmt, x):
+    """Along axis 0 the kernel runs blocks of rows with columns as lanes: partial blocks
+    and partial lane groups (1-3 columns here) must match the reference bit for bit."""
+    f = fp4rl.get_format(fmt)
+    cols = x.t().contiguous()
+    assert same(f.quantize(cols, dim=0), f.quantize_reference(cols, dim=0))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_matrix_kernel_either_axis(fmt, dim, transposed):
