@@ -122,7 +122,7 @@ class ExperimentPreset:
 TINY = ExperimentPreset(
     "tiny",
     "smollm2-135m on the synthetic arithmetic task (levels 1-2), 16 GRPO steps of 4 prompts "
-    "x 8 samples, scored greedily on 100 test prompts: 7-17 CPU-minutes per cell",
+    "x 8 samples, scored greedily on 100 test prompts: 9-23 CPU-minutes per cell",
     changes={
         "model": "smollm2-135m",
         "data": {"source": "synthetic", "levels": [1, 2], "train_size": 400, "test_size": 100},
