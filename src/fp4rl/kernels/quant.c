@@ -93,29 +93,71 @@ static inline void store_block(const float *buf, const float *mag, float *y, int
 }
 
 /*
- * Round one HiF4 block's magnitudes given its scale s, r = bf16(1 / s) and its group
- * maxima. Level bits: d8 = [v8 r >= 4]; d16 = [v16 r 2^-d8 >= 2] = [v16 r >= 2^(1 + d8)].
- * Per element, |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is |y|; both factors
- * are exact powers of two times r or s. Inlined twice, so that the nearest-rounding copy
- * (u == NULL, the hot path) has a constant offset and its 4-value groups vectorize.
+ * The arithmetic of each format, one block (or one value) at a time. The per-block
+ * functions below and the column-lane kernels further down both call these, so each
+ * format's rounding rules are written once.
+ */
+
+/* HiF4's level-1 scale s = E6M2(bf16(vmax c)), clamped; *r = bf16(1 / s). */
+static inline double hif4_scale(double amax, double *r)
+{
+    double s = round_frac_bits(amax * 0.142578125, 7);               /* bf16(vmax * c) */
+    s = s < 0x1p-48 ? 0x1p-48 : s;
+    s = round_frac_bits(s > 49152.0 ? 49152.0 : s, 2);                /* E6M2 */
+    *r = round_frac_bits(1.0 / s, 7);                                 /* bf16(1 / s) */
+    return s;
+}
+
+/*
+ * A quad's two factors from its level bits d8 = [v8 r >= 4] and
+ * d16 = [v16 r 2^-d8 >= 2] = [v16 r >= 2^(1 + d8)], with d = d8 + d16 (0, 1 or 2,
+ * computed without branches): |x| r 2^(2-d) is 4m before rounding and 4m s 2^(d-2) is
+ * |y|, both exact powers of two times r or s.
+ */
+static inline void hif4_factors(double v8, double v16, double s, double r, double *fin,
+                                double *fout)
+{
+    const double e8 = v8 * r >= 4.0 ? 1.0 : 0.0;
+    const double d = e8 + (v16 * r >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
+    *fin = 4.0 * r * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));        /* 4 r 2^-d */
+    *fout = 0.25 * s * (1.0 + d + 0.5 * d * (d - 1.0));               /* s 2^(d-2) */
+}
+
+/* |y| of one HiF4 value: rha adds 1/2 before the floor, stochastic rounding adds u. */
+static inline float hif4_value(float x, double fin, double fout, double offset)
+{
+    const double q = floor((double)fabsf(x) * fin + offset);
+    return (float)((q < 7.0 ? q : 7.0) * fout);
+}
+
+/* The MX shared exponent: floor(log2 amax) - offset, at least -127 (also for amax 0). */
+static inline int mx_scale_exp(float amax, int scale_offset)
+{
+    const int E = amax > 0.0f ? floor_log2((double)amax) - scale_offset : -127;
+    return E < -127 ? -127 : E;
+}
+
+/* NVFP4's E4M3 block scale: amax / 6, at most 448, rounded to E4M3. */
+static inline double nvfp4_scale(float amax)
+{
+    const double s = (double)amax / 6.0;
+    return round_minifloat(s > 448.0 ? 448.0 : s, 3, -6, 448.0, NULL, 0);
+}
+
+/*
+ * Round one HiF4 block's magnitudes quad by quad. Inlined twice, so that the
+ * nearest-rounding copy (u == NULL, the hot path) has a constant offset and its 4-value
+ * groups vectorize.
  */
 static inline void hif4_round(const float *buf, float *mag, int n, double s, double r,
                               const double *v8, const double *v16, const float *u)
 {
-    for (int j = 0; j < 8; j++) {
-        const double e8 = v8[j] * r >= 4.0 ? 1.0 : 0.0;
-        for (int h = 0; h < 2; h++) {
-            const int k = 2 * j + h;  /* branch-free: d is 0, 1 or 2 */
-            const double d = e8 + (v16[k] * r >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
-            const double fin = 4.0 * r * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));  /* 4 r 2^-d */
-            const double fout = 0.25 * s * (1.0 + d + 0.5 * d * (d - 1.0));        /* s 2^(d-2) */
-            for (int t = 0; t < 4; t++) {
-                const int i = 4 * k + t;
-                /* rha adds 1/2 before the floor; stochastic rounding adds u */
-                const double offset = u ? (i < n ? (double)u[i] : 0.0) : 0.5;
-                const double q = floor((double)fabsf(buf[i]) * fin + offset);
-                mag[i] = (float)((q < 7.0 ? q : 7.0) * fout);
-            }
+    for (int k = 0; k < 16; k++) {
+        double fin, fout;
+        hif4_factors(v8[k >> 1], v16[k], s, r, &fin, &fout);
+        for (int t = 0; t < 4; t++) {
+            const int i = 4 * k + t;
+            mag[i] = hif4_value(buf[i], fin, fout, u ? (i < n ? (double)u[i] : 0.0) : 0.5);
         }
     }
 }
@@ -131,11 +173,8 @@ static void hif4_block(const float *x, float *y, int n, const float *u)
         v16[k] = m;
     }
     for (int j = 0; j < 8; j++) v8[j] = v16[2 * j] > v16[2 * j + 1] ? v16[2 * j] : v16[2 * j + 1];
-    double s = round_frac_bits((double)amax * 0.142578125, 7);       /* bf16(vmax * c) */
-    if (s < 0x1p-48) s = 0x1p-48;
-    if (s > 49152.0) s = 49152.0;
-    s = round_frac_bits(s, 2);                                         /* E6M2 */
-    const double r = round_frac_bits(1.0 / s, 7);                      /* bf16(1 / s) */
+    double r;
+    const double s = hif4_scale((double)amax, &r);
     if (u)
         hif4_round(buf, mag, n, s, r, v8, v16, u);
     else
@@ -149,8 +188,7 @@ static void mx_block(const float *x, float *y, int n, const float *u, int elem_m
 {
     float buf[32], mag[32], amax;
     if (load_block(x, n, 32, 0.0f, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
-    int E = amax > 0.0f ? floor_log2((double)amax) - scale_offset : -127;
-    if (E < -127) E = -127;
+    const int E = mx_scale_exp(amax, scale_offset);
     const double inv = pow2(-E), sc = pow2(E);
     for (int i = 0; i < n; i++) {
         double v = (double)fabsf(buf[i]) * inv;
@@ -163,9 +201,7 @@ static void nvfp4_block(const float *x, float *y, int n, const float *u, float g
 {
     float buf[16], mag[16], amax;
     if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
-    double s = (double)amax / 6.0;
-    if (s > 448.0) s = 448.0;
-    s = round_minifloat(s, 3, -6, 448.0, NULL, 0);                     /* E4M3 scale */
+    const double s = nvfp4_scale(amax);
     for (int i = 0; i < n; i++) {
         double v = s > 0.0 ? (double)fabsf(buf[i]) / s : 0.0;
         mag[i] = (float)(round_minifloat(v, 1, 0, 6.0, u, i) * s);
@@ -207,8 +243,8 @@ int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
  * rows within a column. The nearest-rounding path is "vertical": a stripe of one block
  * of rows by LANES neighbouring columns is processed with the columns as SIMD lanes, so
  * every step of a block's arithmetic runs on LANES blocks at once and the matrix is read
- * and written row by row, without a transposed copy. Each lane kernel repeats its
- * format's block function above, one operation per lane.
+ * and written row by row, without a transposed copy. The lane kernels apply the same
+ * per-format arithmetic as the block functions above, one lane per block.
  */
 enum { LANES = 64 };
 typedef float lanes_f[LANES];
@@ -230,7 +266,7 @@ static inline void lanes_amax(const lanes_f *buf, int bs, float *amax, int *bad)
     }
 }
 
-static void hif4_lanes(const lanes_f *buf, lanes_f *mag)
+static void hif4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
 {
     double v16[16][LANES], v8[8][LANES], s[LANES], r[LANES];
     for (int k = 0; k < 16; k++)
@@ -242,28 +278,13 @@ static void hif4_lanes(const lanes_f *buf, lanes_f *mag)
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < LANES; c++)
             v8[j][c] = v16[2 * j][c] > v16[2 * j + 1][c] ? v16[2 * j][c] : v16[2 * j + 1][c];
-    for (int c = 0; c < LANES; c++) {
-        double amax = 0.0;
-        for (int j = 0; j < 8; j++) amax = v8[j][c] > amax ? v8[j][c] : amax;
-        double sc = round_frac_bits(amax * 0.142578125, 7);
-        sc = sc < 0x1p-48 ? 0x1p-48 : sc;
-        sc = round_frac_bits(sc > 49152.0 ? 49152.0 : sc, 2);
-        s[c] = sc;
-        r[c] = round_frac_bits(1.0 / sc, 7);
-    }
+    for (int c = 0; c < LANES; c++) s[c] = hif4_scale((double)amax[c], &r[c]);
     for (int k = 0; k < 16; k++) {
         double fin[LANES], fout[LANES];
-        for (int c = 0; c < LANES; c++) {
-            const double e8 = v8[k >> 1][c] * r[c] >= 4.0 ? 1.0 : 0.0;
-            const double d = e8 + (v16[k][c] * r[c] >= 2.0 + 2.0 * e8 ? 1.0 : 0.0);
-            fin[c] = 4.0 * r[c] * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0));
-            fout[c] = 0.25 * s[c] * (1.0 + d + 0.5 * d * (d - 1.0));
-        }
+        for (int c = 0; c < LANES; c++)
+            hif4_factors(v8[k >> 1][c], v16[k][c], s[c], r[c], &fin[c], &fout[c]);
         for (int i = 4 * k; i < 4 * k + 4; i++)
-            for (int c = 0; c < LANES; c++) {
-                const double q = floor((double)fabsf(buf[i][c]) * fin[c] + 0.5);
-                mag[i][c] = (float)((q < 7.0 ? q : 7.0) * fout[c]);
-            }
+            for (int c = 0; c < LANES; c++) mag[i][c] = hif4_value(buf[i][c], fin[c], fout[c], 0.5);
     }
 }
 
@@ -272,8 +293,7 @@ static void mx_lanes(const lanes_f *buf, lanes_f *mag, const float *amax, int el
 {
     double inv[LANES], sc[LANES];
     for (int c = 0; c < LANES; c++) {
-        int E = amax[c] > 0.0f ? floor_log2((double)amax[c]) - scale_offset : -127;
-        E = E < -127 ? -127 : E;
+        const int E = mx_scale_exp(amax[c], scale_offset);
         inv[c] = pow2(-E);
         sc[c] = pow2(E);
     }
@@ -287,10 +307,7 @@ static void mx_lanes(const lanes_f *buf, lanes_f *mag, const float *amax, int el
 static void nvfp4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
 {
     double s[LANES];
-    for (int c = 0; c < LANES; c++) {
-        const double t = (double)amax[c] / 6.0;
-        s[c] = round_minifloat(t > 448.0 ? 448.0 : t, 3, -6, 448.0, NULL, 0);
-    }
+    for (int c = 0; c < LANES; c++) s[c] = nvfp4_scale(amax[c]);
     for (int i = 0; i < 16; i++)
         for (int c = 0; c < LANES; c++) {
             const double v = s[c] > 0.0 ? (double)fabsf(buf[i][c]) / s[c] : 0.0;
@@ -313,7 +330,7 @@ static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, i
             for (int c = 0; c < LANES; c++) buf[i][c] = buf[i][c] / g;
     lanes_amax(buf, bs, amax, bad);
     switch (fmt) {
-    case FMT_HIF4: hif4_lanes(buf, mag); break;
+    case FMT_HIF4: hif4_lanes(buf, mag, amax); break;
     case FMT_MXFP4: mx_lanes(buf, mag, amax, 1, 0, 6.0, 2); break;
     case FMT_NVFP4: nvfp4_lanes(buf, mag, amax); break;
     default: mx_lanes(buf, mag, amax, 3, -6, 448.0, 8); break;
