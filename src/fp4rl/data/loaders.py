@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 
 from fp4rl.data.example import Example, Message
 from fp4rl.data.layouts import Layout, get_layout
+from fp4rl.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset file (or, with ``strict=True``, one of its records) cannot be used."""
 
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fp4rl.errors import UserError
 from fp4rl.formats._exact import nonfinite_blocks
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.kernels import has_matrix_kernel, quantize_matrix, quantize_rows
@@ -33,7 +34,7 @@ class Rounding(StrEnum):
     STOCHASTIC = "stochastic"
 
 
-class FormatError(ValueError):
+class FormatError(UserError):
     """Bad input to a quantizer: a wrong option, dtype, dim or value."""
 
 
@@ -93,6 +94,11 @@ class NumberFormat(ABC):
     @abstractmethod
     def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
+
+    def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
+        """The per-tensor float32 scale ``quantize`` divides ``x`` by, or None (only NVFP4
+        has one). GEMMs keep it outside the product (see ``fp4rl.nn.gemm``)."""
+        return None
 
     @abstractmethod
     def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:

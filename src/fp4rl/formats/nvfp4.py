@@ -7,6 +7,8 @@ block scales use E4M3's precision instead of saturating or underflowing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fp4rl.formats._exact import round_minifloat
@@ -64,6 +66,10 @@ class NVFP4(BlockFormat):
         q, neg = e2m1_decode(unpack_nibbles(buffers["codes"]))
         s = e4m3_values(torch.where(nan, 0, scale).to(torch.uint8)).unsqueeze(-1)
         return {"scale": s, "q": q, "neg": neg}, nan
+
+    def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
+        """``amax / (6 * 448)`` of ``x`` in float32, or None where switched off or zero."""
+        return self._tensor_scale(x.float(), self.options(**options))
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
         """``g = amax / (6 * 448)`` in FP32 over the finite values, when enabled and non-zero."""

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from fp4rl.errors import UserError
 from fp4rl.models.cache import Fingerprint, entry_dir, is_complete
 from fp4rl.models.checkpoint import ModelAndTokenizer, load_cached, load_checkpoint
 
 log = logging.getLogger(__name__)
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(UserError, FileNotFoundError):
     """A model name or path that cannot be resolved; the message says what to do instead."""
 
 

@@ -10,6 +10,13 @@ operand re-quantized from high precision (master weights stay FP32)::
 In **rollout** mode the forward runs the rollout recipe: the weight quantized once per
 weight version (cached; an optimizer step bumps the parameter's version and so
 invalidates it) and the activations through the configured recovery method.
+
+The GEMMs run in the compute dtype in force, as ``nn.Linear`` under autocast does: bf16
+under ``torch.autocast(dtype=torch.bfloat16)`` (quantized operands cast to bf16 exactly,
+fp32 accumulation), else the input's dtype. Quantization itself always reads the
+high-precision tensors, with autocast off, so no operand is rounded to bf16 before it is
+quantized. For backward the layer keeps only ``Q_a(X)`` along tokens, in the compute
+dtype: what the weight gradient needs, no more than ``nn.Linear`` keeps under autocast.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4rl.formats import quantize
+from fp4rl.nn.gemm import Operand, mm, quantize_operand
 from fp4rl.nn.recipe import Recipe, TrainPrecision
+from fp4rl.precision import active_compute_dtype
 from fp4rl.recovery.base import RolloutRecovery, make_recovery
 
 
@@ -30,43 +38,45 @@ class Mode(StrEnum):
     ROLLOUT = "rollout"
 
 
-def _q(x: torch.Tensor, fmt: str, dim: int, stochastic: bool = False) -> torch.Tensor:
-    return quantize(x, fmt, dim=dim, rounding="stochastic" if stochastic else "nearest")
-
-
 class _FP4LinearFn(torch.autograd.Function):
     """Autograd of ``Y = Q(X) Q(W)^T + b`` with quantized backward GEMMs."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                precision: TrainPrecision) -> torch.Tensor:
+                precision: TrainPrecision, dtype: torch.dtype) -> torch.Tensor:
+        p = precision
         x2 = x.reshape(-1, x.shape[-1])
-        w = weight.to(x.dtype)
-        y = _q(x2, precision.activations, -1) @ _q(w, precision.weights, -1).t()
+        qw = quantize_operand(weight, p.weights, -1)
+        y = mm(quantize_operand(x2, p.activations, -1), qw.t(), dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x2, weight)
-        ctx.precision = precision
-        ctx.has_bias = bias is not None
-        ctx.x_shape = x.shape
+        saved_x = None
+        if ctx.needs_input_grad[1]:  # Q(X) along tokens, in the compute dtype (exact)
+            saved_x = quantize_operand(x2, p.activations, 0).to(dtype)
+        ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
+        ctx.x_scale = None if saved_x is None else saved_x.scale
+        ctx.precision, ctx.dtype, ctx.x_shape = p, dtype, x.shape
+        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, weight = ctx.saved_tensors
+        weight, qx_values = ctx.saved_tensors
         p: TrainPrecision = ctx.precision
-        g = grad_y.reshape(-1, grad_y.shape[-1]).to(x2.dtype)
-        w = weight.to(x2.dtype)
+        g = grad_y.reshape(-1, grad_y.shape[-1])
         sr = p.stochastic_gradients
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (_q(g, p.gradients, -1, sr) @ _q(w, p.weights, 0)).reshape(ctx.x_shape)
+            grad_x = mm(quantize_operand(g, p.gradients, -1, sr),
+                        quantize_operand(weight, p.weights, 0), ctx.dtype)
+            grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (_q(g, p.gradients, 0, sr).t() @ _q(x2, p.activations, 0))
+            qx = Operand(qx_values, ctx.x_scale)
+            grad_w = mm(quantize_operand(g, p.gradients, 0, sr).t(), qx, ctx.dtype)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(dim=0)
-        return grad_x, grad_w, grad_b, None
+            grad_b = g.float().sum(dim=0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class FP4Linear(nn.Linear):
@@ -101,33 +111,36 @@ class FP4Linear(nn.Linear):
         self.recipe = recipe
         self.recovery: RolloutRecovery = make_recovery(
             recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed)
-        self._weight_cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
 
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured."""
         self.recovery.begin_step()
 
-    def rollout_weight(self) -> torch.Tensor:
-        """The rollout-quantized weight, recomputed only when the weight or recovery changed."""
-        key = (self.weight._version, self.weight.data_ptr(), self.recovery.version)
+    def rollout_weight(self, dtype: torch.dtype = torch.float32) -> Operand:
+        """The rollout-quantized weight in ``dtype``, recomputed only when the weight, the
+        recovery transform or the compute dtype changed."""
+        key = (self.weight._version, self.weight.data_ptr(), self.recovery.version, dtype)
         if self._weight_cache is None or self._weight_cache[0] != key:
             with torch.no_grad():
                 w = self.recovery.transform_weight(self.weight.detach())
-                qw = _q(w, self.recipe.rollout.weights, -1)
-            self._weight_cache = (key, qw)
+                qw = quantize_operand(w, self.recipe.rollout.weights, -1)
+            self._weight_cache = (key, qw.to(dtype) if dtype != torch.float32 else qw)
         return self._weight_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode is Mode.TRAIN:
-            return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train)
-        return self._rollout_forward(x)
+        dtype = active_compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.mode is Mode.TRAIN:
+                return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype)
+            return self._rollout_forward(x, dtype)
 
     @torch.no_grad()
-    def _rollout_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _rollout_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
-        y = self.recovery.matmul(x2, self.rollout_weight().to(x.dtype), w)
+        y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from fp4rl.errors import UserError
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.recipe import Recipe, preset
 
@@ -16,7 +17,7 @@ from fp4rl.nn.recipe import Recipe, preset
 BLOCK_PREFIX = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 
 
-class PatchError(ValueError):
+class PatchError(UserError):
     """The model cannot be patched as asked."""
 
 

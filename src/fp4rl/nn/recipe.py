@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from fp4rl.errors import UserError
 from fp4rl.formats import list_formats
 
 FP4_FORMATS = ("hif4", "mxfp4", "nvfp4")
@@ -36,7 +37,7 @@ ROLLOUT_PRESETS = {
 TRAIN_PRESETS = ("bf16", "fp4")
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A malformed recipe: the message says which field and what is allowed."""
 
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from fp4rl.formats import quantize
+from fp4rl.nn.gemm import Operand, mm, quantize_operand
 from fp4rl.nn.recipe import Recovery
 
 
@@ -31,9 +31,9 @@ class RolloutRecovery(ABC):
         #: bumped whenever ``transform_weight`` would change: invalidates the weight cache
         self.version = 0
 
-    def quantize_act(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_act(self, x: torch.Tensor) -> Operand:
         """Q(x) along the reduction axis in the rollout activation format."""
-        return quantize(x, self.act_format)
+        return quantize_operand(x, self.act_format)
 
     def begin_step(self) -> None:  # noqa: B027  (optional hook)
         """Called at the start of every RL step (a new policy version)."""
@@ -53,8 +53,15 @@ class RolloutRecovery(ABC):
         return w
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Rollout output without bias: ``x`` (tokens, in), ``qw`` quantized weight, ``w`` raw."""
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        """The activation operands that share the quantized weight in the rollout GEMM
+        (one for plain FP4; ResQ's two terms where ``dtype`` cannot hold their sum)."""
+
+    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Rollout output without bias, in ``dtype``: ``x`` (tokens, in), ``qw`` the
+        quantized weight, ``w`` the raw one."""
+        return mm(self.activation(x, dtype), qw.t(), dtype)
 
 
 class NoRecovery(RolloutRecovery):
@@ -62,8 +69,8 @@ class NoRecovery(RolloutRecovery):
 
     name = "none"
 
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.quantize_act(x) @ qw.t()
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        return [self.quantize_act(x)]
 
 
 _METHODS: dict[str, type[RolloutRecovery]] = {"none": NoRecovery}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4rl.nn.gemm import Operand, mm
 from fp4rl.recovery.base import RolloutRecovery, register
 from fp4rl.recovery.outliers import clamp_outliers, residual_matmul
 
@@ -18,6 +19,13 @@ from fp4rl.recovery.outliers import clamp_outliers, residual_matmul
 class OCC(RolloutRecovery):
     name = "occ"
 
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        return [self.quantize_act(clamp_outliers(x, self.config.quantile)[0])]
+
+    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """The FP4 GEMM of the clamped input plus the outliers' sparse GEMM with the
+        unquantized weight, both in ``dtype``."""
         clamped, outliers = clamp_outliers(x, self.config.quantile)
-        return self.quantize_act(clamped) @ qw.t() + residual_matmul(outliers, w.to(x.dtype))
+        y = mm(self.quantize_act(clamped), qw.t(), dtype)
+        return y + residual_matmul(outliers.to(dtype), w.to(dtype))

@@ -15,6 +15,7 @@ import torch
 
 from fp4rl.formats import BlockFormat, get_format, quantize
 from fp4rl.kernels import resq_rows
+from fp4rl.nn.gemm import Operand, quantize_operand
 from fp4rl.recovery.base import RolloutRecovery, register
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
@@ -66,5 +67,11 @@ class ResQ(RolloutRecovery):
         """The parsed sparsity pattern (parsed once, not on every decode step)."""
         return parse_pattern(self.config.sparsity)
 
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return resq_activation(x, self.act_format, self.pattern) @ qw.t()
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        """One folded operand in fp32 (which holds the sum exactly); in bf16 the two
+        terms stay apart, each exact, and share one read of ``Q(W)`` in ``mm``."""
+        if dtype == torch.float32:
+            return [Operand(resq_activation(x, self.act_format, self.pattern))]
+        qx = quantize_operand(x, self.act_format)
+        residual = quantize_operand(x.float() - qx.dense(), self.act_format)
+        return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4rl.nn.gemm import Operand
 from fp4rl.recovery.base import RolloutRecovery, register
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
@@ -49,5 +50,5 @@ class RHT(RolloutRecovery):
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
         return random_hadamard(w, self.signs, self.block)
 
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.quantize_act(random_hadamard(x, self.signs, self.block)) @ qw.t()
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        return [self.quantize_act(random_hadamard(x, self.signs, self.block))]

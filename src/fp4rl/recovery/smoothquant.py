@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4rl.nn.gemm import Operand
 from fp4rl.recovery.base import RolloutRecovery, register
 
 MIN_SCALE = 1e-5
@@ -42,7 +43,7 @@ class SmoothQuant(RolloutRecovery):
         self.version += 1
 
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
-        return w if self.scales is None else w * self.scales.to(w.dtype)
+        return w if self.scales is None else w * self.scales.to(w.device, w.dtype)
 
-    def matmul(self, x: torch.Tensor, qw: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.quantize_act(x / self.scales.to(x.dtype)) @ qw.t()
+    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        return [self.quantize_act(x / self.scales.to(device=x.device, dtype=x.dtype))]

@@ -15,11 +15,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fp4rl.errors import UserError
 from fp4rl.nn.recipe import Recipe, RecipeError
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An invalid training configuration; the message names each bad field."""
 
 

@@ -1,0 +1,90 @@
+"""Quantized GEMM operands and the matmul that multiplies them in the compute dtype.
+
+Every FP4 value (HiF4, MXFP4, NVFP4's block-scaled part) and every MXFP8 value is exactly
+representable in bfloat16, so a quantized operand loses nothing when it is cast to bf16
+and multiplied on bf16 hardware with fp32 accumulation, as a tensor core (or a CPU with
+avx512_bf16 / AMX) does. The one exception is NVFP4's per-tensor FP32 scale: its product
+with a block value need not fit bf16, so an :class:`Operand` keeps that scale outside,
+and :func:`mm` applies it to the fp32 result, as NVFP4 hardware does.
+
+``"bf16"`` as an operand format means *not quantized*: the operand enters the GEMM in
+the compute dtype unchanged (the paper's BF16 baseline, with FP32 masters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp4rl.formats import get_format
+
+UNQUANTIZED = "bf16"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand: ``values`` times an optional per-tensor float32 ``scale``."""
+
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """``values * scale`` in float32: bit for bit what ``fp4rl.quantize`` returns."""
+        if self.scale is None:
+            return self.values
+        return self.values.float() * self.scale
+
+    def t(self) -> Operand:
+        return Operand(self.values.t(), self.scale)
+
+    def to(self, dtype: torch.dtype) -> Operand:
+        return Operand(self.values.to(dtype), self.scale)
+
+
+def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool = False,
+                     generator: torch.Generator | None = None) -> Operand:
+    """``x`` quantized along ``dim`` as a GEMM operand (``"bf16"``: ``x`` itself).
+
+    ``Operand.dense()`` equals ``fp4rl.quantize(x, fmt, dim)`` bit for bit; ``values``
+    holds the block-scaled part, exact in bf16.
+    """
+    if fmt == UNQUANTIZED:
+        return Operand(x)
+    f = get_format(fmt)
+    rounding = "stochastic" if stochastic else "nearest"
+    scale = f.tensor_scale(x)
+    if scale is None:
+        return Operand(f.quantize(x, dim, rounding=rounding, generator=generator))
+    # The same division the quantizer does internally, so values * scale is its output.
+    unscaled = f.quantize(x.float() / scale, dim, rounding=rounding, generator=generator,
+                          per_tensor_scale=False)
+    return Operand(unscaled, scale)
+
+
+def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_i a_i @ b`` computed as ``dtype`` hardware would, returned in ``dtype``.
+
+    float32: the dense operands are multiplied in fp32 (the reference simulation). bf16:
+    the operands are cast to bf16 (exact), multiplied with fp32 accumulation, and the
+    per-tensor scales applied to the fp32 result. Several ``a`` terms share ``b`` (the two
+    GEMMs of Rollout-ResQ): they are stacked along the rows so ``b`` is read once, and
+    their products summed in fp32.
+    """
+    terms = a if isinstance(a, list) else [a]
+    if dtype == torch.float32:
+        total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
+        return total.float() @ b.dense().float()
+    bv = b.values.to(dtype)
+    if len(terms) == 1 and terms[0].scale is None and b.scale is None:
+        return terms[0].values.to(dtype) @ bv
+    stacked = torch.cat([t.values.to(dtype) for t in terms]) if len(terms) > 1 else \
+        terms[0].values.to(dtype)
+    parts = (stacked @ bv).float().split([t.values.shape[0] for t in terms])
+    y = sum(p if t.scale is None else p * t.scale for p, t in zip(parts, terms, strict=True))
+    if b.scale is not None:
+        y = y * b.scale
+    return y.to(dtype)
+
+
+__all__ = ["UNQUANTIZED", "Operand", "mm", "quantize_operand"]

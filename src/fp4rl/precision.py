@@ -1,0 +1,136 @@
+"""The precision policy and the device of a run, decided in one place.
+
+Master weights and optimizer state are always FP32. ``mixed_precision`` (accelerate's
+name and meaning) only chooses the *compute* dtype:
+
+- ``"no"``: every matmul in float32;
+- ``"bf16"``: the model runs under ``torch.autocast(dtype=bfloat16)``; FP4 linear layers
+  cast their quantized operands to bf16 (exact: every FP4 value fits in bf16) and multiply
+  with fp32 accumulation; log-probs, losses, advantages and importance ratios stay fp32;
+- ``"auto"``: ``bf16`` where the device does bf16 natively (a CUDA GPU with bf16, a CPU
+  with avx512_bf16 or AMX), else ``no``.
+
+A run resolves ``auto`` once and records the resolved value, so its saved config
+reproduces it on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from fp4rl.errors import UserError
+
+MixedPrecision = Literal["no", "bf16", "auto"]
+MIXED_PRECISION = ("no", "bf16", "auto")
+#: CPU feature flags that mean a bf16 GEMM runs natively (faster than fp32)
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_info() -> tuple[str, tuple[str, ...]]:
+    """The CPU model name and which of :data:`BF16_CPU_FLAGS` it has (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), ()
+    model, flags = platform.processor() or platform.machine(), set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model in ("", platform.machine()):
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags.update(value.split())
+    return model, tuple(f for f in BF16_CPU_FLAGS if f in flags)
+
+
+def describe_cpu() -> str:
+    """One line for benchmark output: model and bf16 capability."""
+    model, flags = cpu_info()
+    native = ", ".join(flags) if flags else "none (bf16 GEMMs are emulated, slower than fp32)"
+    return f"CPU: {model}; native bf16 flags: {native}"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively on ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(cpu_info()[1])
+    return False
+
+
+def resolve_device(spec: str | torch.device = "auto") -> torch.device:
+    """``auto`` (cuda when available), ``cpu``, ``cuda`` or ``cuda:N``; a clear error if the
+    device is not there."""
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"device {spec!r} is not a device: use auto, cpu, cuda or cuda:N") \
+            from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {spec!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {spec!r} asked for, but no CUDA GPU is available here "
+                            "(this torch build or machine has none): use device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"device {spec!r} does not exist: this machine has "
+                            f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def resolve_mixed_precision(value: str, device: torch.device) -> Literal["no", "bf16"]:
+    """``auto`` -> ``bf16`` where ``device`` does bf16 natively, else ``no``."""
+    if value not in MIXED_PRECISION:
+        raise UserError(f"mixed_precision {value!r} is not one of {', '.join(MIXED_PRECISION)}")
+    if value == "auto":
+        return "bf16" if native_bf16(device) else "no"
+    return value  # type: ignore[return-value]
+
+
+def slow_bf16_note(mixed_precision: str, device: torch.device) -> str | None:
+    """A one-line note when bf16 compute was asked for on a device that emulates it."""
+    if mixed_precision == "bf16" and not native_bf16(device):
+        return (f"note: mixed_precision=bf16 on a device without native bf16 ({device}); "
+                "results are right but matmuls run slower than in fp32")
+    return None
+
+
+def compute_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype matmuls run in under a resolved ``mixed_precision``."""
+    return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, mixed_precision: str) -> Iterator[None]:
+    """The run's compute context: bf16 autocast on ``device``, or nothing for ``no``."""
+    if mixed_precision != "bf16":
+        yield
+        return
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        yield
+
+
+def active_compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The compute dtype in force for ``x``: the autocast dtype if autocast is on for its
+    device, else ``x``'s own floating dtype. FP4 layers follow it as ``nn.Linear`` does."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype if x.dtype.is_floating_point else torch.float32
+
+
+__all__ = ["MIXED_PRECISION", "MixedPrecision", "active_compute_dtype", "autocast",
+           "compute_dtype", "cpu_info", "describe_cpu", "native_bf16", "resolve_device",
+           "resolve_mixed_precision", "slow_bf16_note"]
