@@ -57,8 +57,10 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from fp4rl.precision import resolve_device
+
     with console.status(f"loading {args.model}"):
-        model, tok = load_model(args.model)
+        model, tok = load_model(args.model, device=resolve_device(args.device))
     with console.status(f"capturing block linear inputs over {len(prompts)} prompts"):
         acts = capture_linear_inputs(model, encode_prompts(tok, prompts))
     layers = [diagnose.diagnose_activations(n, x, formats)
@@ -108,8 +110,10 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
     methods = args.methods or fidelity.default_methods()
     for m in methods:
         preset(m)  # fail fast on a bad name, before loading anything
+    from fp4rl.precision import resolve_device
+
     with console.status(f"loading {args.model}"):
-        model, tok = load_model(args.model)
+        model, tok = load_model(args.model, device=resolve_device(args.device))
     examples, prompts = encode_examples(
         synthetic_dataset("test", n=args.n, levels=args.levels, seed=args.seed), tok,
         max_prompt_length=4096, log=console.print)
@@ -149,8 +153,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         raise SystemExit(f"{out} already holds a run: pass --resume to continue it, or "
                          "choose another --output")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(cfg_yaml(cfg))
     trainer = Trainer(cfg, out, log=console.print)
+    (out / "config.yaml").write_text(cfg_yaml(trainer.cfg))  # as run: device, precision
+    cfg = trainer.cfg
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
 
@@ -172,18 +177,20 @@ def cfg_yaml(cfg: object) -> str:
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.paths import write_json
+    from fp4rl.precision import resolve_device
     from fp4rl.progress import progress_bar
     from fp4rl.rl.evaluate import evaluate
     from fp4rl.rl.sources import eval_examples, load_policy
 
-    model, tok, label = load_policy(args.model, args.checkpoint, args.recipe)
+    device = resolve_device(args.device)
+    model, tok, label = load_policy(args.model, args.checkpoint, args.recipe, device)
     examples, prompts = eval_examples(args.data, tok, n=args.n, levels=args.levels,
                                       seed=args.seed, fields=args.field)
     with progress_bar(console) as bar:
         task = bar.add_task("eval", total=None, info=label)
         result = evaluate(model, tok, examples, prompts, k=args.mean_at, seed=args.seed,
                           temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size,
+                          batch_size=args.batch_size, mixed_precision=args.mixed_precision,
                           progress=lambda n: bar.advance(task, n))
     console.print(f"{label} on {args.data} ({result.n} prompts): "
                   f"mean@{result.k} = {result.mean:.1%}, best@{result.k} = {result.best:.1%}"
@@ -255,7 +262,16 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
     given = {"steps": args.steps, "eval_prompts": args.eval_prompts}
     size = DemoSize(**{k: v for k, v in given.items() if v is not None})
-    return run_demo(console, model=args.model, output=args.output, size=size, seed=args.seed)
+    return run_demo(console, model=args.model, output=args.output, size=size, seed=args.seed,
+                    device=args.device, mixed_precision=args.mixed_precision)
+
+
+def _add_device_args(parser: argparse.ArgumentParser, precision: str) -> None:
+    parser.add_argument("--device", default="auto",
+                        help="auto (cuda when available), cpu, cuda or cuda:N")
+    parser.add_argument("--mixed-precision", default=precision, choices=["no", "bf16", "auto"],
+                        help=f"compute dtype: no (fp32), bf16, auto (bf16 where native); "
+                        f"default {precision}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, help="GRPO steps (default: sized for ~10 min)")
     demo.add_argument("--eval-prompts", type=int, help="test prompts per evaluation")
     demo.add_argument("--seed", type=int, default=0)
+    _add_device_args(demo, "auto")
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="GRPO with FP4 rollout and FP4 training policies")
@@ -298,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--seed", type=int, default=0)
+    _add_device_args(ev, "auto")
     ev.add_argument("--json", help="write the result here")
     ev.set_defaults(func=_eval)
 
@@ -308,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--prompts", help=".txt (one per line) or .jsonl prompt file")
     diag.add_argument("--out", default="runs/diagnose", help="directory for the plots")
     diag.add_argument("--json", help="where to write the data (default OUT/diagnose.json)")
+    diag.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     diag.set_defaults(func=_diagnose)
 
     fid = sub.add_parser("fidelity", help="how far each rollout configuration strays")
@@ -320,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--max-new-tokens", type=int, default=48)
     fid.add_argument("--json", help="write the rows to this JSON file")
     fid.add_argument("--plot", help="write a bar chart PNG here")
+    fid.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     fid.set_defaults(func=_fidelity)
 
     cost = sub.add_parser("cost", help="effective FLOPs of FP4 and Rollout-ResQ GEMMs")
@@ -375,9 +395,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    return args.func(args, Console())
+    """Run a command; a user's mistake is one line on stderr and exit status 2."""
+    from fp4rl.errors import UserError
+
+    parser = build_parser()
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args.argv = argv
+    try:
+        return args.func(args, Console())
+    except UserError as err:
+        if debug:
+            raise
+        message = " ".join(str(err).split())  # one line, whatever the message holds
+        print(f"fp4rl {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

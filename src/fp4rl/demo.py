@@ -44,42 +44,49 @@ class DemoSize:
     max_new_tokens: int = 48
 
 
-def _config(model: str, size: DemoSize, seed: int) -> TrainConfig:
+def _config(model: str, size: DemoSize, seed: int, device: str,
+            mixed_precision: str) -> TrainConfig:
     if not CONFIG.is_file():
         raise FileNotFoundError(f"{CONFIG} is missing: run the demo from a checkout of the "
                                 "repository (pip install -e .)")
-    changes = {"model": model, "run.steps": size.steps, "run.seed": seed,
+    changes = {"model": model, "run.steps": size.steps, "run.seed": seed, "device": device,
+               "mixed_precision": mixed_precision,
                "run.save_steps": size.steps, "grpo.max_response_length": size.max_new_tokens}
     return load_config(CONFIG, None, changes)
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
-              size: DemoSize) -> EvalResult:
+              size: DemoSize, precision: str) -> EvalResult:
     return evaluate(net, tok, examples, prompts, k=1, max_new_tokens=size.max_new_tokens,
-                    batch_size=32)
+                    batch_size=32, mixed_precision=precision)
 
 
 def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: list,
-                   prompts: list, size: DemoSize) -> dict[str, EvalResult]:
+                   prompts: list, size: DemoSize, precision: str) -> dict[str, EvalResult]:
     """Accuracy of the master weights unquantized and as the FP4 rollout policy."""
     quantize_model(net, "bf16")
-    unquantized = _evaluate(net, tok, examples, prompts, size)
+    unquantized = _evaluate(net, tok, examples, prompts, size, precision)
     quantize_model(net, recipe)
-    return {"bf16": unquantized, "fp4": _evaluate(net, tok, examples, prompts, size)}
+    return {"bf16": unquantized,
+            "fp4": _evaluate(net, tok, examples, prompts, size, precision)}
 
 
 def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/demo",
-             size: DemoSize | None = None, seed: int = 0) -> int:
+             size: DemoSize | None = None, seed: int = 0, device: str = "auto",
+             mixed_precision: str = "auto") -> int:
     from fp4rl.models import load_model
+    from fp4rl.precision import resolve_device, resolve_mixed_precision
 
     size = size or DemoSize()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    cfg = _config(model, size, seed)
+    cfg = _config(model, size, seed, device, mixed_precision)
     recipe = cfg.recipe()
+    where = resolve_device(cfg.device)
+    precision = resolve_mixed_precision(cfg.mixed_precision, where)
     with console.status(f"loading {model} (the first run converts its GGUF file, ~30 s)"):
-        net, tok = load_model(model)
+        net, tok = load_model(model, device=where)
     console.rule("1. zero collapse of mlp.down_proj inputs")
     zeros = _zero_collapse(net, tok)
     console.print("  share of values exactly zero: " + ", ".join(
@@ -90,7 +97,7 @@ def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/
     examples, prompts = encode_examples(
         load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length)
     with console.status(f"evaluating {len(examples)} test prompts, unquantized and FP4"):
-        before = _evaluate_both(net, tok, recipe, examples, prompts, size)
+        before = _evaluate_both(net, tok, recipe, examples, prompts, size, precision)
     console.print(f"  bf16 (unquantized) {before['bf16'].mean:.1%}   HiF4+ResQ-2:4 rollout "
                   f"{before['fp4'].mean:.1%}")
 
@@ -105,10 +112,11 @@ def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/
 
     console.rule("4. accuracy after training")
     with console.status("evaluating again"):
-        after = _evaluate_both(net, tok, recipe, examples, prompts, size)
+        after = _evaluate_both(net, tok, recipe, examples, prompts, size, precision)
     minutes = (time.perf_counter() - started) / 60
     _summary(console, before, after, history, minutes)
-    _report(out, model, zeros, before, after, history, minutes, len(examples))
+    setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
+    _report(out, model, zeros, before, after, history, minutes, len(examples), setting)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -140,11 +148,11 @@ def _summary(console: Console, before: dict[str, EvalResult], after: dict[str, E
 
 def _report(out: Path, model: str, zeros: dict[str, dict[str, float]],
             before: dict[str, EvalResult], after: dict[str, EvalResult],
-            history: list[dict], minutes: float, n_eval: int) -> None:
+            history: list[dict], minutes: float, n_eval: int, setting: str) -> None:
     plot_curves(history, out / "curves.png", title=f"{model}: HiF4 GRPO with ResQ-2:4")
     lines = [
         f"# fp4rl demo: {model}", "",
-        f"Wall clock: {minutes:.1f} min. Config: configs/demo.yaml "
+        f"Wall clock: {minutes:.1f} min ({setting}). Config: configs/demo.yaml "
         f"({len(history)} steps). Evaluation: {n_eval} synthetic test prompts, greedy.", "",
         "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
         "| format | share exactly zero |", "|---|---|",

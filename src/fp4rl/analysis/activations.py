@@ -35,8 +35,10 @@ def capture_linear_inputs(model: nn.Module, inputs: Iterable[torch.Tensor],
     """Run ``inputs`` (token-id tensors of shape (1, T)) and collect each block linear's input.
 
     Prompts run one at a time so no padding token ever enters the statistics; the
-    result maps layer names to ``(tokens, in_features)`` float32 matrices.
+    result maps layer names to ``(tokens, in_features)`` float32 matrices on the CPU,
+    whatever device the model runs on.
     """
+    device = next(model.parameters()).device
     captured: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for name, module in block_linears(model, pattern).items():
@@ -45,11 +47,11 @@ def capture_linear_inputs(model: nn.Module, inputs: Iterable[torch.Tensor],
         hooks.append(module.register_forward_pre_hook(hook))
     try:
         for ids in inputs:
-            model(input_ids=ids)
+            model(input_ids=ids.to(device))
     finally:
         for h in hooks:
             h.remove()
-    return {name: torch.cat(parts).float() for name, parts in captured.items()}
+    return {name: torch.cat(parts).float().cpu() for name, parts in captured.items()}
 
 
 def zero_fraction(x: torch.Tensor, fmt: str = "bf16") -> float:

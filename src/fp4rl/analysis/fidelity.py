@@ -69,10 +69,12 @@ def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: i
 @torch.no_grad()
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """log-softmax over the vocabulary at each scored position: (n_scored, vocab)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    device = next(model.parameters()).device
+    logits = model(input_ids=batch.input_ids.to(device),
+                   attention_mask=batch.attention_mask.to(device)).logits
     # logits at t predict token t+1
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp[batch.scored[:, 1:]]
+    return logp[batch.scored[:, 1:].to(device)].cpu()
 
 
 def compare(ref: torch.Tensor, other: torch.Tensor, tokens: torch.Tensor) -> tuple[float, float]:

@@ -125,6 +125,7 @@ TINY = ExperimentPreset(
     "x 8 samples, scored greedily on 100 test prompts: 9-23 CPU-minutes per cell",
     changes={
         "model": "smollm2-135m",
+        "mixed_precision": "auto",
         "data": {"source": "synthetic", "levels": [1, 2], "train_size": 400, "test_size": 100},
         "grpo": {"num_generations": 8, "batch_size": 4, "micro_batch_size": 16,
                  "learning_rate": 1.0e-5, "temperature": 0.8, "max_prompt_length": 256,

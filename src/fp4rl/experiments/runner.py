@@ -157,6 +157,7 @@ def _score(model: torch.nn.Module, tok: Any, cfg: Any,
     for name, examples, prompts in sets:
         result = evaluate(model, tok, examples, prompts, k=e.mean_at_k,
                           temperature=e.temperature, seed=cfg.run.seed,
+                          mixed_precision=cfg.mixed_precision,
                           max_new_tokens=e.max_new_tokens or cfg.grpo.max_response_length)
         out[name] = result.as_dict()
     return out
@@ -173,6 +174,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     cfg = cell_config(exp, cell)
     run_dir = directory / "run"
     trainer = Trainer(cfg, run_dir, log=log)
+    cfg = trainer.cfg  # device and mixed_precision resolved
     sets = _eval_sets(exp, cfg, trainer.tok)
     if not (directory / INITIAL).is_file() and ckpt.latest_checkpoint(run_dir) is None:
         start = time.perf_counter()

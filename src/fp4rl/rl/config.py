@@ -91,7 +91,11 @@ class RunConfig(_Section):
 
 class TrainConfig(_Section):
     model: str = "smollm2-135m"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    #: compute dtype (accelerate's name): "no" = fp32, "bf16", "auto" = bf16 where native.
+    #: Master weights and optimizer state are always FP32.
+    mixed_precision: Literal["no", "bf16", "auto"] = "auto"
+    #: "auto" (cuda when available), "cpu", "cuda" or "cuda:N"
+    device: str = "auto"
     train: dict[str, Any] = Field(default_factory=dict)
     rollout: dict[str, Any] = Field(default_factory=dict)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -153,15 +157,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(data)
 
 
+REMOVED_KEYS = {
+    "dtype": "dtype is gone: master weights are always FP32; choose the compute dtype with "
+             "mixed_precision=no|bf16|auto",
+}
+
+
 def validate(data: dict[str, Any]) -> TrainConfig:
+    for key, why in REMOVED_KEYS.items():
+        if key in data:
+            raise ConfigError(why)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:
-        lines = []
+        problems = []
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"]) or "config"
-            lines.append(f"  {where}: {e['msg']}")
-        raise ConfigError("invalid training config:\n" + "\n".join(lines)) from None
+            problems.append(f"{where}: {e['msg']}")
+        raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
 __all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",

@@ -17,6 +17,7 @@ import torch
 
 from fp4rl.data import Example
 from fp4rl.nn import fp4_layers, rollout_mode
+from fp4rl.precision import autocast, resolve_mixed_precision
 from fp4rl.rl.datasets import stop_token_ids
 from fp4rl.rl.rewards import get_reward_fn
 from fp4rl.rl.rollout import SamplingConfig, generate
@@ -45,16 +46,20 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
              prompts: list[list[int]], *, k: int = 1, temperature: float = 1.0,
              max_new_tokens: int = 256, seed: int = 0, batch_size: int = 32,
              reward: str | None = None, eos_token_ids: list[int] | None = None,
-             progress: bool | Callable[[int], None] = False) -> EvalResult:
-    """Score ``examples`` (with their encoded ``prompts``) by Mean@k."""
+             progress: bool | Callable[[int], None] = False,
+             mixed_precision: str = "no") -> EvalResult:
+    """Score ``examples`` (with their encoded ``prompts``) by Mean@k, on the model's device
+    and in the compute dtype of ``mixed_precision`` (no, bf16 or auto)."""
+    device = next(model.parameters()).device
+    precision = resolve_mixed_precision(mixed_precision, device)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                               greedy=k == 1)
     repeated = [p for p in prompts for _ in range(k)]
     mode = rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext()
-    with mode:
+    with autocast(device, precision), mode:
         batch = generate(model, repeated, sampling, pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=eos_token_ids or stop_token_ids(tokenizer),
-                         generator=torch.Generator().manual_seed(seed),
+                         generator=torch.Generator(device).manual_seed(seed),
                          batch_size=batch_size, progress=progress)
     texts = batch.texts(tokenizer)
     scores = torch.tensor([

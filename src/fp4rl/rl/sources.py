@@ -25,8 +25,8 @@ def _checkpoint_dir(path: Path) -> Path:
     return found
 
 
-def load_policy(model: str | None, checkpoint: str | None,
-                recipe: str | None) -> tuple[torch.nn.Module, Any, str]:
+def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
+                device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any, str]:
     """The model to evaluate, its tokenizer and a label saying what it is.
 
     ``checkpoint`` (a run directory or one checkpoint) loads the trained master weights
@@ -39,12 +39,12 @@ def load_policy(model: str | None, checkpoint: str | None,
     if checkpoint is not None:
         path = _checkpoint_dir(Path(checkpoint))
         config = torch.load(path / "state.pt", weights_only=False)["config"]
-        net, tok = load_model(config["model"])
-        load_weights(net, str(path / "model.safetensors"))
+        net, tok = load_model(config["model"], device=device)
+        load_weights(net, str(path / "model.safetensors"), device=str(device))
         run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"]})
         label = f"checkpoint {path}"
     else:
-        net, tok = load_model(model or "smollm2-135m")
+        net, tok = load_model(model or "smollm2-135m", device=device)
         label = model or "smollm2-135m"
     if recipe == "run":
         if run_recipe is None:

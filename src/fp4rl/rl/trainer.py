@@ -32,6 +32,13 @@ import torch
 
 from fp4rl.data import Example
 from fp4rl.nn import begin_step, fp4_layers, quantize_model, rollout_mode, train_mode
+from fp4rl.precision import (
+    autocast,
+    compute_dtype,
+    resolve_device,
+    resolve_mixed_precision,
+    slow_bf16_note,
+)
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
@@ -65,7 +72,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, output_dir: str | Path,
                  model: torch.nn.Module | None = None, tokenizer: Any = None,
                  log: Callable[[str], None] = print) -> None:
-        self.cfg = config
+        self.device = resolve_device(config.device)
+        self.mixed_precision = resolve_mixed_precision(config.mixed_precision, self.device)
+        #: the config as run: device and mixed_precision resolved, so it reproduces the run
+        self.cfg = config = config.model_copy(update={
+            "device": str(self.device), "mixed_precision": self.mixed_precision})
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -73,8 +84,14 @@ class Trainer:
         if model is None:
             from fp4rl.models import load_model
 
-            model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
-        self.model, self.tok = model, tokenizer
+            model, tokenizer = load_model(config.model, device=self.device)
+        self.model, self.tok = _fp32_masters(model, log).to(self.device), tokenizer
+        log(f"device {self.device}, mixed_precision={self.mixed_precision} (compute "
+            f"{str(compute_dtype(self.mixed_precision)).removeprefix('torch.')}, "
+            "FP32 master weights and optimizer)")
+        note = slow_bf16_note(self.mixed_precision, self.device)
+        if note:
+            log(note)
         self.recipe = config.recipe()
         quantize_model(self.model, self.recipe)
         self.model.eval()  # no dropout in either policy; gradients still flow
@@ -86,7 +103,7 @@ class Trainer:
         self.train_examples, self.train_prompts = encode_examples(
             load_split(config.data, "train", config.run.seed), tokenizer, g.max_prompt_length,
             config.data.template, config.data.strict, log)
-        self.rollout_generator = torch.Generator().manual_seed(config.run.seed + 1)
+        self.rollout_generator = torch.Generator(self.device).manual_seed(config.run.seed + 1)
         self.cursor = DataCursor()
         self.step = 0
         self.eos_ids = stop_token_ids(tokenizer)
@@ -116,7 +133,7 @@ class Trainer:
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         start = time.perf_counter()
-        with rollout_mode(self.model):
+        with self.compute(), rollout_mode(self.model):
             batch = generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
                              eos_token_ids=self.eos_ids, generator=self.rollout_generator,
                              batch_size=g.micro_batch_size * 4)
@@ -142,7 +159,7 @@ class Trainer:
         start = time.perf_counter()
         rewards = self.rewards(indices, batch)
         reward_time = time.perf_counter() - start
-        advantages = group_advantages(rewards, g.num_generations)
+        advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
         start = time.perf_counter()
         update = self.update(batch, advantages)
         update_time = time.perf_counter() - start
@@ -176,7 +193,8 @@ class Trainer:
 
     def _logprobs(self, model: torch.nn.Module, seqs: _Sequences, rows: torch.Tensor,
                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with train_mode(model) if fp4_layers(model) else contextlib.nullcontext():
+        mode = train_mode(model) if fp4_layers(model) else contextlib.nullcontext()
+        with self.compute(), mode:
             return response_logprobs(model, seqs.ids[rows], seqs.attention[rows],
                                      seqs.prompt_width, self.cfg.grpo.temperature,
                                      with_entropy)
@@ -233,8 +251,9 @@ class Trainer:
         for micro in self._micro_batches(active):
             logp, entropy = self._logprobs(self.model, seqs, micro, with_entropy=True)
             m = mask[micro]
-            loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro], advantages[micro],
-                                 m, loss_cfg, None if ref_logp is None else ref_logp[micro])
+            loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro],
+                                 advantages[micro].to(logp.device), m, loss_cfg,
+                                 None if ref_logp is None else ref_logp[micro])
             share = (len(micro) if seq_mode else m.sum().item()) / denominator
             (loss * share).backward()
             total_loss += loss.item() * share
@@ -250,6 +269,10 @@ class Trainer:
         stats.setdefault("grad_norm", []).append(float(grad_norm))
         stats.setdefault("active_fraction", []).append(active.numel() / max(len(rows), 1))
         return tokens
+
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """The run's compute context (bf16 autocast under mixed_precision=bf16)."""
+        return autocast(self.device, self.mixed_precision)
 
     def _reference_model(self) -> torch.nn.Module:
         ref = copy.deepcopy(self.model)
@@ -312,6 +335,16 @@ class Trainer:
             if progress:
                 progress(self.step, total, metrics)
         return history
+
+
+def _fp32_masters(model: torch.nn.Module, log: Callable[[str], None]) -> torch.nn.Module:
+    """Master weights are FP32: a model handed over in another dtype is converted."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes - {torch.float32}:
+        log(f"note: converting the model's {sorted(map(str, dtypes))} weights to FP32 master "
+            "weights (the compute dtype is set by mixed_precision)")
+        model.float()
+    return model
 
 
 def _seed_everything(seed: int) -> None:
