@@ -62,29 +62,38 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     return Operand(unscaled, scale)
 
 
-def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_i a_i @ b`` computed as ``dtype`` hardware would, returned in ``dtype``.
+def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
+       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_i a_i @ b (+ bias)`` computed as ``dtype`` hardware would, returned in ``dtype``.
 
     float32: the dense operands are multiplied in fp32 (the reference simulation). bf16:
     the operands are cast to bf16 (exact), multiplied with fp32 accumulation, and the
     per-tensor scales applied to the fp32 result. Several ``a`` terms share ``b`` (the two
     GEMMs of Rollout-ResQ): they are stacked along the rows so ``b`` is read once, and
-    their products summed in fp32.
+    their products summed in fp32. The bias joins the fp32 accumulator, as in ``F.linear``
+    (an unquantized operand pair is then bit for bit ``nn.Linear`` under autocast).
     """
     terms = a if isinstance(a, list) else [a]
     if dtype == torch.float32:
         total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
-        return total.float() @ b.dense().float()
+        return _addmm(total.float(), b.dense().float(), bias, dtype)
     bv = b.values.to(dtype)
     if len(terms) == 1 and terms[0].scale is None and b.scale is None:
-        return terms[0].values.to(dtype) @ bv
+        return _addmm(terms[0].values.to(dtype), bv, bias, dtype)
     stacked = torch.cat([t.values.to(dtype) for t in terms]) if len(terms) > 1 else \
         terms[0].values.to(dtype)
     parts = (stacked @ bv).float().split([t.values.shape[0] for t in terms])
     y = sum(p if t.scale is None else p * t.scale for p, t in zip(parts, terms, strict=True))
     if b.scale is not None:
         y = y * b.scale
+    if bias is not None:
+        y = y + bias.float()
     return y.to(dtype)
+
+
+def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+           dtype: torch.dtype) -> torch.Tensor:
+    return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
 __all__ = ["UNQUANTIZED", "Operand", "mm", "quantize_operand"]

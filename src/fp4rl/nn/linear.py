@@ -47,9 +47,7 @@ class _FP4LinearFn(torch.autograd.Function):
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
         qw = quantize_operand(weight, p.weights, -1)
-        y = mm(quantize_operand(x2, p.activations, -1), qw.t(), dtype)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y = mm(quantize_operand(x2, p.activations, -1), qw.t(), dtype, bias)
         saved_x = None
         if ctx.needs_input_grad[1]:  # Q(X) along tokens, in the compute dtype (exact)
             saved_x = quantize_operand(x2, p.activations, 0).to(dtype)
@@ -140,9 +138,7 @@ class FP4Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
-        y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

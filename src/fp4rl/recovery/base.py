@@ -57,11 +57,11 @@ class RolloutRecovery(ABC):
         """The activation operands that share the quantized weight in the rollout GEMM
         (one for plain FP4; ResQ's two terms where ``dtype`` cannot hold their sum)."""
 
-    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-        """Rollout output without bias, in ``dtype``: ``x`` (tokens, in), ``qw`` the
-        quantized weight, ``w`` the raw one."""
-        return mm(self.activation(x, dtype), qw.t(), dtype)
+    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor, dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Rollout output in ``dtype``: ``x`` (tokens, in), ``qw`` the quantized weight,
+        ``w`` the raw one."""
+        return mm(self.activation(x, dtype), qw.t(), dtype, bias)
 
 
 class NoRecovery(RolloutRecovery):

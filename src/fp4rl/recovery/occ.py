@@ -22,10 +22,10 @@ class OCC(RolloutRecovery):
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(clamp_outliers(x, self.config.quantile)[0])]
 
-    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor, dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """The FP4 GEMM of the clamped input plus the outliers' sparse GEMM with the
         unquantized weight, both in ``dtype``."""
         clamped, outliers = clamp_outliers(x, self.config.quantile)
-        y = mm(self.quantize_act(clamped), qw.t(), dtype)
+        y = mm(self.quantize_act(clamped), qw.t(), dtype, bias)
         return y + residual_matmul(outliers.to(dtype), w.to(dtype))
