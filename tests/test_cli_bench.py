@@ -59,9 +59,9 @@ def test_bench_rollout_on_tiny_model(tmp_path, tiny_llama_dir):
     assert main(["bench", "rollout", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["name"] for r in rows] == ["rollout.hif4_vs_unquantized",
-                                         "rollout.hif4+resq-2:4_vs_unquantized"]
-    assert all(r["ratio"] > 0 and r["baseline"] == "unquantized" for r in rows)
+    assert [r["name"] for r in rows] == ["rollout.hif4_vs_bf16", "rollout.hif4+resq-2:4_vs_bf16",
+                                         "rollout.fp32_vs_bf16"]
+    assert all(r["ratio"] > 0 and r["baseline"] == "bf16" for r in rows)
 
 
 def test_bench_linear_reports_both_baselines(tmp_path):
@@ -70,11 +70,13 @@ def test_bench_linear_reports_both_baselines(tmp_path):
                  "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert [r["name"] for r in results] == [
-        "linear.smollm2-135m.up_proj[16x576->1536].hif4_vs_fp32",
         "linear.smollm2-135m.up_proj[16x576->1536].hif4_vs_bf16",
-        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_fp32",
-        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_bf16"]
+        "linear.smollm2-135m.up_proj[16x576->1536].hif4_vs_fp32",
+        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_bf16",
+        "linear.smollm2-135m.down_proj[16x1536->576].hif4_vs_fp32"]
     assert all(r["ratio"] > 0 and len(r["candidate_times"]) == 1 for r in results)
+    assert [r["baseline"] for r in results[:2]] == ["bf16", "fp32"]
+    assert "cpu_bf16_flags" in json.loads(out.read_text())["machine"]
 
 
 def test_bench_train_splits_a_step_into_phases(tmp_path, tiny_llama_dir):

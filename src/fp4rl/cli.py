@@ -12,7 +12,11 @@ from rich.console import Console
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.bench import common
+    from fp4rl.precision import describe_cpu, resolve_device
 
+    device = resolve_device(args.device)
+    console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
+                                    else ""), markup=False)
     if args.what == "formats":
         from fp4rl.bench import formats as bench
 
@@ -22,7 +26,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
 
-        results, tokens = bench.run(args.model, repeats=args.repeats)
+        results, tokens = bench.run(args.model, repeats=args.repeats, device=device)
         bench.render(results, tokens, console)
     elif args.what == "linear":
         from fp4rl.bench import linear as bench
@@ -30,18 +34,24 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         fmt = (args.formats or ["hif4"])[0]
         shapes = bench.SHAPES if args.tokens is None else tuple(
             (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
-        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats)
+        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
         bench.render(results, console)
     else:  # train
         from fp4rl.bench import train as bench
 
-        results = bench.run(args.model, repeats=args.repeats)
+        results = bench.run(args.model, repeats=args.repeats, device=str(device))
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
         common.write_json(args.json, results, benchmark=args.what, size=args.size)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def torch_gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def _diagnose(args: argparse.Namespace, console: Console) -> int:
@@ -383,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--format", dest="formats", action="append",
                        help="limit to this format (repeatable)")
     bench.add_argument("--size", type=int, default=4096, help="square tensor side (formats)")
-    bench.add_argument("--device", default="cpu", help="formats: cpu, or cuda (the Triton "
+    bench.add_argument("--device", default="cpu", help="cpu, or cuda (formats: the Triton "
                        "kernels)")
     bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
                        help="formats: the axis to quantize along")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fp4rl.paths import write_json as save_json
+from fp4rl.precision import cpu_info
 
 
 @dataclass
@@ -55,10 +56,18 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int,
         for name, fn in fns.items():
             if i >= slow.get(name, repeats):
                 continue
+            _sync()
             start = time.perf_counter()
             fn()
+            _sync()
             timings[name].times.append(time.perf_counter() - start)
     return timings
+
+
+def _sync() -> None:
+    """Wait for queued GPU work, so a timing covers what it launched."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def compare(name: str, timings: dict[str, Timing], candidate: str, baseline: str,
@@ -70,17 +79,15 @@ def compare(name: str, timings: dict[str, Timing], candidate: str, baseline: str
 
 
 def machine() -> dict[str, object]:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version()}
+    """What the numbers were measured on: a bf16 ratio means nothing without the CPU's
+    bf16 capability (and the GPU, where one ran)."""
+    cpu, flags = cpu_info()
+    info: dict[str, object] = {"cpu": cpu, "cpu_bf16_flags": list(flags),
+                               "threads": torch.get_num_threads(), "torch": torch.__version__,
+                               "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def write_json(path: str | Path, results: list[Comparison], **extra: object) -> None:

@@ -1,15 +1,16 @@
 """``fp4rl bench train``: one GRPO step, split into its phases, BF16 versus FP4.
 
-Two trainers on the same model, data and seed: the BF16 recipe (the paper's baseline)
-and full FP4 (HiF4 on the three training GEMMs, HiF4 + ResQ-2:4 rollout). Their steps
-are interleaved, so both see the same machine load; each phase's time is the median over
-the repeats. The phases are the trainer's own timers: rollout (KV-cache sampling in the
-rollout policy), reward, old-log-prob recomputation (teacher forcing in the training
-policy) and update (loss, backward, optimizer step).
+Two trainers on the same model, data and seed, both with ``mixed_precision: bf16`` (bf16
+compute, FP32 masters): the BF16 recipe (the paper's baseline) and full FP4 (HiF4 on the
+three training GEMMs, HiF4 + ResQ-2:4 rollout). Their steps are interleaved, so both see the
+same machine load; each phase's time is the median over the repeats. The phases are the
+trainer's own timers: rollout (KV-cache sampling in the rollout policy), reward, old-log-
+prob recomputation (teacher forcing in the training policy) and update (loss, backward,
+optimizer step).
 
-Both trainers do the same work, so that the ratios compare precisions and not luck:
-every response runs to the length limit (no EOS) and the reward is a fixed pseudo-random
-sequence, the same for both, so the same groups carry advantages and are trained on.
+Both trainers do the same work, so that the ratios compare precisions and not luck: every
+response runs to the length limit (no EOS) and the reward is a fixed pseudo-random sequence,
+the same for both, so the same groups carry advantages and are trained on.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from fp4rl.rl.config import load_config
 
 PHASES = ("rollout", "reward", "old_logprob", "update")
 RECIPES = {"bf16": "bf16", "fp4": "hif4+resq-2:4"}
-SMALL = {"data.train_size": 64, "grpo.num_generations": 8, "grpo.batch_size": 2,
-         "grpo.micro_batch_size": 16, "grpo.max_response_length": 48,
+SMALL = {"mixed_precision": "bf16", "data.train_size": 64, "grpo.num_generations": 8,
+         "grpo.batch_size": 2, "grpo.micro_batch_size": 16, "grpo.max_response_length": 48,
          "grpo.temperature": 0.8, "grpo.learning_rate": 1e-6, "run.save_steps": 1000}
 
 
@@ -55,14 +56,15 @@ def _trainer(model_name: str, key: str, recipe: str, out: str,
 
 
 def run(model_name: str = "smollm2-135m", repeats: int = 3,
-        changes: dict[str, Any] | None = None) -> list[Comparison]:
+        changes: dict[str, Any] | None = None, device: str = "cpu") -> list[Comparison]:
     """Per-phase and whole-step fp4 / bf16 ratios (medians of interleaved steps)."""
     import tempfile
 
     times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "step")}
                                                 for k in RECIPES}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {k: _trainer(model_name, k, r, f"{tmp}/{k}", changes or {})
+        trainers = {k: _trainer(model_name, k, r, f"{tmp}/{k}",
+                                {"device": device, **(changes or {})})
                     for k, r in RECIPES.items()}
         for i in range(repeats + 1):  # the first step warms up caches and kernels
             for key, trainer in trainers.items():
