@@ -85,6 +85,20 @@ def test_bf16_compute_linear_matches_fp64_product_of_same_operands(fmt):
     _close_to_bf16_rounding(layer.weight.grad, want_dw)
 
 
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+@pytest.mark.parametrize("sparsity", ["dense", "2:4"])
+def test_fused_resq_sum_is_exact_so_its_terms_separate(fmt, sparsity):
+    """The bf16 rollout takes S(Q(x - Q(x))) as fused - Q(x): exact because the fused
+    kernel's fp32 sum is; checked against the composed steps over heavy-tailed rows."""
+    for seed in range(5):
+        x = heavy_tailed(64, 576, seed=seed) * torch.rand(64, 1) * 100
+        qx = fp4rl.quantize(x, fmt)
+        second = fp4rl.recovery.resq_activation(x, fmt, sparsity) - qx
+        assert torch.equal(second, fp4rl.recovery.sparsify(fp4rl.quantize(x - qx, fmt),
+                                                           sparsity))
+        assert torch.equal(second.to(torch.bfloat16).float(), second)
+
+
 @pytest.mark.parametrize("fmt", ["hif4", "nvfp4"])
 @pytest.mark.parametrize("sparsity", ["dense", "2:4"])
 def test_bf16_resq_rollout_keeps_both_terms_exact(fmt, sparsity):

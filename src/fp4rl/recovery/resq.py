@@ -73,5 +73,8 @@ class ResQ(RolloutRecovery):
         if dtype == torch.float32:
             return [Operand(resq_activation(x, self.act_format, self.pattern))]
         qx = quantize_operand(x, self.act_format)
+        fused = _fused(x.float(), self.act_format, self.pattern) if qx.scale is None else None
+        if fused is not None:  # the fp32 sum is exact, so the difference is S(Q(x - Q(x)))
+            return [qx, Operand(fused - qx.values)]
         residual = quantize_operand(x.float() - qx.dense(), self.act_format)
         return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]
