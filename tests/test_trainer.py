@@ -217,3 +217,17 @@ def test_mean_at_k_and_best_at_k():
     assert 0.0 <= res.mean <= res.best <= 1.0 and set(res.per_level) == {"1"}
     greedy = evaluate(model, tok, examples, prompts, k=1, max_new_tokens=4)
     assert greedy.mean == greedy.best  # one sample per prompt
+
+
+def test_overrides_read_numbers_as_meant_and_suggest_keys(capsys, tmp_path):
+    from fp4rl.cli import main
+
+    cfg = load_config(None, ["rollout.recovery.method=smoothquant",
+                             "rollout.recovery.alpha=1e-1", "grpo.learning_rate=1e-6"])
+    assert cfg.recipe().rollout.recovery.alpha == 0.1 and cfg.grpo.learning_rate == 1e-6
+    with pytest.raises(ConfigError, match="did you mean learning_rate"):
+        load_config(None, ["grpo.learning_rat=1e-5"])
+    assert main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--output",
+                 str(tmp_path / "r"), "grpo.learning_rat=1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "learning_rate" in err

@@ -9,6 +9,8 @@ GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,7 +122,21 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not key=value (e.g. grpo.learning_rate=1e-5)")
-    set_path(data, key, yaml.safe_load(raw) if raw else None)
+    set_path(data, key, parse_value(raw) if raw else None)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as a user means it: ``1e-1`` is a float (YAML 1.1 wants ``1.0e-1``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789."))
+
+
+def parse_value(raw: str) -> Any:
+    """An override's value, read as YAML with :class:`_Loader`."""
+    return yaml.load(raw, Loader=_Loader)
 
 
 def set_path(data: dict[str, Any], key: str, value: Any) -> None:
@@ -145,7 +161,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{p} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
@@ -163,6 +179,21 @@ REMOVED_KEYS = {
 }
 
 
+def _suggestion(error: Any) -> str:
+    """"; did you mean X?" for an unknown key close to a field of its section."""
+    if error["type"] != "extra_forbidden":
+        return ""
+    section: Any = TrainConfig
+    for part in error["loc"][:-1]:
+        annotation = section.model_fields[part].annotation if part in section.model_fields \
+            else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        section = annotation
+    close = difflib.get_close_matches(str(error["loc"][-1]), list(section.model_fields), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def validate(data: dict[str, Any]) -> TrainConfig:
     for key, why in REMOVED_KEYS.items():
         if key in data:
@@ -173,7 +204,7 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         problems = []
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"]) or "config"
-            problems.append(f"{where}: {e['msg']}")
+            problems.append(f"{where}: {e['msg']}{_suggestion(e)}")
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
