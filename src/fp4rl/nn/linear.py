@@ -123,7 +123,7 @@ class FP4Linear(nn.Linear):
             with torch.no_grad():
                 w = self.recovery.transform_weight(self.weight.detach())
                 qw = quantize_operand(w, self.recipe.rollout.weights, -1)
-            self._weight_cache = (key, qw.to(dtype) if dtype != torch.float32 else qw)
+            self._weight_cache = (key, qw.to(dtype))
         return self._weight_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
