@@ -95,4 +95,4 @@ def test_fidelity_cli_on_tiny_model(tiny_llama_dir, tmp_path):
 def test_fidelity_rejects_bad_method(tiny_llama_dir, capsys):
     assert main(["fidelity", "--model", str(tiny_llama_dir), "--methods", "hif5"]) == 2
     err = capsys.readouterr().err
-    assert "unknown preset" in err and "Traceback" not in err
+    assert "unknown recipe" in err and "did you mean 'hif4'" in err and "Traceback" not in err

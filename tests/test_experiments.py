@@ -44,7 +44,7 @@ def test_grids_have_the_paper_rows_and_share_cells():
         "mxfp4:fp4/bf16", "mxfp4:fp4/w4a16", "mxfp4:fp4/w4a8", "mxfp4:fp4/w16a4", "mxfp4",
         "mxfp4:bf16/fp4"]
     rec = {c.name: c.recipe() for c in recovery}
-    assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.sparsity == "block:32x64:0.5"
+    assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.config.sparsity == "block:32x64:0.5"
     assert rec["mxfp4+smoothquant"].rollout.recovery.method == "smoothquant"
     assert len({c.slug for c in recovery}) == len(recovery)
     with pytest.raises(ValueError, match="hif4, mxfp4, nvfp4"):

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import fp4rl
+from fp4rl.gemm import quantize_operand
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, PatchError, Recipe, TrainPrecision, fp4_layers, preset
-from fp4rl.nn.gemm import quantize_operand
 
 FORMATS = ["hif4", "mxfp4", "nvfp4"]
 

@@ -11,9 +11,10 @@ import fp4rl
 from fp4rl import precision
 from fp4rl.cli import main
 from fp4rl.errors import UserError
+from fp4rl.gemm import mm, quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Recipe, Recovery, RolloutPrecision, TrainPrecision, preset
-from fp4rl.nn.gemm import mm, quantize_operand
+from fp4rl.nn import FP4Linear, Recipe, RolloutPrecision, TrainPrecision, preset
+from fp4rl.recovery import Recovery
 from fp4rl.rl import rewards
 from fp4rl.rl.config import ConfigError, load_config
 from fp4rl.rl.trainer import Trainer
@@ -104,7 +105,7 @@ def test_fused_resq_sum_is_exact_so_its_terms_separate(fmt, sparsity):
 def test_bf16_resq_rollout_keeps_both_terms_exact(fmt, sparsity):
     """ResQ's Q(x) + S(Q(x - Q(x))) does not fit bf16; its two GEMMs stay apart."""
     torch.manual_seed(0)
-    rec = Recovery("resq", sparsity=sparsity)
+    rec = Recovery.make("resq", sparsity=sparsity)
     layer = FP4Linear.from_linear(nn.Linear(128, 64, bias=False),
                                   Recipe(rollout=RolloutPrecision(fmt, fmt, rec)))
     x = heavy_tailed(40, 128, seed=2)

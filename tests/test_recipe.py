@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fp4rl.nn.recipe import (
-    FP4_FORMATS,
-    Recipe,
-    RecipeError,
-    Recovery,
-    preset,
-    table1_presets,
-)
+from fp4rl.nn.recipe import Recipe, RecipeError, preset, table1_presets
+from fp4rl.recovery import Recovery
+
+FP4_FORMATS = ("hif4", "mxfp4", "nvfp4")
 
 
 def test_from_yaml(tmp_path):
@@ -22,7 +18,7 @@ def test_from_yaml(tmp_path):
         "rollout: {weights: hif4, activations: hif4, recovery: {method: resq, sparsity: '2:4'}}\n")
     recipe = Recipe.from_yaml(path)
     assert recipe.train.gradients == "hif4"
-    assert recipe.rollout.recovery == Recovery("resq", sparsity="2:4")
+    assert recipe.rollout.recovery == Recovery.make("resq", sparsity="2:4")
     assert recipe == preset("hif4+resq-2:4")
     assert Recipe.from_dict(recipe.to_dict()) == recipe
 
@@ -30,8 +26,18 @@ def test_from_yaml(tmp_path):
 @pytest.mark.parametrize(("data", "message"), [
     ({"train": {"weights": "fp3"}}, r"train\.weights: 'fp3' is not a format; choose one of"),
     ({"rollout": {"activations": 4}}, r"rollout\.activations"),
-    ({"train": {"weight": "hif4"}}, r"train: unknown key\(s\) \['weight'\]"),
-    ({"rollout": {"recovery": {"method": "magic"}}}, r"method: 'magic' is not one of none"),
+    ({"train": {"weight": "hif4"}}, r"train: unknown key\(s\) \['weight'\] \(did you mean"),
+    ({"rollout": {"recovery": {"method": "magic"}}}, r"'magic' is not a registered method"),
+    ({"rollout": {"recovery": {"method": "resqq"}}}, r"did you mean 'resq'\?"),
+    ({"rollout": {"recovery": {"method": "resq", "alpha": 0.3}}},
+     r"method 'resq' takes sparsity; 'alpha' belongs to smoothquant"),
+    ({"rollout": {"recovery": {"method": "smoothquant", "alpah": 0.3}}},
+     r"did you mean 'alpha'\?"),
+    ({"rollout": {"recovery": {"method": "smoothquant", "alpha": "high"}}},
+     r"alpha: expected float"),
+    ({"rollout": {"recovery": {"method": "rht", "fresh_signs": 1}}}, r"expected bool"),
+    ({"train": {"weights": "hif5"}}, r"did you mean 'hif4'\?"),
+    ({"ignore": ["(unclosed"]}, r"ignore: '\(unclosed' is not a regex"),
     ({"rollout": {"recovery": {"method": "resq", "sparsity": "3:2"}}}, r"n:m"),
     ({"rollout": {"recovery": {"method": "rht", "block_size": 48}}}, r"power of two"),
     ({"rollout": {"recovery": {"method": "occ", "quantile": 1.5}}}, r"quantile"),

@@ -8,7 +8,7 @@ from torch import nn
 
 from fp4rl.formats import quantize
 from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, preset
-from fp4rl.nn.recipe import Recovery
+from fp4rl.recovery import Recovery
 from fp4rl.recovery.resq import resq_activation, resq_matmul
 from fp4rl.recovery.rht import hadamard_block
 from fp4rl.recovery.sparsity import sparsify
@@ -64,7 +64,7 @@ def test_resq_restores_collapsed_zeros():
 def _rollout_layer(method: str, act: str = "bf16", weights: str = "bf16",
                    **kw: object) -> FP4Linear:
     torch.manual_seed(0)
-    recipe = Recipe(rollout=RolloutPrecision(weights, act, Recovery(method, **kw)))
+    recipe = Recipe(rollout=RolloutPrecision(weights, act, Recovery.make(method, **kw)))
     layer = FP4Linear.from_linear(nn.Linear(256, 96), recipe)
     layer.mode = Mode.ROLLOUT
     return layer

@@ -224,7 +224,7 @@ def test_overrides_read_numbers_as_meant_and_suggest_keys(capsys, tmp_path):
 
     cfg = load_config(None, ["rollout.recovery.method=smoothquant",
                              "rollout.recovery.alpha=1e-1", "grpo.learning_rate=1e-6"])
-    assert cfg.recipe().rollout.recovery.alpha == 0.1 and cfg.grpo.learning_rate == 1e-6
+    assert cfg.recipe().rollout.recovery.config.alpha == 0.1 and cfg.grpo.learning_rate == 1e-6
     with pytest.raises(ConfigError, match="did you mean learning_rate"):
         load_config(None, ["grpo.learning_rat=1e-5"])
     assert main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--output",

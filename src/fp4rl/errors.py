@@ -9,4 +9,20 @@ class UserError(ValueError):
     """A user's mistake; the message says what is wrong and what to do instead."""
 
 
-__all__ = ["UserError"]
+class RecipeError(UserError):
+    """A malformed recipe: the message says which field and what is allowed."""
+
+
+class ConfigError(UserError):
+    """An invalid training configuration; the message names each bad field."""
+
+
+def did_you_mean(name: object, choices: list[str] | tuple[str, ...]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+__all__ = ["ConfigError", "RecipeError", "UserError", "did_you_mean"]

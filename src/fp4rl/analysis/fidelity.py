@@ -22,16 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
+from fp4rl.recovery import recovery_variants
 from fp4rl.rl.rewards import get_reward_fn
 from fp4rl.rl.rollout import SamplingConfig, generate
 
-RECOVERIES = ("", "+resq-dense", "+resq-2:4", "+resq-channel:0.5", "+resq-block:32x64:0.5",
-              "+smoothquant", "+rht", "+occ")
-
 
 def default_methods(formats: Sequence[str] = ("hif4", "mxfp4")) -> list[str]:
-    """The bf16 row, then every recovery for each format."""
-    return ["bf16"] + [f"{fmt}{rec}" for fmt in formats for rec in RECOVERIES]
+    """The bf16 row, then every registered recovery variant for each format."""
+    return ["bf16"] + [f"{fmt}+{suffix}" if suffix else fmt for fmt in formats
+                       for suffix, _ in recovery_variants()]
 
 
 @dataclass

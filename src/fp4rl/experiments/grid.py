@@ -13,18 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4rl.nn.recipe import FP4_FORMATS, Recipe, preset
+from fp4rl.errors import UserError, did_you_mean
+from fp4rl.nn.recipe import Recipe, preset, quantized_formats
+from fp4rl.recovery import recovery_variants
 
 KINDS = ("precision", "recovery")
 #: rows of the paper's Table 1: (train, rollout)
 PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "w4a8"),
                   ("fp4", "w16a4"), ("fp4", "fp4"), ("bf16", "fp4"))
-#: rows of the paper's Tables 2 and 4: recovery suffix -> label
-RECOVERY_ROWS = {
-    "": "--", "smoothquant": "SmoothQuant", "rht": "RHT", "occ": "OCC",
-    "resq-dense": "ResQ (dense)", "resq-channel:0.5": "ResQ (channel 0.5)",
-    "resq-block:32x64:0.5": "ResQ (block 32x64 0.5)", "resq-2:4": "ResQ (2:4)",
-}
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
@@ -56,10 +52,11 @@ def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
     """The cells of a grid, BF16 first, then row by row (all formats of a row together),
     so that a partial run already fills whole rows of the table."""
     if kind not in KINDS:
-        raise ValueError(f"unknown experiment {kind!r}; choose one of {', '.join(KINDS)}")
-    bad = [f for f in formats if f not in FP4_FORMATS]
+        raise UserError(f"unknown experiment {kind!r}; choose one of {', '.join(KINDS)}")
+    bad = [f for f in formats if f not in quantized_formats()]
     if bad or not formats:
-        raise ValueError(f"experiment formats must be among {', '.join(FP4_FORMATS)}, got "
+        raise UserError(f"experiment formats must be among {', '.join(quantized_formats())}"
+                        f"{did_you_mean(bad[0], quantized_formats()) if bad else ''}, got "
                          f"{list(formats)}")
     cells = [Cell("bf16", None, "BF16")]
     if kind == "precision":
@@ -67,7 +64,7 @@ def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
             row = f"{train.upper()} / {rollout.upper()}"
             cells += [Cell(precision_name(f, train, rollout), f, row) for f in formats]
     else:
-        for suffix, label in RECOVERY_ROWS.items():
+        for suffix, label in recovery_variants():  # the rows of the paper's Tables 2 and 4
             cells += [Cell(f"{f}+{suffix}" if suffix else f, f, label) for f in formats]
     return cells
 
@@ -77,8 +74,9 @@ def select_cells(cells: list[Cell], names: list[str]) -> list[Cell]:
     by_name = {c.name: c for c in cells}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise ValueError(f"no cell {unknown} in this grid; its cells are: "
-                         f"{', '.join(by_name)}")
+        hint = did_you_mean(unknown[0], list(by_name))
+        raise UserError(f"no cell {unknown} in this grid{hint}; its cells are: "
+                        f"{', '.join(by_name)}")
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
@@ -93,8 +91,8 @@ class EvalSpec:
     def parse(cls, text: str) -> EvalSpec:
         name, sep, data = text.partition("=")
         if not sep or not name or ":" not in data:
-            raise ValueError(f"--eval {text!r}: give NAME=LAYOUT:PATH, e.g. "
-                             "Math500=math500:/data/math500.jsonl")
+            raise UserError(f"--eval {text!r}: give NAME=LAYOUT:PATH, e.g. "
+                            "Math500=math500:/data/math500.jsonl")
         return cls(name, data)
 
 

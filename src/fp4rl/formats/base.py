@@ -97,7 +97,7 @@ class NumberFormat(ABC):
 
     def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
         """The per-tensor float32 scale ``quantize`` divides ``x`` by, or None (only NVFP4
-        has one). GEMMs keep it outside the product (see ``fp4rl.nn.gemm``)."""
+        has one). GEMMs keep it outside the product (see ``fp4rl.gemm``)."""
         return None
 
     @abstractmethod

@@ -5,12 +5,16 @@ from fp4rl.nn.patch import (
     PatchError,
     begin_step,
     fp4_layers,
+    in_transformer_block,
+    load_rollout_states,
     quantize_model,
     rollout_mode,
+    rollout_states,
     train_mode,
 )
-from fp4rl.nn.recipe import Recipe, RecipeError, Recovery, RolloutPrecision, TrainPrecision, preset
+from fp4rl.nn.recipe import Recipe, RecipeError, RolloutPrecision, TrainPrecision, preset
 
-__all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError", "Recovery",
-           "RolloutPrecision", "TrainPrecision", "begin_step", "fp4_layers", "preset",
-           "quantize_model", "rollout_mode", "train_mode"]
+__all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError",
+           "RolloutPrecision", "TrainPrecision", "begin_step", "fp4_layers",
+           "in_transformer_block", "load_rollout_states", "preset", "quantize_model",
+           "rollout_mode", "rollout_states", "train_mode"]

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4rl.nn.gemm import Operand, mm, quantize_operand
+from fp4rl.gemm import Operand, mm, quantize_operand
 from fp4rl.nn.recipe import Recipe, TrainPrecision
 from fp4rl.precision import active_compute_dtype
-from fp4rl.recovery.base import RolloutRecovery, make_recovery
+from fp4rl.recovery import RolloutRecovery, make_recovery
 
 
 class Mode(StrEnum):
@@ -114,6 +114,14 @@ class FP4Linear(nn.Linear):
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured."""
         self.recovery.begin_step()
+
+    def rollout_state(self) -> dict[str, object]:
+        """The rollout policy's state beyond the parameters (a recovery method's random
+        generator, say), for checkpoints."""
+        return self.recovery.state_dict()
+
+    def load_rollout_state(self, state: dict[str, object]) -> None:
+        self.recovery.load_state_dict(state)
 
     def rollout_weight(self, dtype: torch.dtype = torch.float32) -> Operand:
         """The rollout-quantized weight in ``dtype``, recomputed only when the weight, the

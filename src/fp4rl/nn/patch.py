@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -26,32 +26,75 @@ def _split(name: str) -> tuple[str, str]:
     return parent, child
 
 
-def quantize_model(model: nn.Module, recipe: Recipe | str) -> nn.Module:
-    """Replace every linear layer inside the transformer blocks by an :class:`FP4Linear`.
+#: torchao's filter signature: (module, fully qualified name) -> patch it?
+FilterFn = Callable[[nn.Module, str], bool]
 
-    Embeddings and ``lm_head`` stay as they are. Parameters are shared, not copied, so
-    names, the state_dict and any optimizer keep working. Patching an already patched
-    model just installs the new recipe. Returns ``model`` (modified in place).
+
+def in_transformer_block(module: nn.Module, name: str) -> bool:
+    """The default target: a linear layer inside a transformer block (so neither the
+    embeddings nor ``lm_head``)."""
+    return isinstance(module, nn.Linear) and BLOCK_PREFIX.search(name) is not None
+
+
+def quantize_model(model: nn.Module, recipe: Recipe | str,
+                   filter_fn: FilterFn | None = None) -> nn.Module:
+    """Replace the targeted linear layers by :class:`FP4Linear` layers running ``recipe``.
+
+    Targets are the ``nn.Linear`` modules for which ``filter_fn(module, name)`` is true
+    (default :func:`in_transformer_block`), minus those the recipe's ``ignore`` regexes
+    match. Parameters are shared, not copied, so names, the state_dict and any optimizer
+    keep working. Patching an already patched model installs the new recipe (and puts
+    back a plain ``nn.Linear`` where a layer is no longer targeted). Returns ``model``.
     """
     recipe = preset(recipe) if isinstance(recipe, str) else recipe
+    keep = filter_fn or in_transformer_block
     targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and BLOCK_PREFIX.search(name)]
+               if isinstance(mod, nn.Linear) and keep(mod, name) and not recipe.ignores(name)]
     if not targets:
-        raise PatchError("no linear layers found inside transformer blocks (expected module "
-                         "names like 'model.layers.0.mlp.down_proj')")
+        raise PatchError("no linear layers to patch: the default targets linears inside "
+                         "transformer blocks (names like 'model.layers.0.mlp.down_proj'); "
+                         "check filter_fn and the recipe's ignore list")
+    chosen = {name for name, _ in targets}
+    for name, module in list(fp4_layers(model).items()):
+        if name not in chosen:
+            _replace(model, name, _plain_linear(module))
     for seed, (name, module) in enumerate(targets):
         if isinstance(module, FP4Linear):
             module.set_recipe(recipe)
-            continue
-        parent, child = _split(name)
-        setattr(model.get_submodule(parent), child, FP4Linear.from_linear(module, recipe, seed))
+        else:
+            _replace(model, name, FP4Linear.from_linear(module, recipe, seed))
     model.fp4rl_recipe = recipe
     return model
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, child = _split(name)
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _plain_linear(layer: FP4Linear) -> nn.Linear:
+    """An ``nn.Linear`` sharing ``layer``'s parameters."""
+    plain = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(plain)
+    plain.in_features, plain.out_features = layer.in_features, layer.out_features
+    plain.weight, plain.bias = layer.weight, layer.bias
+    return plain
 
 
 def fp4_layers(model: nn.Module) -> dict[str, FP4Linear]:
     """The patched layers of ``model`` by name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+
+
+def rollout_states(model: nn.Module) -> dict[str, dict[str, object]]:
+    """Every patched layer's rollout state by layer name (see ``FP4Linear.rollout_state``)."""
+    return {name: layer.rollout_state() for name, layer in fp4_layers(model).items()}
+
+
+def load_rollout_states(model: nn.Module, states: dict[str, dict[str, object]]) -> None:
+    """Restore :func:`rollout_states` (layers missing from ``states`` keep theirs)."""
+    for name, layer in fp4_layers(model).items():
+        layer.load_rollout_state(states.get(name, {}))
 
 
 def _layers_or_raise(model: nn.Module) -> list[FP4Linear]:

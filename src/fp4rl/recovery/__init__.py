@@ -1,14 +1,28 @@
 """Rollout-side recovery of activation precision: Rollout-ResQ and the paper's baselines.
 
-``sparsify`` and ``resq_matmul`` are the functional forms; the classes behind recipes
-(``resq``, ``smoothquant``, ``rht``, ``occ``) are plug-ins built by ``make_recovery``.
+Every method, built-in or not, is a plug-in registered by name with
+:func:`register`; importing this package registers the built-in ones (``none``,
+``smoothquant``, ``rht``, ``occ``, ``resq``, in the order of the paper's tables).
+``sparsify`` and ``resq_matmul`` are the functional forms.
 """
 
-from fp4rl.recovery.base import RolloutRecovery, make_recovery, register
+# Registers the built-in methods; this order is the row order of the paper's tables.
+from fp4rl.recovery import smoothquant, rht, occ, resq  # noqa: F401, I001
+from fp4rl.recovery.base import (
+    RecoveryConfig,
+    RolloutRecovery,
+    get_method,
+    list_methods,
+    recovery_variants,
+    register,
+    unregister,
+)
 from fp4rl.recovery.outliers import clamp_outliers, outlier_block_fraction, outlier_blocks
 from fp4rl.recovery.resq import resq_activation, resq_matmul
 from fp4rl.recovery.sparsity import density, keep_mask, parse_pattern, sparsify
+from fp4rl.recovery.spec import Recovery, make_recovery
 
-__all__ = ["RolloutRecovery", "clamp_outliers", "density", "keep_mask", "make_recovery",
-           "outlier_block_fraction", "outlier_blocks", "parse_pattern", "register",
-           "resq_activation", "resq_matmul", "sparsify"]
+__all__ = ["Recovery", "RecoveryConfig", "RolloutRecovery", "clamp_outliers", "density",
+           "get_method", "keep_mask", "list_methods", "make_recovery", "outlier_block_fraction",
+           "outlier_blocks", "parse_pattern", "recovery_variants", "register",
+           "resq_activation", "resq_matmul", "sparsify", "unregister"]

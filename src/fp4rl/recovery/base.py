@@ -1,29 +1,75 @@
-"""The rollout-recovery plug-in interface.
+"""The rollout-recovery plug-in interface and its registry.
 
 A recovery method decides how one patched linear layer computes its rollout output
 from the high-precision input ``x`` (tokens x in_features), given the layer's
 quantized weight. Each layer owns one method instance, so per-layer state
-(SmoothQuant scales, Hadamard signs) lives there. A new method is one module: subclass
-:class:`RolloutRecovery`, set ``name`` and register it with :func:`register`.
+(SmoothQuant scales, Hadamard signs) lives there. A method is one module: a frozen
+:class:`RecoveryConfig` subclass with its parameters, a :class:`RolloutRecovery`
+subclass naming it as ``config_cls``, and one call ``register(name, method_cls)``.
+Nothing else in the package lists methods: recipes, experiment grids and fidelity
+tables all read this registry, so a method registered from outside the package is a
+first-class citizen as soon as its module is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from fp4rl.nn.gemm import Operand, mm, quantize_operand
-from fp4rl.nn.recipe import Recovery
+from fp4rl.errors import RecipeError, did_you_mean
+from fp4rl.gemm import Operand, mm, quantize_operand
+
+_SCALARS: dict[str, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (bool,),
+                                         "str": (str,)}
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """A method's parameters (none here). Subclasses add frozen fields with defaults and
+    validate them in ``__post_init__`` (call ``super().__post_init__()`` first, which
+    checks every scalar field's type so a bad value is one line, not a TypeError)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+            value, allowed = getattr(self, f.name), _SCALARS.get(kind)
+            if allowed and (not isinstance(value, allowed) or
+                            (isinstance(value, bool) and bool not in allowed)):
+                raise RecipeError(f"rollout.recovery.{f.name}: expected {kind}, "
+                                  f"got {value!r}")
+            if allowed == (float, int):
+                object.__setattr__(self, f.name, float(value))
+
+    @classmethod
+    def from_text(cls, arg: str) -> RecoveryConfig:
+        """The config named by a recipe string's argument (``resq-2:4`` -> ``"2:4"``);
+        methods without one refuse any."""
+        if arg:
+            raise RecipeError(f"this recovery method takes no argument, got {arg!r}")
+        return cls()
+
+    def text(self) -> str:
+        """The recipe-string argument that :meth:`from_text` reads back ("" for none)."""
+        return ""
 
 
 class RolloutRecovery(ABC):
     """Per-layer rollout-side treatment of activations (and, if needed, weights)."""
 
-    name: ClassVar[str]
+    #: set by :func:`register`
+    name: ClassVar[str] = ""
+    #: the method's parameters
+    config_cls: ClassVar[type[RecoveryConfig]] = RecoveryConfig
+    #: the variants experiment grids and fidelity tables run: (recipe-string argument,
+    #: table label), in table order; empty means one variant, labelled with the name
+    variants: ClassVar[tuple[tuple[str, str], ...]] = ()
 
-    def __init__(self, config: Recovery, act_format: str, in_features: int, seed: int) -> None:
+    def __init__(self, config: RecoveryConfig, act_format: str, in_features: int,
+                 seed: int) -> None:
         self.config = config
         self.act_format = act_format
         self.in_features = in_features
@@ -67,24 +113,82 @@ class RolloutRecovery(ABC):
 class NoRecovery(RolloutRecovery):
     """Plain FP4 rollout: ``Q(X) Q(W)^T``."""
 
-    name = "none"
+    variants = (("", "--"),)
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(x)]
 
 
-_METHODS: dict[str, type[RolloutRecovery]] = {"none": NoRecovery}
+_METHODS: dict[str, type[RolloutRecovery]] = {}
 
 
-def register(cls: type[RolloutRecovery]) -> type[RolloutRecovery]:
-    """Class decorator adding a method to the registry under ``cls.name``."""
-    _METHODS[cls.name] = cls
-    return cls
+def register(name: str, method_cls: type[RolloutRecovery], *,
+             replace: bool = False) -> type[RolloutRecovery]:
+    """Make ``method_cls`` the recovery method called ``name`` in recipes.
+
+    ``name`` is what a recipe says (``rollout.recovery.method: name``, ``"hif4+name"``);
+    a name already taken is refused unless ``replace``.
+    """
+    if not (isinstance(method_cls, type) and issubclass(method_cls, RolloutRecovery)):
+        raise RecipeError(f"register({name!r}, ...): expected a RolloutRecovery subclass, "
+                          f"got {method_cls!r}")
+    if not name or not name.replace("_", "").isalnum() or name != name.lower():
+        raise RecipeError(f"recovery method names are lower-case words, got {name!r}")
+    if name in _METHODS and _METHODS[name] is not method_cls and not replace:
+        raise RecipeError(f"recovery method {name!r} is already registered "
+                          f"({_METHODS[name].__qualname__}); pass replace=True to override")
+    method_cls.name = name
+    _METHODS[name] = method_cls
+    return method_cls
 
 
-def make_recovery(config: Recovery, act_format: str, in_features: int,
-                  seed: int) -> RolloutRecovery:
-    """Instantiate the configured method for one layer."""
-    from fp4rl.recovery import occ, resq, rht, smoothquant  # noqa: F401  (registration)
+def unregister(name: str) -> None:
+    """Remove a method (tests and notebooks that register temporary ones)."""
+    _METHODS.pop(name, None)
 
-    return _METHODS[config.method](config, act_format, in_features, seed)
+
+def list_methods() -> list[str]:
+    """Registered method names, in registration order (``none`` first)."""
+    return list(_METHODS)
+
+
+def get_method(name: str) -> type[RolloutRecovery]:
+    """The method class called ``name``; an unknown name is one line with a suggestion."""
+    try:
+        return _METHODS[name]
+    except (KeyError, TypeError):
+        raise RecipeError(f"rollout.recovery.method: {name!r} is not a registered method"
+                          f"{did_you_mean(name, list(_METHODS))}; registered: "
+                          f"{', '.join(_METHODS)} (a third-party method registers with "
+                          f"fp4rl.recovery.register)") from None
+
+
+def recovery_variants() -> list[tuple[str, str]]:
+    """Every registered method's variants as (recipe-string suffix, table label): ``""``
+    for no recovery, ``"smoothquant"``, ``"resq-2:4"``, ... in registration order."""
+    out = []
+    for name, cls in _METHODS.items():
+        for arg, label in cls.variants or (("", name),):
+            suffix = "" if name == "none" else f"{name}-{arg}" if arg else name
+            out.append((suffix, label))
+    return out
+
+
+def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
+    """Build ``method``'s config from a mapping, refusing keys it does not have."""
+    cls = get_method(method).config_cls
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        owners = {k: [m for m, c in _METHODS.items()
+                      if k in {f.name for f in dataclasses.fields(c.config_cls)}]
+                  for k in unknown}
+        hints = "; ".join(f"{k!r} belongs to {', '.join(o)} (unset it: "
+                          f"rollout.recovery.{k}=)" if o else
+                          f"{k!r}{did_you_mean(k, allowed)}" for k, o in owners.items())
+        raise RecipeError(f"rollout.recovery: method {method!r} takes "
+                          f"{', '.join(allowed) or 'no parameters'}; {hints}")
+    return cls(**params)
+
+
+register("none", NoRecovery)

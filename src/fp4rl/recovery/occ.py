@@ -8,16 +8,33 @@ unquantized weight. The global quantile is what makes OCC slow at scale.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fp4rl.nn.gemm import Operand, mm
-from fp4rl.recovery.base import RolloutRecovery, register
+from fp4rl.errors import RecipeError
+from fp4rl.gemm import Operand, mm
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
 from fp4rl.recovery.outliers import clamp_outliers, residual_matmul
 
 
-@register
+@dataclass(frozen=True)
+class OCCConfig(RecoveryConfig):
+    """quantile: the clamping quantile of ``|X|``; the clipped excess takes the sparse
+    high-precision GEMM."""
+
+    quantile: float = 0.99
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.quantile < 1.0:
+            raise RecipeError(f"rollout.recovery.quantile must be in (0, 1), got {self.quantile}")
+
+
 class OCC(RolloutRecovery):
-    name = "occ"
+    config_cls = OCCConfig
+    variants = (("", "OCC"),)
+    config: OCCConfig
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(clamp_outliers(x, self.config.quantile)[0])]
@@ -29,3 +46,6 @@ class OCC(RolloutRecovery):
         clamped, outliers = clamp_outliers(x, self.config.quantile)
         y = mm(self.quantize_act(clamped), qw.t(), dtype, bias)
         return y + residual_matmul(outliers.to(dtype), w.to(dtype))
+
+
+register("occ", OCC)

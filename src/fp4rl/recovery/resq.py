@@ -9,14 +9,15 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 from fp4rl.formats import BlockFormat, get_format, quantize
+from fp4rl.gemm import Operand, quantize_operand
 from fp4rl.kernels import resq_rows
-from fp4rl.nn.gemm import Operand, quantize_operand
-from fp4rl.recovery.base import RolloutRecovery, register
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
 
@@ -58,9 +59,30 @@ def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4"
     return qx @ qw.t() + sparsify(quantize(x - qx, fmt), pattern) @ qw.t()
 
 
-@register
+@dataclass(frozen=True)
+class ResQConfig(RecoveryConfig):
+    """sparsity: the pattern ``S`` keeps of the residual: "dense", any "n:m" ("2:4"),
+    "channel:<fraction>" or "block:<rows>x<cols>:<fraction>"."""
+
+    sparsity: str = "2:4"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_pattern(self.sparsity)  # raises with the accepted forms
+
+    @classmethod
+    def from_text(cls, arg: str) -> ResQConfig:
+        return cls(arg or "dense")
+
+    def text(self) -> str:
+        return self.sparsity
+
+
 class ResQ(RolloutRecovery):
-    name = "resq"
+    config_cls = ResQConfig
+    variants = (("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
+                ("block:32x64:0.5", "ResQ (block 32x64 0.5)"), ("2:4", "ResQ (2:4)"))
+    config: ResQConfig
 
     @cached_property
     def pattern(self) -> SparsityPattern:
@@ -78,3 +100,6 @@ class ResQ(RolloutRecovery):
             return [qx, Operand(fused - qx.values)]
         residual = quantize_operand(x.float() - qx.dense(), self.act_format)
         return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]
+
+
+register("resq", ResQ)

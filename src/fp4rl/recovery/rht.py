@@ -8,10 +8,13 @@ at every RL step with ``fresh_signs``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fp4rl.nn.gemm import Operand
-from fp4rl.recovery.base import RolloutRecovery, register
+from fp4rl.errors import RecipeError
+from fp4rl.gemm import Operand
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
 
@@ -23,9 +26,26 @@ def hadamard_block(in_features: int, requested: int) -> int:
     return min(requested, in_features & -in_features)
 
 
-@register
+@dataclass(frozen=True)
+class RHTConfig(RecoveryConfig):
+    """block_size: Hadamard block along the reduction axis (a power of two; shrunk to the
+    largest power of two dividing in_features); fresh_signs: redraw the signs every RL
+    step instead of fixing them per layer."""
+
+    block_size: int = 128
+    fresh_signs: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise RecipeError(f"rollout.recovery.block_size must be a power of two, "
+                              f"got {self.block_size}")
+
+
 class RHT(RolloutRecovery):
-    name = "rht"
+    config_cls = RHTConfig
+    variants = (("", "RHT"),)
+    config: RHTConfig
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -52,3 +72,6 @@ class RHT(RolloutRecovery):
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(random_hadamard(x, self.signs, self.block))]
+
+
+register("rht", RHT)

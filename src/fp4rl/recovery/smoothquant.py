@@ -9,17 +9,33 @@ activation statistics is what the paper reports.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fp4rl.nn.gemm import Operand
-from fp4rl.recovery.base import RolloutRecovery, register
+from fp4rl.errors import RecipeError
+from fp4rl.gemm import Operand
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
 
 MIN_SCALE = 1e-5
 
 
-@register
+@dataclass(frozen=True)
+class SmoothQuantConfig(RecoveryConfig):
+    """alpha: migration strength, ``s = max|X|^alpha / max|W|^(1-alpha)``."""
+
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise RecipeError(f"rollout.recovery.alpha must be in [0, 1], got {self.alpha}")
+
+
 class SmoothQuant(RolloutRecovery):
-    name = "smoothquant"
+    config_cls = SmoothQuantConfig
+    variants = (("", "SmoothQuant"),)
+    config: SmoothQuantConfig
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -47,3 +63,6 @@ class SmoothQuant(RolloutRecovery):
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(x / self.scales.to(device=x.device, dtype=x.dtype))]
+
+
+register("smoothquant", SmoothQuant)

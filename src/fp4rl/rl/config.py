@@ -17,13 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fp4rl.errors import UserError
-from fp4rl.nn.recipe import Recipe, RecipeError
+from fp4rl.errors import ConfigError, RecipeError
+from fp4rl.nn.recipe import Recipe
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
-
-
-class ConfigError(UserError):
-    """An invalid training configuration; the message names each bad field."""
 
 
 class _Section(BaseModel):
@@ -100,6 +96,8 @@ class TrainConfig(_Section):
     device: str = "auto"
     train: dict[str, Any] = Field(default_factory=dict)
     rollout: dict[str, Any] = Field(default_factory=dict)
+    #: modules left unquantized (regexes on module names), as in compressed-tensors
+    ignore: list[str] = Field(default_factory=list)
     data: DataConfig = Field(default_factory=DataConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -114,7 +112,8 @@ class TrainConfig(_Section):
         return self
 
     def recipe(self) -> Recipe:
-        return Recipe.from_dict({"train": self.train, "rollout": self.rollout})
+        return Recipe.from_dict({"train": self.train, "rollout": self.rollout,
+                                 "ignore": self.ignore})
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

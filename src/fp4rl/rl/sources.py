@@ -41,7 +41,8 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
         config = torch.load(path / "state.pt", weights_only=False)["config"]
         net, tok = load_model(config["model"], device=device)
         load_weights(net, str(path / "model.safetensors"), device=str(device))
-        run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"]})
+        run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
+                                       "ignore": config.get("ignore")}, strict=False)
         label = f"checkpoint {path}"
     else:
         net, tok = load_model(model or "smollm2-135m", device=device)

@@ -31,7 +31,15 @@ import numpy as np
 import torch
 
 from fp4rl.data import Example
-from fp4rl.nn import begin_step, fp4_layers, quantize_model, rollout_mode, train_mode
+from fp4rl.nn import (
+    begin_step,
+    fp4_layers,
+    load_rollout_states,
+    quantize_model,
+    rollout_mode,
+    rollout_states,
+    train_mode,
+)
 from fp4rl.precision import (
     autocast,
     compute_dtype,
@@ -287,7 +295,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "rollout_rng": self.rollout_generator.get_state(),
-            "recovery": {n: m.recovery.state_dict() for n, m in fp4_layers(self.model).items()},
+            "recovery": rollout_states(self.model),
             "config": self.cfg.model_dump(),
         }
 
@@ -298,8 +306,7 @@ class Trainer:
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
         self.rollout_generator.set_state(state["rollout_rng"])
-        for name, layer in fp4_layers(self.model).items():
-            layer.recovery.load_state_dict(state["recovery"].get(name, {}))
+        load_rollout_states(self.model, state["recovery"])
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
