@@ -82,7 +82,7 @@ def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, tiny_llama
     first_run = exp.cell_dir(first) / "run"
     from fp4rl.rl.trainer import Trainer
 
-    Trainer(cell_config(exp, first), first_run, log=lambda m: None).train(steps=1)
+    Trainer.from_config(cell_config(exp, first), first_run, log=lambda m: None).train(steps=1)
     (exp.cell_dir(first) / runner.INITIAL).write_text(json.dumps(
         {"rollout": {"synthetic": {"mean@1": 0.0, "n": 3}}, "seconds": 0.0}))
     seen = []

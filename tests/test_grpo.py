@@ -64,7 +64,8 @@ def test_loss_matches_explicit_equation(mode, beta):
     adv = torch.randn(6, generator=g)
     mask = torch.rand(shape, generator=g) > 0.3
     mask[:, 0] = True
-    cfg = LossConfig(0.2, 0.28, 5.0, beta, mode)
+    cfg = LossConfig(epsilon=0.2, epsilon_high=0.28, tis_imp_ratio_cap=5.0, beta=beta,
+                     loss_agg_mode=mode)
     loss, stats = grpo_loss(logp, old, mu, adv, mask, cfg, ref if beta else None)
     want = slow_loss(logp.tolist(), old.tolist(), mu.tolist(), adv, mask, cfg,
                      ref.tolist() if beta else None)

@@ -231,3 +231,33 @@ def test_overrides_read_numbers_as_meant_and_suggest_keys(capsys, tmp_path):
                  str(tmp_path / "r"), "grpo.learning_rat=1e-5"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "learning_rate" in err
+
+
+def test_optimizer_and_examples_are_chosen_outside(tmp_path):
+    """The optimizer comes by torch.optim name with kwargs from the config, or ready-made;
+    examples may be handed in; timings are their own record."""
+    from fp4rl.data import Example
+    from fp4rl.rl import rewards
+    from fp4rl.rl.optim import build_optimizer
+
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    cfg = load_config(None, [*OVERRIDES, "run.steps=1", "optimizer.name=sgd",
+                             "optimizer.kwargs={momentum: 0.5}"])
+    model, tok = tiny_model("llama")
+    examples = [Example(f"What is {i} + 1?", str(i + 1), "has_digit", source="test", index=i)
+                for i in range(4)]
+    trainer = Trainer(cfg, tmp_path, model, tok, examples=examples, log=lambda m: None)
+    assert type(trainer.optimizer) is torch.optim.SGD
+    assert trainer.optimizer.param_groups[0]["momentum"] == 0.5
+    assert len(trainer.train_examples) == 4
+    metrics = trainer.train_step()
+    assert trainer.last_timings.rollout > 0 and trainer.last_timings.train_tokens >= 0
+    assert metrics["time/rollout"] == trainer.last_timings.rollout
+    assert not [k for k in metrics if k.startswith("_")]
+    adam = build_optimizer(model.parameters(), load_config(None, []))
+    assert type(adam) is torch.optim.AdamW
+    with pytest.raises(ConfigError, match=r"'adamm' is not a torch.optim optimizer \(did you"):
+        build_optimizer(model.parameters(), load_config(None, ["optimizer.name=adamm"]))
+    with pytest.raises(ConfigError, match="optimizer SGD"):
+        build_optimizer(model.parameters(), load_config(
+            None, ["optimizer.name=SGD", "optimizer.kwargs={nesterov_typo: true}"]))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fp4rl.paths import write_json
+
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.bench import common
@@ -43,7 +45,7 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
-        common.write_json(args.json, results, benchmark=args.what, size=args.size)
+        write_json(args.json, common.report(results, benchmark=args.what, size=args.size))
         console.print(f"wrote {args.json}")
     return 0
 
@@ -100,7 +102,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
                         for f in formats))
     console.print(table)
     json_path = Path(args.json) if args.json else out / "diagnose.json"
-    diagnose.write_json(json_path, args.model, formats, layers)
+    write_json(json_path, diagnose.report(args.model, formats, layers))
     console.print(f"plots in {out}/, data in {json_path}")
     return 0
 
@@ -114,7 +116,6 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.data import synthetic_dataset
     from fp4rl.models import load_model
     from fp4rl.nn import preset
-    from fp4rl.paths import write_json
     from fp4rl.rl.datasets import encode_examples
 
     methods = args.methods or fidelity.default_methods()
@@ -163,7 +164,7 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         raise SystemExit(f"{out} already holds a run: pass --resume to continue it, or "
                          "choose another --output")
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, out, log=console.print)
+    trainer = Trainer.from_config(cfg, out, log=console.print)
     (out / "config.yaml").write_text(cfg_yaml(trainer.cfg))  # as run: device, precision
     cfg = trainer.cfg
     with progress_bar(console) as bar:
@@ -186,7 +187,6 @@ def cfg_yaml(cfg: object) -> str:
 
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
-    from fp4rl.paths import write_json
     from fp4rl.precision import resolve_device
     from fp4rl.progress import progress_bar
     from fp4rl.rl.evaluate import evaluate

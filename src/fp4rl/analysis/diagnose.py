@@ -17,13 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from fp4rl.analysis.activations import zero_fraction
 from fp4rl.formats import get_format, quantize
-from fp4rl.paths import write_json as save_json
 from fp4rl.recovery.outliers import outlier_block_fraction
 from fp4rl.recovery.sparsity import sparsify
 
@@ -64,11 +62,12 @@ def diagnose_activations(name: str, x: torch.Tensor,
     return diag
 
 
-def write_json(path: str | Path, model_name: str, formats: Sequence[str],
-               layers: list[LayerDiagnosis]) -> None:
-    save_json(path, {"model": model_name, "formats": list(formats),
-                     "outlier_rule": "block max|x| >= 24 * block median|x|",
-                     "layers": [asdict(d) for d in layers]})
+def report(model_name: str, formats: Sequence[str],
+           layers: list[LayerDiagnosis]) -> dict[str, object]:
+    """The JSON record of a diagnosis (written with ``fp4rl.paths.write_json``)."""
+    return {"model": model_name, "formats": list(formats),
+            "outlier_rule": "block max|x| >= 24 * block median|x|",
+            "layers": [asdict(d) for d in layers]}
 
 
 def summarize(layers: list[LayerDiagnosis], formats: Sequence[str],

@@ -11,11 +11,9 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from fp4rl.paths import write_json as save_json
 from fp4rl.precision import cpu_info
 
 
@@ -90,6 +88,6 @@ def machine() -> dict[str, object]:
     return info
 
 
-def write_json(path: str | Path, results: list[Comparison], **extra: object) -> None:
-    """Write ``{"machine": ..., "results": [...]}`` to ``path``."""
-    save_json(path, {"machine": machine(), **extra, "results": [asdict(r) for r in results]})
+def report(results: list[Comparison], **extra: object) -> dict[str, object]:
+    """The JSON record of a bench run: ``{"machine": ..., **extra, "results": [...]}``."""
+    return {"machine": machine(), **extra, "results": [asdict(r) for r in results]}

@@ -50,7 +50,7 @@ def _trainer(model_name: str, key: str, recipe: str, out: str,
     cfg = load_config(None, None, {"model": model_name, **SMALL, **changes,
                                    "data.reward": f"bench_coin_flips_{key}",
                                    "train": rec["train"], "rollout": rec["rollout"]})
-    trainer = Trainer(cfg, out, log=lambda message: None)
+    trainer = Trainer.from_config(cfg, out, log=lambda message: None)
     trainer.eos_ids = []  # every response runs to grpo.max_response_length
     return trainer
 

@@ -173,7 +173,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     directory = exp.cell_dir(cell)
     cfg = cell_config(exp, cell)
     run_dir = directory / "run"
-    trainer = Trainer(cfg, run_dir, log=log)
+    trainer = Trainer.from_config(cfg, run_dir, log=log)
     cfg = trainer.cfg  # device and mixed_precision resolved
     sets = _eval_sets(exp, cfg, trainer.tok)
     if not (directory / INITIAL).is_file() and ckpt.latest_checkpoint(run_dir) is None:

@@ -39,17 +39,16 @@ class DataConfig(_Section):
     reward: str | None = None  # default: the layout's reward
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(LossConfig):
+    """GRPO's sampling, batching and optimizer settings; the loss fields are
+    :class:`fp4rl.rl.grpo.LossConfig`'s (epsilon, epsilon_high, tis_imp_ratio_cap, beta,
+    loss_agg_mode)."""
+
     num_generations: int = Field(8, ge=2)  # G, the group size
     batch_size: int = Field(8, ge=1)  # prompts per RL step
     mini_batch_size: int | None = Field(None, ge=1)  # prompts per optimizer step
     micro_batch_size: int = Field(16, ge=1)  # sequences per forward/backward
     ppo_epochs: int = Field(1, ge=1)
-    epsilon: float = Field(0.2, ge=0)
-    epsilon_high: float = Field(0.2, ge=0)
-    tis_imp_ratio_cap: float = 5.0
-    beta: float = Field(0.0, ge=0)
-    loss_agg_mode: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
     learning_rate: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0)
@@ -67,9 +66,14 @@ class GRPOConfig(_Section):
                              f"grpo.mini_batch_size ({mini})")
         return self
 
-    def loss(self) -> LossConfig:
-        return LossConfig(self.epsilon, self.epsilon_high, self.tis_imp_ratio_cap, self.beta,
-                          self.loss_agg_mode)
+
+class OptimizerConfig(_Section):
+    """The optimizer, by the name of its ``torch.optim`` class (case-insensitive), with
+    keyword arguments beyond ``lr`` and ``weight_decay`` (``grpo.learning_rate``,
+    ``grpo.weight_decay``), e.g. ``{name: AdamW, kwargs: {betas: [0.9, 0.95]}}``."""
+
+    name: str = "AdamW"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class EvalConfig(_Section):
@@ -100,6 +104,7 @@ class TrainConfig(_Section):
     ignore: list[str] = Field(default_factory=list)
     data: DataConfig = Field(default_factory=DataConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 

@@ -15,11 +15,13 @@ policy ``mu`` (FP4 rollout, possibly with ResQ) differing from the training poli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
+LossAggMode = Literal["seq-mean-token-mean", "token-mean"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -43,20 +45,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * m).sum(dim) / m.sum(dim).clamp_min(1)
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Loss hyper-parameters, named as in TRL's GRPOConfig where TRL has the concept."""
+class LossConfig(BaseModel):
+    """Loss hyper-parameters, named as in TRL's GRPOConfig where TRL has the concept.
 
-    epsilon: float = 0.2  # eps_low (TRL epsilon, verl clip_ratio_low)
-    epsilon_high: float = 0.2  # eps_high (TRL epsilon_high, verl clip_ratio_high)
+    The one definition of these fields: the training config's ``grpo`` section extends
+    this model, so a value validated there is the value the loss reads."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    epsilon: float = Field(0.2, ge=0)  # eps_low (TRL epsilon, verl clip_ratio_low)
+    epsilon_high: float = Field(0.2, ge=0)  # eps_high (TRL epsilon_high, verl clip_ratio_high)
     tis_imp_ratio_cap: float = 5.0  # C (verl's name); <= 0 disables the correction
-    beta: float = 0.0  # KL coefficient (TRL beta); k3 estimator, verl "low_var_kl"
-    loss_agg_mode: str = "seq-mean-token-mean"
-
-    def __post_init__(self) -> None:
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, "
-                             f"got {self.loss_agg_mode!r}")
+    beta: float = Field(0.0, ge=0)  # KL coefficient (TRL beta); k3 estimator, verl low_var_kl
+    loss_agg_mode: LossAggMode = "seq-mean-token-mean"
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

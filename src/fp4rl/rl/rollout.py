@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
+from rich.console import Console
+from rich.progress import Progress
+
+from fp4rl.progress import progress_bar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -229,13 +232,15 @@ def _concat(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
 
 
 def _progress_fn(progress: bool | ProgressFn, total_steps: int
-                 ) -> tuple[ProgressFn | None, tqdm | None]:
+                 ) -> tuple[ProgressFn | None, Progress | None]:
     if callable(progress):
         return progress, None
     if not progress:
         return None, None
-    bar = tqdm(total=total_steps, desc="rollout", unit="step")
-    return (lambda _tokens: bar.update(1)), bar
+    bar = progress_bar(Console(stderr=True))
+    task = bar.add_task("rollout", total=total_steps, info="decode steps")
+    bar.start()
+    return (lambda _tokens: bar.advance(task)), bar
 
 
 @torch.no_grad()
@@ -256,7 +261,7 @@ def generate(
     ``config.max_new_tokens`` tokens. Sampling draws only from ``generator`` (on the
     model's device), so a fixed seed reproduces the rollout. ``batch_size`` splits the
     prompts into micro-batches run one after another, bounding memory; greedy results do
-    not depend on it. ``progress=True`` shows a tqdm bar over decode steps; a callable is
+    not depend on it. ``progress=True`` shows a progress bar over decode steps; a callable is
     called after every decode step with the number of tokens it produced. Wrap the call
     in ``fp4rl.rollout_mode(model)`` to sample from a patched model's rollout policy.
     """
@@ -277,5 +282,5 @@ def generate(
                    for chunk in chunks]
     finally:
         if bar is not None:
-            bar.close()
+            bar.stop()
     return _concat(batches, pad_token_id)

@@ -1,12 +1,17 @@
 """The GRPO training loop: rollout in the FP4 rollout policy, update in the FP4 training policy.
 
-One RL step::
+One RL step (:meth:`Trainer.train_step` reads as this list)::
 
+    prompts                                  the next batch of the shuffled training set
     begin_step(model)                        SmoothQuant recalibrates, RHT may redraw
     rollout_mode: sample G responses/prompt  log-probs mu of the sampled tokens
     rewards -> group-normalized advantages
     train_mode: log-probs pi_old, pi_theta   all three GEMMs in the training format
-    GRPO loss with token-level TIS, AdamW    the rollout re-quantizes the new weights once
+    GRPO loss with token-level TIS, step     the rollout re-quantizes the new weights once
+
+The model, its tokenizer, the optimizer and the training examples are built outside and
+handed in (:meth:`Trainer.from_config` builds them from a config: the model by name, the
+optimizer by its ``torch.optim`` name, the examples from ``data``).
 
 Every step appends one JSON line to ``<output>/metrics.jsonl`` and checkpoints are
 written every ``run.save_steps``; ``resume=True`` continues from the latest checkpoint
@@ -22,8 +27,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,6 +57,7 @@ from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
+from fp4rl.rl.optim import build_optimizer
 from fp4rl.rl.rewards import get_reward_fn
 from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate
 
@@ -74,12 +80,44 @@ class DataCursor:
     index: int = 0
 
 
+@dataclass
+class StepTimings:
+    """Where one RL step's time went, and the tokens each phase processed."""
+
+    rollout: float = 0.0
+    reward: float = 0.0
+    old_logprob: float = 0.0  # teacher-forced pi_old (and the reference policy)
+    update: float = 0.0  # the loss, backward and optimizer steps
+    rollout_tokens: int = 0
+    train_tokens: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The ``time/*`` and ``tokens_per_second/*`` entries of a metrics line."""
+        return {"time/rollout": self.rollout, "time/reward": self.reward,
+                "time/old_logprob": self.old_logprob, "time/update": self.update,
+                "tokens_per_second/rollout": self.rollout_tokens / max(self.rollout, 1e-9),
+                "tokens_per_second/train": self.train_tokens / max(self.update, 1e-9)}
+
+
+@dataclass
+class UpdateResult:
+    """What :meth:`Trainer.update` reports: loss statistics, and its own costs."""
+
+    stats: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    logprob_seconds: float = 0.0
+
+
 class Trainer:
     """GRPO on one model object that serves as both the rollout and the training policy."""
 
     def __init__(self, config: TrainConfig, output_dir: str | Path,
-                 model: torch.nn.Module | None = None, tokenizer: Any = None,
+                 model: torch.nn.Module, tokenizer: Any, *,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 examples: list[Example] | None = None,
                  log: Callable[[str], None] = print) -> None:
+        """``optimizer`` must hold ``model``'s parameters (default: ``optimizer`` of the
+        config); ``examples`` default to the config's ``data`` training split."""
         self.device = resolve_device(config.device)
         self.mixed_precision = resolve_mixed_precision(config.mixed_precision, self.device)
         #: the config as run: device and mixed_precision resolved, so it reproduces the run
@@ -89,10 +127,6 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = log
         _seed_everything(config.run.seed)
-        if model is None:
-            from fp4rl.models import load_model
-
-            model, tokenizer = load_model(config.model, device=self.device)
         self.model, self.tok = _fp32_masters(model, log).to(self.device), tokenizer
         log(f"device {self.device}, mixed_precision={self.mixed_precision} (compute "
             f"{str(compute_dtype(self.mixed_precision)).removeprefix('torch.')}, "
@@ -104,17 +138,28 @@ class Trainer:
         quantize_model(self.model, self.recipe)
         self.model.eval()  # no dropout in either policy; gradients still flow
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
-        g = config.grpo
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=g.learning_rate,
-            weight_decay=g.weight_decay)
+        self.optimizer = optimizer or build_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad], config)
+        if examples is None:
+            examples = load_split(config.data, "train", config.run.seed)
         self.train_examples, self.train_prompts = encode_examples(
-            load_split(config.data, "train", config.run.seed), tokenizer, g.max_prompt_length,
-            config.data.template, config.data.strict, log)
+            examples, tokenizer, config.grpo.max_prompt_length, config.data.template,
+            config.data.strict, log)
         self.rollout_generator = torch.Generator(self.device).manual_seed(config.run.seed + 1)
         self.cursor = DataCursor()
         self.step = 0
         self.eos_ids = stop_token_ids(tokenizer)
+        self.last_timings = StepTimings()
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, output_dir: str | Path,
+                    log: Callable[[str], None] = print) -> Trainer:
+        """A trainer whose model (``config.model``, loaded on the config's device),
+        optimizer and examples are built from ``config``."""
+        from fp4rl.models import load_model
+
+        model, tokenizer = load_model(config.model, device=resolve_device(config.device))
+        return cls(config, output_dir, model, tokenizer, log=log)
 
     # ----- data ----------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -135,17 +180,16 @@ class Trainer:
         return chosen
 
     # ----- one RL step ---------------------------------------------------------------
-    def rollout(self, indices: list[int]) -> tuple[RolloutBatch, float]:
+    def rollout(self, indices: list[int]) -> RolloutBatch:
+        """G responses per prompt from the rollout policy, with their log-probs mu."""
         g = self.cfg.grpo
         prompts = [self.train_prompts[i] for i in indices for _ in range(g.num_generations)]
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
-        start = time.perf_counter()
         with self.compute(), rollout_mode(self.model):
-            batch = generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
-                             eos_token_ids=self.eos_ids, generator=self.rollout_generator,
-                             batch_size=g.micro_batch_size * 4)
-        return batch, time.perf_counter() - start
+            return generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
+                            eos_token_ids=self.eos_ids, generator=self.rollout_generator,
+                            batch_size=g.micro_batch_size * 4)
 
     def rewards(self, indices: list[int], batch: RolloutBatch) -> torch.Tensor:
         texts = batch.texts(self.tok)
@@ -158,41 +202,41 @@ class Trainer:
         return self.cfg.data.reward or example.reward
 
     def train_step(self) -> dict[str, Any]:
-        """Run one RL step and return its metrics."""
+        """Run one RL step and return its metrics (timings in ``last_timings`` too)."""
         g = self.cfg.grpo
         self.step += 1
+        timings = StepTimings()
         indices = self.next_batch()
         begin_step(self.model)
-        batch, rollout_time = self.rollout(indices)
-        start = time.perf_counter()
-        rewards = self.rewards(indices, batch)
-        reward_time = time.perf_counter() - start
+        with _stopwatch(timings, "rollout"):
+            batch = self.rollout(indices)
+        with _stopwatch(timings, "reward"):
+            rewards = self.rewards(indices, batch)
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
-        start = time.perf_counter()
-        update = self.update(batch, advantages)
-        update_time = time.perf_counter() - start
+        with _stopwatch(timings, "update"):
+            update = self.update(batch, advantages)
+        timings.old_logprob = update.logprob_seconds
+        timings.update -= update.logprob_seconds
+        timings.rollout_tokens = int(batch.response_mask.sum())
+        timings.train_tokens = update.tokens
+        self.last_timings = timings
+        return self._metrics(rewards, batch, update.stats, timings)
+
+    def _metrics(self, rewards: torch.Tensor, batch: RolloutBatch, stats: dict[str, float],
+                 timings: StepTimings) -> dict[str, Any]:
+        grouped = rewards.reshape(-1, self.cfg.grpo.num_generations)
         lengths = batch.response_mask.sum(1).float()
-        grouped = rewards.reshape(-1, g.num_generations)
-        rollout_tokens = lengths.sum().item()
-        train_tokens = update.pop("_tokens")
-        logprob_time = update.pop("_logprob_time")
-        update_time -= logprob_time
         return {
             "step": self.step,
             "reward_mean": rewards.mean().item(),
             "reward": rewards.mean().item(),
             "reward_std": grouped.std(1).mean().item(),
             "frac_reward_zero_std": (grouped.std(1) == 0).float().mean().item(),
-            **update,
+            **stats,
             "completions/mean_length": lengths.mean().item(),
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": (~batch.finished).float().mean().item(),
-            "time/rollout": rollout_time,
-            "time/reward": reward_time,
-            "time/old_logprob": logprob_time,  # teacher-forced pi_old (and reference)
-            "time/update": update_time,  # the loss, backward and optimizer steps
-            "tokens_per_second/rollout": rollout_tokens / max(rollout_time, 1e-9),
-            "tokens_per_second/train": train_tokens / max(update_time, 1e-9),
+            **timings.metrics(),
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
@@ -207,10 +251,9 @@ class Trainer:
                                      seqs.prompt_width, self.cfg.grpo.temperature,
                                      with_entropy)
 
-    def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> dict[str, Any]:
-        """PPO-style epochs of GRPO over mini-batches of whole groups; returns statistics."""
+    def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> UpdateResult:
+        """PPO-style epochs of GRPO over mini-batches of whole groups."""
         g = self.cfg.grpo
-        loss_cfg = g.loss()
         n = advantages.numel()
         mask = batch.response_mask.bool()
         ids, attention = batch.sequences()
@@ -230,12 +273,10 @@ class Trainer:
                         + torch.arange(g.num_generations)).reshape(-1)
             for mini in rows_all.split(seq_per_mini):
                 tokens += self._mini_step(batch, seqs, mini, advantages, old_logp, ref_logp,
-                                          mask, loss_cfg, stats)
+                                          mask, stats)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(old_logp, batch.logprobs, mask, g.tis_imp_ratio_cap))
-        out["_tokens"] = tokens
-        out["_logprob_time"] = logprob_time
-        return out
+        return UpdateResult(out, tokens, logprob_time)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
@@ -245,12 +286,13 @@ class Trainer:
     def _mini_step(self, batch: RolloutBatch, seqs: _Sequences, rows: torch.Tensor,
                    advantages: torch.Tensor,
                    old_logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
-                   loss_cfg: Any, stats: dict[str, list[float]]) -> int:
+                   stats: dict[str, list[float]]) -> int:
         """One optimizer step over ``rows``, accumulating gradients over micro-batches.
 
         Sequences whose advantage is zero contribute no policy gradient; when no KL term
         needs them they are skipped, keeping the aggregation's denominators unchanged.
         """
+        loss_cfg = self.cfg.grpo
         self.optimizer.zero_grad(set_to_none=True)
         active = rows if ref_logp is not None else rows[advantages[rows] != 0]
         seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
@@ -352,6 +394,16 @@ def _fp32_masters(model: torch.nn.Module, log: Callable[[str], None]) -> torch.n
             "weights (the compute dtype is set by mixed_precision)")
         model.float()
     return model
+
+
+@contextlib.contextmanager
+def _stopwatch(timings: StepTimings, phase: str) -> Iterator[None]:
+    """Add the wall-clock seconds of the block to ``timings.<phase>``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(timings, phase, getattr(timings, phase) + time.perf_counter() - start)
 
 
 def _seed_everything(seed: int) -> None:
