@@ -85,7 +85,7 @@ def test_fused_resq_matches_composed_reference(triton_path, fmt, pattern):
     from fp4rl.kernels import triton_quant
 
     keep, group = (0, 0) if pattern == "dense" else map(int, pattern.split(":"))
-    fused = triton_quant.fused_resq(get_format(fmt).kernel_id, x, keep, group)
+    fused = triton_quant.fused_resq(fmt, x, keep, group)
     assert fused is not None  # the kernel itself ran, not a fallback
     q = get_format(fmt).quantize_reference
     qx = q(x)
@@ -94,11 +94,12 @@ def test_fused_resq_matches_composed_reference(triton_path, fmt, pattern):
 
 
 def test_fused_resq_declines_what_it_cannot_fuse(triton_path):
-    from fp4rl.kernels import triton_quant
+    from fp4rl.kernels import resq_rows, triton_quant
 
     x = _heavy_tailed((8, 64), seed=6)
-    assert triton_quant.fused_resq(get_format("nvfp4").kernel_id, x, 2, 4) is None
-    assert triton_quant.fused_resq(get_format("hif4").kernel_id, x, 2, 6) is None
+    assert resq_rows("nvfp4", x, 2, 4) is None
+    assert triton_quant.fused_resq("nvfp4", x, 2, 4) is None
+    assert triton_quant.fused_resq("hif4", x, 2, 6) is None
     q = get_format("hif4").quantize_reference
     qx = q(x)
     assert _bits_equal(resq_activation(x, "hif4", "2:6"), qx + sparsify(q(x - qx), "2:6"))

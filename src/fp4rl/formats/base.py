@@ -118,10 +118,12 @@ class NumberFormat(ABC):
 
 
 class BlockFormat(NumberFormat):
-    """A block-scaled format described by per-block integer fields."""
+    """A block-scaled format described by per-block integer fields.
 
-    #: identifier of the fused CPU kernel for this format (see kernels/quant.c)
-    kernel_id: ClassVar[int]
+    The fast path looks kernels up by ``name`` (see :mod:`fp4rl.kernels`); a format the
+    kernels do not know quantizes through the reference path, so a new format needs
+    only the four methods below.
+    """
 
     # ----- what each format defines -------------------------------------------------
     @abstractmethod
@@ -188,13 +190,13 @@ class BlockFormat(NumberFormat):
         d = check_tensor(x, dim)
         if x.numel() == 0:
             return x.clone()
-        if fast and x.dim() == 2 and has_matrix_kernel(x):
+        if fast and x.dim() == 2 and has_matrix_kernel(self.name, x):
             return self._quantize_matrix(x, d, opts)
         rows, restore = _to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         noise = self._noise(*rows.shape, rows.device, opts)
         g = None if scale is None else float(scale)
-        out = quantize_rows(self.kernel_id, rows, noise, g) if fast else None
+        out = quantize_rows(self.name, rows, noise, g) if fast else None
         if out is None:
             out = self._reference_rows(rows if scale is None else rows / scale, noise)
             if scale is not None:
@@ -203,12 +205,14 @@ class BlockFormat(NumberFormat):
 
     def _quantize_matrix(self, x: torch.Tensor, dim: int, opts: QuantOptions) -> torch.Tensor:
         """A matrix quantized along either axis by a strided kernel (no transposed copy),
-        with the same scale and noise draws as the row path."""
+        with the same scale and noise draws as the row path; only where
+        :func:`has_matrix_kernel` holds."""
         m = x.to(torch.float32)
         scale = self._tensor_scale(m, opts)
         noise = self._noise(m.shape[1 - dim], m.shape[dim], m.device, opts)
-        out = quantize_matrix(self.kernel_id, m, dim, noise,
-                              None if scale is None else float(scale))
+        out = quantize_matrix(self.name, m, dim, noise, None if scale is None else float(scale))
+        if out is None:
+            raise RuntimeError(f"no matrix kernel for {self.name!r} (check has_matrix_kernel)")
         return out.to(x.dtype)
 
     def _reference_rows(self, rows: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

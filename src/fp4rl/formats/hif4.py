@@ -23,7 +23,6 @@ class HiF4(BlockFormat):
     name = "hif4"
     block_size = 64
     bits_per_value = 4.5
-    kernel_id = 0
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()

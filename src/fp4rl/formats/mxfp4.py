@@ -89,7 +89,6 @@ class MXFormat(BlockFormat):
 class MXFP4(MXFormat):
     name = "mxfp4"
     bits_per_value = 4.25
-    kernel_id = 1
     scale_offset = 2  # E2M1's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

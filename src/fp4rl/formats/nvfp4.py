@@ -41,7 +41,6 @@ class NVFP4(BlockFormat):
     name = "nvfp4"
     block_size = 16
     bits_per_value = 4.5
-    kernel_id = 2
     extra_options = ("per_tensor_scale",)
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -1,11 +1,13 @@
 """Fast paths behind the format functions: a fused C kernel on CPU, Triton on GPU.
 
 Every fast path is bit-identical to the float64 reference in :mod:`fp4rl.formats`;
-the functions here return None where no fast path applies, and the caller then uses
-the reference (which runs on any device). CUDA tensors take the Triton kernels;
-``FP4RL_KERNELS=triton`` sends CPU tensors there too, which with ``TRITON_INTERPRET=1``
-runs them through Triton's interpreter (how they are tested without a GPU).
-``FP4RL_DISABLE_KERNELS=1`` turns every fast path off.
+the functions here return None (or False) where no fast path applies, and the caller
+then uses the reference (which runs on any device). Kernels are looked up by format
+name in a table of what each backend does, so a format registered from outside the
+package simply has none. CUDA tensors take the Triton kernels; ``FP4RL_KERNELS=triton``
+sends CPU tensors there too, which with ``TRITON_INTERPRET=1`` runs them through
+Triton's interpreter (how they are tested without a GPU). ``FP4RL_DISABLE_KERNELS=1``
+turns every fast path off.
 """
 
 from __future__ import annotations
@@ -17,12 +19,22 @@ from types import ModuleType
 
 import torch
 
-from fp4rl.kernels.cpu import load_library, quantize_rows_cpu, resq_rows_cpu
+from fp4rl.kernels import cpu
 
-#: kernel ids whose fused ResQ path exists (NVFP4's per-tensor scale needs two passes)
-RESQ_KERNELS = (0, 1, 3)
 #: largest n:m group the fused CPU path handles
 RESQ_MAX_GROUP = 64
+
+_QUANTIZE = frozenset({"rows", "cols"})
+_QUANTIZE_AND_RESQ = _QUANTIZE | {"resq"}
+#: format name -> backend -> operations it runs ("rows"/"cols": quantize along axis 1/0,
+#: "resq": the fused ResQ pass, which NVFP4 lacks as its per-tensor scale needs two passes)
+_SUPPORT: dict[str, dict[str, frozenset[str]]] = {
+    "hif4": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
+    "mxfp4": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
+    "nvfp4": {"c": _QUANTIZE, "triton": _QUANTIZE},
+    "mxfp8_e4m3": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
+}
+_AXIS_OPS = {0: "cols", 1: "rows"}
 
 
 @cache
@@ -36,69 +48,94 @@ def _triton() -> ModuleType | None:
     return triton_quant
 
 
-def _triton_for(t: torch.Tensor) -> ModuleType | None:
-    """The Triton kernel module if ``t`` should use it (and it is importable)."""
+def _triton_for(device: torch.device) -> ModuleType | None:
+    """The Triton kernel module if tensors on ``device`` should use it (and it imports)."""
     if os.environ.get("FP4RL_DISABLE_KERNELS") == "1":
         return None
-    if t.device.type == "cuda" or os.environ.get("FP4RL_KERNELS") == "triton":
+    if device.type == "cuda" or os.environ.get("FP4RL_KERNELS") == "triton":
         return _triton()
     return None
 
 
-def has_matrix_kernel(x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_matrix` runs for ``x`` (a kernel for either axis exists)."""
-    if _triton_for(x) is not None:
-        return True
-    return x.device.type == "cpu" and load_library() is not None
+def _backend(fmt_name: str, device: torch.device, op: str) -> ModuleType | None:
+    """The kernel module that runs ``op`` for ``fmt_name`` on ``device`` (``triton_quant``
+    or ``cpu``), or None. Where Triton is chosen it is the only candidate."""
+    support = _SUPPORT.get(fmt_name)
+    if support is None:
+        return None
+    tri = _triton_for(device)
+    if tri is not None:
+        return tri if op in support["triton"] else None
+    if device.type == "cpu" and op in support["c"] and cpu.load_library() is not None:
+        return cpu
+    return None
 
 
-def quantize_rows(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
+def has_kernel(fmt_name: str, device: torch.device | str, axis: int = 1) -> bool:
+    """Whether a kernel quantizes ``fmt_name`` along ``axis`` (1: rows, 0: columns) of a
+    matrix on ``device``; False for formats the kernels do not know."""
+    if axis not in _AXIS_OPS:
+        raise ValueError(f"axis must be 0 or 1, got {axis}")
+    return _backend(fmt_name, torch.device(device), _AXIS_OPS[axis]) is not None
+
+
+def has_matrix_kernel(fmt_name: str, x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_matrix` runs for ``fmt_name`` on ``x``'s device, whichever
+    axis it is asked for (a transposed view may flip the axis the kernel sees)."""
+    return all(has_kernel(fmt_name, x.device, axis) for axis in _AXIS_OPS)
+
+
+def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
                   tensor_scale: float | None = None) -> torch.Tensor | None:
     """Fake-quantize contiguous float32 ``(R, L)`` rows along L, or None if no fast path.
 
     ``tensor_scale`` g (NVFP4's per-tensor scale) quantizes ``rows / g`` and returns
     the result times g, both steps in float32.
     """
-    if noise is not None:
-        noise = noise.contiguous()
-    tri = _triton_for(rows)
-    if tri is not None:
-        return tri.quantize_2d(kernel_id, rows, 1, noise, tensor_scale)
-    if rows.device.type != "cpu":
+    kernels = _backend(fmt_name, rows.device, "rows")
+    if kernels is None:
         return None
-    return quantize_rows_cpu(kernel_id, rows, noise, tensor_scale)
-
-
-def quantize_matrix(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
-                    tensor_scale: float | None = None) -> torch.Tensor:
-    """Fake-quantize a float32 matrix along ``axis`` without a transposed copy; only where
-    :func:`has_matrix_kernel`. ``noise`` is laid out as rows along ``axis``."""
     if noise is not None:
         noise = noise.contiguous()
-    tri = _triton_for(x)
+    if kernels is cpu:
+        return cpu.quantize_rows_cpu(fmt_name, rows, noise, tensor_scale)
+    return kernels.quantize_2d(fmt_name, rows, 1, noise, tensor_scale)
+
+
+def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
+                    tensor_scale: float | None = None) -> torch.Tensor | None:
+    """Fake-quantize a float32 matrix along ``axis`` without a transposed copy, or None
+    where :func:`has_matrix_kernel` is False (check it first: the caller's random draws
+    depend on the path). ``noise`` is laid out as rows along ``axis``."""
+    if not has_matrix_kernel(fmt_name, x):
+        return None
+    if noise is not None:
+        noise = noise.contiguous()
+    tri = _triton_for(x.device)
     if tri is not None:
-        return tri.quantize_2d(kernel_id, x, axis, noise, tensor_scale)
-    if not x.is_contiguous() and x.t().is_contiguous():  # a transposed view: flip the axis
-        return quantize_matrix(kernel_id, x.t(), 1 - axis, noise, tensor_scale).t()
-    out = quantize_rows_cpu(kernel_id, x.contiguous(), noise, tensor_scale, axis)
-    if out is None:
-        raise RuntimeError("no quantization kernel for this tensor (see has_matrix_kernel)")
-    return out
+        return tri.quantize_2d(fmt_name, x, axis, noise, tensor_scale)
+    flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
+    if flipped:
+        x, axis = x.t(), 1 - axis
+    out = cpu.quantize_rows_cpu(fmt_name, x.contiguous(), noise, tensor_scale, axis)
+    return out.t() if flipped and out is not None else out
 
 
-def resq_rows(kernel_id: int, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
     """Fused Rollout-ResQ activation ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` (group 0: dense).
 
     Returns None where no fused path applies; the caller then composes the steps.
     """
-    if rows.dtype != torch.float32 or kernel_id not in RESQ_KERNELS:
+    if rows.dtype != torch.float32:
         return None
-    tri = _triton_for(rows)
-    if tri is not None:
-        return tri.fused_resq(kernel_id, rows, keep, group)
-    if rows.device.type != "cpu" or group > RESQ_MAX_GROUP:
+    kernels = _backend(fmt_name, rows.device, "resq")
+    if kernels is None:
         return None
-    return resq_rows_cpu(kernel_id, rows.contiguous(), keep, group)
+    if kernels is cpu:
+        if group > RESQ_MAX_GROUP:
+            return None
+        return cpu.resq_rows_cpu(fmt_name, rows.contiguous(), keep, group)
+    return kernels.fused_resq(fmt_name, rows, keep, group)
 
 
-__all__ = ["has_matrix_kernel", "quantize_matrix", "quantize_rows", "resq_rows"]
+__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows", "resq_rows"]

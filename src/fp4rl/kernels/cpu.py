@@ -28,6 +28,8 @@ SOURCE = Path(__file__).with_name("quant.c")
 PARALLEL_MIN_ELEMENTS = 1 << 16
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
+#: format name -> the ``fmt`` code of quant.c's C ABI (its FMT_* enum)
+_CODES = {"hif4": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8_e4m3": 3}
 
 
 def _cpu_model() -> str:
@@ -93,34 +95,43 @@ def _threads(t: torch.Tensor) -> int:
     return torch.get_num_threads() if t.numel() >= PARALLEL_MIN_ELEMENTS else 1
 
 
-def resq_rows_cpu(kernel_id: int, rows: torch.Tensor, keep: int,
+def _code(fmt_name: str) -> int:
+    try:
+        return _CODES[fmt_name]
+    except KeyError:
+        raise ValueError(f"the C kernel has no format {fmt_name!r}") from None
+
+
+def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
                   group: int) -> torch.Tensor | None:
     """Fused ``Q(x) + S(Q(x - Q(x)))`` over contiguous float32 rows (None if unavailable)."""
+    code = _code(fmt_name)
     lib = load_library()
     if lib is None:
         return None
     out = torch.empty_like(rows)
-    status = lib.fp4rl_resq(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+    status = lib.fp4rl_resq(code, rows.data_ptr(), out.data_ptr(), rows.shape[0],
                             rows.shape[1], keep, group, _threads(rows))
     if status != 0:
-        raise ValueError(f"fused ResQ kernel refused format {kernel_id} / group {group}")
+        raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
     return out
 
 
-def quantize_rows_cpu(kernel_id: int, rows: torch.Tensor, noise: torch.Tensor | None,
+def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
                       tensor_scale: float | None, axis: int = 1) -> torch.Tensor | None:
     """Fake-quantize a contiguous float32 CPU matrix along ``axis`` (1: rows, 0: columns)
     with the fused kernel (None if unavailable). ``noise`` is laid out as rows along the
     axis; ``tensor_scale`` g quantizes ``x / g`` and multiplies the result by g (NVFP4).
     """
+    code = _code(fmt_name)
     lib = load_library()
     if lib is None:
         return None
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
     kernel = lib.fp4rl_quantize if axis == 1 else lib.fp4rl_quantize_cols
-    status = kernel(kernel_id, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+    status = kernel(code, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
                     noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
     if status != 0:
-        raise ValueError(f"unknown kernel id {kernel_id}")
+        raise ValueError(f"the C kernel refused format {fmt_name!r}")
     return out

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = {0: 64, 1: 32, 2: 16, 3: 32}  # kernel id -> block size (hif4, mxfp4, nvfp4, mxfp8)
+#: format name -> (the ``FMT`` code _quantize_tile branches on, block size)
+_FORMATS = {"hif4": (0, 64), "mxfp4": (1, 32), "nvfp4": (2, 16), "mxfp8_e4m3": (3, 32)}
 TILE_ELEMENTS = 2048
 MAGIC = 4503599627370496.0  # 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even
 
@@ -172,7 +173,14 @@ def _rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
 
 
-def quantize_2d(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
+def _format(fmt_name: str) -> tuple[int, int]:
+    try:
+        return _FORMATS[fmt_name]
+    except KeyError:
+        raise ValueError(f"the Triton kernels have no format {fmt_name!r}") from None
+
+
+def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
                 tensor_scale: float | None = None) -> torch.Tensor:
     """Fake-quantize a float32 matrix along ``axis`` (0 or 1), blocks along that axis.
 
@@ -182,7 +190,7 @@ def quantize_2d(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Tensor 
     """
     if x.dim() != 2 or x.dtype != torch.float32 or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float32 matrix and axis 0 or 1")
-    bs = BLOCK[kernel_id]
+    code, bs = _format(fmt_name)
     if not (x.is_contiguous() or x.t().is_contiguous()):
         x = x.contiguous()
     y = torch.empty_like(x)  # same strides as x
@@ -192,24 +200,24 @@ def quantize_2d(kernel_id: int, x: torch.Tensor, axis: int, noise: torch.Tensor 
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(length, bs))
     snr, snc = noise.stride() if noise is not None else (0, 0)
     _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
-                           snr, snc, float(tensor_scale or 0.0), FMT=kernel_id, BS=bs, ROWS=rows,
+                           snr, snc, float(tensor_scale or 0.0), FMT=code, BS=bs, ROWS=rows,
                            HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None)
     return y
 
 
-def fused_resq(kernel_id: int, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+def fused_resq(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
     """Fused ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` over contiguous float32 rows.
 
     None where the kernel does not apply: NVFP4 (its per-tensor scale needs a first pass
     over the whole tensor) or a group that is not a power of two dividing the block.
     """
-    bs = BLOCK[kernel_id]
-    if kernel_id == 2 or (group and (group & (group - 1) or bs % group)):
+    code, bs = _format(fmt_name)
+    if fmt_name == "nvfp4" or (group and (group & (group - 1) or bs % group)):
         return None
     rows = rows.contiguous()
     out = torch.empty_like(rows)
     per = _rows_per_program(bs)
     grid = (triton.cdiv(rows.shape[0], per), triton.cdiv(rows.shape[1], bs))
-    _resq_kernel[grid](rows, out, rows.shape[0], rows.shape[1], FMT=kernel_id, BS=bs,
+    _resq_kernel[grid](rows, out, rows.shape[0], rows.shape[1], FMT=code, BS=bs,
                        ROWS=per, KEEP=keep, GROUP=group)
     return out

@@ -40,7 +40,7 @@ def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor 
     if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM) or x.dim() == 0:
         return None
     keep, group = (pattern.n, pattern.m) if isinstance(pattern, NM) else (0, 0)
-    out = resq_rows(f.kernel_id, x.reshape(-1, x.shape[-1]), keep, group)
+    out = resq_rows(f.name, x.reshape(-1, x.shape[-1]), keep, group)
     return None if out is None else out.reshape(x.shape)
 
 

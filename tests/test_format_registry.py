@@ -1,0 +1,169 @@
+"""Formats as plug-ins: registering one, and kernels looked up by format name.
+
+A format registered from outside the package has no kernel, so every fast-path entry
+point declines it and the format's own reference path does the work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4rl
+from fp4rl import kernels
+from fp4rl.errors import UserError
+from fp4rl.formats import FormatError, get_format, list_formats, register_format, registry
+from fp4rl.formats.hif4 import HiF4
+from fp4rl.formats.mxfp4 import MXFormat
+from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
+from fp4rl.kernels import cpu
+from fp4rl.recovery import resq_activation, sparsify
+
+BUILTINS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3", "bf16"]
+
+
+class MXINT4(MXFormat):
+    """A toy plug-in: the OCP MX block scale with sign-magnitude integer elements 0..7."""
+
+    name = "mxint4_test"
+    bits_per_value = 4.25
+    scale_offset = 2  # |x| / 2^E < 8
+
+    def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        return torch.floor(v + (0.5 if noise is None else noise)).clamp(max=7.0)
+
+    def element_codes(self, q: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles(neg.to(torch.int64) * 8 + q.to(torch.int64))
+
+    def decode_elements(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = unpack_nibbles(codes).to(torch.int64)
+        return (c & 7).to(torch.float64), c >= 8
+
+
+class RenamedHiF4(HiF4):
+    """HiF4's arithmetic under another name, counting reference-path calls."""
+
+    name = "hif4_renamed"
+
+    def __init__(self) -> None:
+        self.field_calls = 0
+
+    def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        self.field_calls += 1
+        return super().fields(blocks, noise)
+
+
+@pytest.fixture(autouse=True)
+def _restore_registry():
+    """Formats a test registers do not leak into the next test."""
+    saved = dict(registry._FORMATS)
+    yield
+    registry._FORMATS.clear()
+    registry._FORMATS.update(saved)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.float().view(torch.int32),
+                                              b.float().view(torch.int32))
+
+
+def _heavy_tailed(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
+
+
+def test_builtins_register_through_the_same_function():
+    assert list_formats() == BUILTINS
+    with pytest.raises(FormatError, match="already registered"):
+        register_format(HiF4())
+
+
+def test_plugin_format_quantizes_through_its_reference():
+    fmt = register_format(MXINT4())
+    assert list_formats() == [*BUILTINS, "mxint4_test"]
+    assert get_format("MXINT4_TEST") is fmt
+    x = torch.zeros(32)
+    x[:3] = torch.tensor([7.0, 3.4, -0.6])  # amax 7: E = 0, elements round to integers
+    assert fp4rl.quantize(x, "mxint4_test")[:4].tolist() == [7.0, 3.0, -1.0, 0.0]
+    y = _heavy_tailed((6, 70))
+    y[2, 40] = float("nan")
+    for dim in (0, 1):
+        assert _bits_equal(fp4rl.quantize(y, "mxint4_test", dim=dim),
+                           fmt.quantize_reference(y, dim=dim))
+    z = _heavy_tailed((2, 3, 40), seed=1).bfloat16()
+    assert _bits_equal(fp4rl.quantize(z, "mxint4_test", dim=1), fmt.quantize_reference(z, dim=1))
+    sr = {"rounding": "stochastic"}
+    assert _bits_equal(
+        fp4rl.quantize(y, "mxint4_test", generator=torch.Generator().manual_seed(3), **sr),
+        fmt.quantize_reference(y, generator=torch.Generator().manual_seed(3), **sr))
+    assert _bits_equal(fmt.decode(fmt.encode(y)), fp4rl.quantize(y, "mxint4_test"))
+
+
+def test_renamed_builtin_takes_the_reference_and_still_matches_the_kernel():
+    fmt = register_format(RenamedHiF4())
+    x = _heavy_tailed((9, 130), seed=2)
+    for dim in (0, 1):
+        assert _bits_equal(fp4rl.quantize(x, "hif4_renamed", dim=dim),
+                           fp4rl.quantize(x, "hif4", dim=dim))
+    assert fmt.field_calls == 2  # no kernel ran in its place
+
+
+def test_fused_resq_declines_a_plugin_and_the_steps_compose():
+    register_format(MXINT4())
+    x = _heavy_tailed((5, 64), seed=3)
+    assert kernels.resq_rows("mxint4_test", x, 2, 4) is None
+    qx = fp4rl.quantize(x, "mxint4_test")
+    expected = qx + sparsify(fp4rl.quantize(x - qx, "mxint4_test"), "2:4")
+    assert _bits_equal(resq_activation(x, "mxint4_test", "2:4"), expected)
+
+
+def test_registration_refusals():
+    register_format(MXINT4())
+    with pytest.raises(FormatError, match=r"'mxint4_test' is already registered.*replace=True"):
+        register_format(MXINT4())
+    replacement = register_format(MXINT4(), replace=True)
+    assert get_format("mxint4_test") is replacement
+    with pytest.raises(FormatError, match="register an instance"):
+        register_format(MXINT4)  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match="expects a NumberFormat object, got str"):
+        register_format("hif4")  # type: ignore[arg-type]
+
+
+def test_unknown_name_suggests_the_closest():
+    with pytest.raises(FormatError) as err:
+        get_format("hif5")
+    message = str(err.value)
+    assert "did you mean 'hif4'?" in message and "\n" not in message
+    assert all(name in message for name in BUILTINS)
+    assert isinstance(err.value, UserError)
+    register_format(MXINT4())
+    with pytest.raises(FormatError, match=r"did you mean 'mxint4_test'\?.*mxint4_test"):
+        fp4rl.quantize(torch.ones(4), "mxint4")
+
+
+def test_no_kernel_for_a_plugin_format(monkeypatch):
+    x = _heavy_tailed((4, 64), seed=4)
+    assert not any(kernels.has_kernel("mxint4_test", "cpu", axis) for axis in (0, 1))
+    assert not kernels.has_matrix_kernel("mxint4_test", x)
+    assert kernels.quantize_rows("mxint4_test", x, None) is None
+    assert kernels.quantize_matrix("mxint4_test", x, 1, None) is None
+    monkeypatch.setenv("FP4RL_KERNELS", "triton")
+    assert not kernels.has_kernel("mxint4_test", "cpu")
+
+
+@pytest.mark.skipif(cpu.load_library() is None, reason="the C kernel did not build")
+def test_builtin_kernels_found_by_name_on_cpu():
+    x = _heavy_tailed((4, 64), seed=5)
+    for name in ("hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"):
+        assert kernels.has_kernel(name, "cpu", 0)
+        assert kernels.has_kernel(name, torch.device("cpu"), 1)
+        assert kernels.has_matrix_kernel(name, x)
+        no_tensor_scale = {"per_tensor_scale": False} if name == "nvfp4" else {}
+        assert _bits_equal(kernels.quantize_rows(name, x, None),
+                           get_format(name).quantize_reference(x, **no_tensor_scale))
+    assert not kernels.has_kernel("bf16", "cpu")  # element-wise: no block kernel
+    assert not kernels.has_kernel("hif4", "meta")
+    assert kernels.resq_rows("hif4", x, 2, 4) is not None
+    assert kernels.resq_rows("nvfp4", x, 2, 4) is None  # its per-tensor scale needs two passes
+    with pytest.raises(ValueError, match="axis must be 0 or 1"):
+        kernels.has_kernel("hif4", "cpu", 2)
