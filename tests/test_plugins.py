@@ -1,10 +1,14 @@
-"""Plug-ins from outside the package: a recovery method and a number format defined and
-registered here, as a user's own module would, then used through a recipe string and
-through a training config for one GRPO step (the example of docs/architecture.md)."""
+"""Plug-ins from outside the package: the examples of docs/architecture.md (a recovery
+method, a number format, a reward), run as a user's own module would run them, then used
+through recipe strings, a training config and one GRPO step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,56 +17,65 @@ from torch import nn
 import fp4rl
 from fp4rl.errors import RecipeError
 from fp4rl.experiments.grid import grid_cells
-from fp4rl.gemm import Operand
+from fp4rl.formats import registry
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, fp4_layers, preset, quantize_model
-from fp4rl.recovery import RecoveryConfig, RolloutRecovery, register, unregister
+from fp4rl.recovery import register, unregister
 from fp4rl.rl import rewards
 from fp4rl.rl.config import load_config
 from fp4rl.rl.trainer import Trainer
 
-
-@dataclass(frozen=True)
-class ClipConfig(RecoveryConfig):
-    """ratio: each token row is clipped at ``ratio * max|x|`` before quantization."""
-
-    ratio: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.ratio <= 1:
-            raise RecipeError(f"rollout.recovery.ratio must be in (0, 1], got {self.ratio}")
-
-    @classmethod
-    def from_text(cls, arg: str) -> ClipConfig:
-        return cls(float(arg)) if arg else cls()
-
-    def text(self) -> str:
-        return f"{self.ratio:g}"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
-class Clip(RolloutRecovery):
-    """Row-wise clipping of the activations: a deliberately simple third-party method."""
-
-    config_cls = ClipConfig
-    variants = (("0.5", "Clip (0.5)"),)
-
-    def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
-        limit = self.config.ratio * x.abs().amax(dim=-1, keepdim=True)
-        return [self.quantize_act(torch.maximum(torch.minimum(x, limit), -limit))]
+def doc_examples() -> list[str]:
+    """The Python code blocks of the architecture page, in order."""
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
 @pytest.fixture
-def clip_method():
-    register("clip", Clip)
-    yield Clip
+def plugins():
+    """Run every example of the page in a fresh namespace (each registers itself), and
+    take the registrations back afterwards."""
+    formats = dict(registry._FORMATS)
+    module = ModuleType("user_plugins")
+    sys.modules[module.__name__] = module
+    for code in doc_examples():
+        exec(compile(code, str(DOC), "exec"), module.__dict__)
+    yield module
+    del sys.modules[module.__name__]
     unregister("clip")
+    registry._FORMATS.clear()
+    registry._FORMATS.update(formats)
+
+
+@pytest.fixture
+def clip_method(plugins):
+    return plugins.Clip
+
+
+def test_the_page_has_the_three_examples(plugins):
+    assert len(doc_examples()) == 3
+    assert fp4rl.recovery.get_method("clip") is plugins.Clip
+    assert "mxint4" in fp4rl.formats.list_formats()
+    assert rewards.get_reward_fn("ends_with_answer")("so it is 42", "42") == 1.0
+
+
+def test_registered_format_is_exact_against_its_reference(plugins):
+    fmt = fp4rl.get_format("mxint4")
+    x = torch.randn(8, 96) * torch.exp(torch.randn(8, 96))
+    q = fp4rl.quantize(x, "mxint4")
+    assert torch.equal(q, fmt.quantize_reference(x))
+    assert torch.equal(fmt.decode(fmt.encode(x)), q)
+    assert torch.equal(q.bfloat16().float(), q)  # exact in bf16, as the GEMM needs
+    codes = q.reshape(8, 3, 32) / q.reshape(8, 3, 32).abs().amax(-1, keepdim=True)
+    assert (codes.abs() <= 1).all()
 
 
 def test_registered_method_is_a_recipe(clip_method):
     recipe = preset("hif4+clip-0.25")
     assert recipe.rollout.recovery.method == "clip"
-    assert recipe.rollout.recovery.config == ClipConfig(0.25)
+    assert recipe.rollout.recovery.config == clip_method.config_cls(0.25)
     assert recipe.rollout.recovery.label == "clip-0.25"
     yaml_form = fp4rl.Recipe.from_dict(recipe.to_dict())
     assert yaml_form == recipe
@@ -70,15 +83,23 @@ def test_registered_method_is_a_recipe(clip_method):
         preset("hif4+clip-2")
 
 
-def test_registered_method_computes_its_rollout(clip_method):
+@pytest.mark.parametrize("fmt", ["hif4", "mxint4"])
+def test_registered_method_computes_its_rollout(plugins, fmt):
+    """The layer's rollout output against the formats' reference paths, in fp32 and
+    under bf16 autocast (the operands are exact in bf16, so only summation differs)."""
     torch.manual_seed(0)
-    layer = FP4Linear.from_linear(nn.Linear(128, 32, bias=False), preset("hif4+clip-0.5"))
+    layer = FP4Linear.from_linear(nn.Linear(128, 32, bias=False), preset(f"{fmt}+clip-0.5"))
     layer.mode = Mode.ROLLOUT
     x = torch.randn(6, 128)
     limit = 0.5 * x.abs().amax(dim=-1, keepdim=True)
-    expected = fp4rl.quantize(x.clamp(-limit, limit), "hif4") @ \
-        fp4rl.quantize(layer.weight.detach(), "hif4").t()
+    f = fp4rl.get_format(fmt)
+    expected = f.quantize_reference(x.clamp(-limit, limit)) @ \
+        f.quantize_reference(layer.weight.detach()).t()
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def test_registered_method_joins_the_recovery_grid(clip_method):
@@ -87,30 +108,32 @@ def test_registered_method_joins_the_recovery_grid(clip_method):
 
 
 def test_unregistered_method_is_refused_with_the_registry():
+    assert "clip" not in fp4rl.recovery.list_methods()
     with pytest.raises(RecipeError, match=r"not a registered method.*fp4rl\.recovery\.register"):
         preset("hif4+clip-0.5")
 
 
 def test_name_clash_is_refused(clip_method):
     with pytest.raises(RecipeError, match="already registered"):
-        register("resq", Clip)
+        register("resq", clip_method)
 
 
-def test_one_grpo_step_with_a_registered_method(clip_method, tmp_path):
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+def test_one_grpo_step_through_a_recipe_string(plugins, tmp_path):
+    """Format, method and reward from the page, in one GRPO step on a tiny model; the
+    recipe comes from the string ``"mxint4+clip-0.1"``."""
+    recipe = preset("mxint4+clip-0.1").to_dict()
     cfg = load_config(None, [
-        "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
-        "rollout.weights=hif4", "rollout.activations=hif4",
-        "rollout.recovery.method=clip", "rollout.recovery.ratio=1e-1",
+        f"train={json.dumps(recipe['train'])}", f"rollout={json.dumps(recipe['rollout'])}",
         "grpo.num_generations=2", "grpo.batch_size=2", "grpo.max_response_length=4",
-        "data.train_size=4", "data.reward=has_digit", "run.steps=1"])
+        "data.train_size=4", "data.reward=ends_with_answer", "run.steps=1"])
     model, tok = tiny_model("llama")
     trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
     history = trainer.train()
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
-    layers = fp4_layers(trainer.model)
-    assert {type(layer.recovery) for layer in layers.values()} == {Clip}
-    assert next(iter(layers.values())).recovery.config.ratio == pytest.approx(0.1)
+    layers = list(fp4_layers(trainer.model).values())
+    assert {type(layer.recovery) for layer in layers} == {plugins.Clip}
+    assert layers[0].recipe.train.weights == layers[0].recipe.rollout.activations == "mxint4"
+    assert layers[0].recovery.config.ratio == pytest.approx(0.1)
 
 
 def test_filter_fn_and_ignore_choose_the_targets():

@@ -27,6 +27,7 @@ from sympy import Basic, MatrixBase, Pow, gamma, preorder_traversal
 from sympy.functions.combinatorial.factorials import CombinatorialFunction
 
 from fp4rl.data.answers import GSM8K_MARKER, extract_gsm8k_answer, gsm8k_reference_value
+from fp4rl.errors import ConfigError, did_you_mean
 
 RewardFn = Callable[[str | None, str], float]
 """A reward maps ``(completion, reference)`` to 1.0 (correct) or 0.0."""
@@ -155,9 +156,12 @@ def reward_names() -> tuple[str, ...]:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """Look up a reward by name; an unknown name raises ``ValueError`` listing the choices."""
+    """Look up a reward by name; an unknown name is a one-line ``ConfigError`` with the
+    nearest name and the choices."""
     try:
         return _REWARDS[name]
     except (KeyError, TypeError):
         choices = ", ".join(reward_names())
-        raise ValueError(f"unknown reward {name!r}; choose one of: {choices}") from None
+        raise ConfigError(f"unknown reward {name!r}{did_you_mean(name, reward_names())}; "
+                          f"choose one of: {choices} (or register one with "
+                          f"fp4rl.rl.rewards.register_reward)") from None

@@ -138,6 +138,8 @@ class Trainer:
         quantize_model(self.model, self.recipe)
         self.model.eval()  # no dropout in either policy; gradients still flow
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
+        if config.data.reward:
+            get_reward_fn(config.data.reward)  # an unknown name fails now, not after a rollout
         self.optimizer = optimizer or build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], config)
         if examples is None:
