@@ -72,9 +72,9 @@ def without_timing(rows):
 def test_one_step_writes_metrics_and_checkpoint(tmp_path):
     from fp4rl.rl import rewards
 
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("parity", lambda c, r: float(len(c) % 2))  # mixed rewards
     model, tok = tiny_model("qwen2")
-    cfg = load_config(None, [*OVERRIDES, "run.steps=2"])
+    cfg = load_config(None, [*OVERRIDES, "run.steps=2", "data.reward=parity"])
     before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     history = Trainer(cfg, tmp_path, model, tok, log=lambda m: None).train()
     rows = read_metrics(tmp_path / METRICS)
@@ -261,3 +261,10 @@ def test_optimizer_and_examples_are_chosen_outside(tmp_path):
     with pytest.raises(ConfigError, match="optimizer SGD"):
         build_optimizer(model.parameters(), load_config(
             None, ["optimizer.name=SGD", "optimizer.kwargs={nesterov_typo: true}"]))
+
+
+def test_overrides_read_yaml_as_users_mean_it():
+    """``no`` is the string accelerate's mixed_precision means, not YAML 1.1's false."""
+    cfg = load_config(None, ["mixed_precision=no", "grpo.learning_rate=1e-6",
+                             "data.strict=true"])
+    assert cfg.mixed_precision == "no" and cfg.grpo.learning_rate == 1e-6 and cfg.data.strict

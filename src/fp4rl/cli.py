@@ -152,6 +152,19 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
 
 
 def _train(args: argparse.Namespace, console: Console) -> int:
+    """One run; under torchrun / accelerate every process runs this, rank 0 speaks and
+    writes the run's files."""
+    from fp4rl.rl.distributed import launched_rank, teardown
+
+    if launched_rank() != 0:
+        console = Console(quiet=True)
+    try:
+        return _train_run(args, console, is_main=launched_rank() == 0)
+    finally:
+        teardown()
+
+
+def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int:
     from fp4rl.progress import progress_bar
     from fp4rl.rl.config import load_config
     from fp4rl.rl.report import write_run_report
@@ -165,7 +178,8 @@ def _train(args: argparse.Namespace, console: Console) -> int:
                          "choose another --output")
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer.from_config(cfg, out, log=console.print)
-    (out / "config.yaml").write_text(cfg_yaml(trainer.cfg))  # as run: device, precision
+    if is_main:  # as run: device, precision, strategy
+        (out / "config.yaml").write_text(cfg_yaml(trainer.cfg))
     cfg = trainer.cfg
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
@@ -175,8 +189,9 @@ def _train(args: argparse.Namespace, console: Console) -> int:
                        f"loss {m['loss']:+.4f}  len {m['completions/mean_length']:.0f}")
 
         trainer.train(resume=args.resume, progress=show)
-    write_run_report(out)
-    console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
+    if is_main:
+        write_run_report(out)
+        console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
     return 0
 
 

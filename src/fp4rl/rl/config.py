@@ -76,6 +76,17 @@ class OptimizerConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class DistributedConfig(_Section):
+    """Several processes (launched by torchrun or accelerate) on torch.distributed."""
+
+    #: auto: ddp when launched on several processes, none on one
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    #: auto: nccl on CUDA, gloo on CPU
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    #: seconds a collective waits before failing (a dead rank ends the run, not hangs it)
+    timeout_s: float = Field(600.0, gt=0)
+
+
 class EvalConfig(_Section):
     steps: int = Field(0, ge=0)  # evaluate every N steps during training (0: off)
     size: int | None = Field(None, ge=1)  # test prompts (default: data.test_size)
@@ -105,6 +116,7 @@ class TrainConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -130,9 +142,16 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as a user means it: ``1e-1`` is a float (YAML 1.1 wants ``1.0e-1``)."""
+    """YAML as a user means it (YAML 1.2's rules): ``1e-1`` is a float (YAML 1.1 wants
+    ``1.0e-1``), and only true/false are booleans, so ``mixed_precision=no`` is "no"."""
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789."))
@@ -212,5 +231,6 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
-__all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig",
-           "RunConfig", "TrainConfig", "apply_override", "load_config", "set_path", "validate"]
+__all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
+           "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig", "apply_override",
+           "load_config", "set_path", "validate"]

@@ -18,6 +18,7 @@ The engine never switches a patched model's policy: callers wrap it in
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,11 +138,14 @@ def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample_next(logits: torch.Tensor, config: SamplingConfig,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | Sequence[torch.Generator] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from (N, V) logits; return the tokens and their log-probs.
 
     The log-prob is taken under the filtered, renormalized distribution actually sampled
-    from; for greedy decoding, under the plain softmax (temperature 1).
+    from; for greedy decoding, under the plain softmax (temperature 1). ``generator`` is
+    one generator for the whole batch, or one per row (a row then draws the same token
+    whatever else is in the batch: what makes a sharded rollout equal a single one).
     """
     logits = logits.float()
     if config.greedy:
@@ -149,8 +153,26 @@ def sample_next(logits: torch.Tensor, config: SamplingConfig,
         return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     filtered = _top_p(_top_k(logits / config.temperature, config.top_k), config.top_p)
     logp = filtered.log_softmax(dim=-1)
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    probs = logp.exp()
+    if isinstance(generator, Sequence):
+        tokens = torch.cat([torch.multinomial(p, 1, generator=g)
+                            for p, g in zip(probs, generator, strict=True)])
+    else:
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def row_generators(seeds: Sequence[int], device: torch.device | str = "cpu"
+                   ) -> list[torch.Generator]:
+    """One generator per row, seeded with ``seeds`` (see :func:`sample_seed`)."""
+    return [torch.Generator(device).manual_seed(s) for s in seeds]
+
+
+def sample_seed(*key: object) -> int:
+    """A 63-bit seed derived from ``key`` (e.g. run seed, step, prompt, sample): stable
+    across processes and Python runs, unlike ``hash``."""
+    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -159,8 +181,8 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 
 def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                     config: SamplingConfig, pad_token_id: int, eos: torch.Tensor,
-                    generator: torch.Generator | None, on_step: ProgressFn | None
-                    ) -> RolloutBatch:
+                    generator: torch.Generator | list[torch.Generator] | None,
+                    on_step: ProgressFn | None) -> RolloutBatch:
     """One micro-batch: prefill the prompts, then decode one token per running row."""
     device = eos.device
     prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id, device)
@@ -178,7 +200,8 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
                 position_ids=position_ids(prompt_mask), use_cache=True, **extra)
     for step in range(steps):
-        tokens, token_logprobs = sample_next(out.logits[:, -1], config, generator)
+        gen = [generator[i] for i in rows.tolist()] if isinstance(generator, list) else generator
+        tokens, token_logprobs = sample_next(out.logits[:, -1], config, gen)
         response_ids[rows, step] = tokens
         logprobs[rows, step] = token_logprobs
         lengths[rows] = step + 1
@@ -214,7 +237,7 @@ def _pad_to(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch
     return torch.cat([fill, tensor] if left else [tensor, fill], dim=1)
 
 
-def _concat(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
     """Join micro-batches, re-padding prompts on the left and responses on the right."""
     if len(batches) == 1:
         return batches[0]
@@ -251,7 +274,7 @@ def generate(
     *,
     pad_token_id: int,
     eos_token_ids: int | Sequence[int],
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     batch_size: int | None = None,
     progress: bool | ProgressFn = False,
 ) -> RolloutBatch:
@@ -276,11 +299,15 @@ def generate(
     eos = torch.tensor(eos_list, dtype=torch.long, device=device)
     size = batch_size or len(prompts)
     chunks = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+    if isinstance(generator, Sequence) and len(generator) != len(prompts):
+        raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts")
+    gens = [list(generator[i:i + size]) if isinstance(generator, Sequence) else generator
+            for i in range(0, len(prompts), size)]
     on_step, bar = _progress_fn(progress, len(chunks) * config.max_new_tokens)
     try:
-        batches = [_generate_batch(model, chunk, config, pad_token_id, eos, generator, on_step)
-                   for chunk in chunks]
+        batches = [_generate_batch(model, chunk, config, pad_token_id, eos, gen, on_step)
+                   for chunk, gen in zip(chunks, gens, strict=True)]
     finally:
         if bar is not None:
             bar.stop()
-    return _concat(batches, pad_token_id)
+    return concat_batches(batches, pad_token_id)

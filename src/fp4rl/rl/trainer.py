@@ -28,7 +28,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fp4rl.data import Example
+from fp4rl.errors import ConfigError
 from fp4rl.nn import (
     begin_step,
     fp4_layers,
@@ -48,18 +49,25 @@ from fp4rl.nn import (
 from fp4rl.precision import (
     autocast,
     compute_dtype,
-    resolve_device,
     resolve_mixed_precision,
     slow_bf16_note,
 )
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
+from fp4rl.rl.distributed import Dist, all_gather, reduce_metrics, setup
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
 from fp4rl.rl.rewards import get_reward_fn
-from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate
+from fp4rl.rl.rollout import (
+    RolloutBatch,
+    SamplingConfig,
+    concat_batches,
+    generate,
+    row_generators,
+    sample_seed,
+)
 
 METRICS = "metrics.jsonl"
 
@@ -118,11 +126,17 @@ class Trainer:
                  log: Callable[[str], None] = print) -> None:
         """``optimizer`` must hold ``model``'s parameters (default: ``optimizer`` of the
         config); ``examples`` default to the config's ``data`` training split."""
-        self.device = resolve_device(config.device)
+        self.dist, self.device = _setup_distributed(config)
         self.mixed_precision = resolve_mixed_precision(config.mixed_precision, self.device)
-        #: the config as run: device and mixed_precision resolved, so it reproduces the run
+        #: the config as run: device, precision and strategy resolved, so it reproduces
+        #: the run
         self.cfg = config = config.model_copy(update={
-            "device": str(self.device), "mixed_precision": self.mixed_precision})
+            "device": str(self.device), "mixed_precision": self.mixed_precision,
+            "distributed": config.distributed.model_copy(
+                update={"strategy": self.dist.strategy})})
+        g = config.grpo
+        self.dist.share(g.batch_size)  # each rank takes whole groups, equally many
+        self.dist.share(g.mini_batch_size or g.batch_size, "grpo.mini_batch_size")
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -137,6 +151,8 @@ class Trainer:
         self.recipe = config.recipe()
         quantize_model(self.model, self.recipe)
         self.model.eval()  # no dropout in either policy; gradients still flow
+        #: what the loss's forward runs through: the model, or its DDP wrapper
+        self.train_model = _wrap(self.model, self.dist, self.device)
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
         if config.data.reward:
             get_reward_fn(config.data.reward)  # an unknown name fails now, not after a rollout
@@ -147,7 +163,6 @@ class Trainer:
         self.train_examples, self.train_prompts = encode_examples(
             examples, tokenizer, config.grpo.max_prompt_length, config.data.template,
             config.data.strict, log)
-        self.rollout_generator = torch.Generator(self.device).manual_seed(config.run.seed + 1)
         self.cursor = DataCursor()
         self.step = 0
         self.eos_ids = stop_token_ids(tokenizer)
@@ -160,7 +175,8 @@ class Trainer:
         optimizer and examples are built from ``config``."""
         from fp4rl.models import load_model
 
-        model, tokenizer = load_model(config.model, device=resolve_device(config.device))
+        _, device = _setup_distributed(config)
+        model, tokenizer = load_model(config.model, device=device)
         return cls(config, output_dir, model, tokenizer, log=log)
 
     # ----- data ----------------------------------------------------------------------
@@ -182,15 +198,22 @@ class Trainer:
         return chosen
 
     # ----- one RL step ---------------------------------------------------------------
-    def rollout(self, indices: list[int]) -> RolloutBatch:
-        """G responses per prompt from the rollout policy, with their log-probs mu."""
+    def rollout(self, indices: list[int], positions: range) -> RolloutBatch:
+        """G responses per prompt from the rollout policy, with their log-probs mu.
+
+        Response j to the prompt at ``positions[i]`` of this step's batch draws from its
+        own generator, seeded by (run seed, step, position, j): the same tokens on any
+        number of processes."""
         g = self.cfg.grpo
         prompts = [self.train_prompts[i] for i in indices for _ in range(g.num_generations)]
+        seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
+                 for pos in positions for j in range(g.num_generations)]
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         with self.compute(), rollout_mode(self.model):
             return generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
-                            eos_token_ids=self.eos_ids, generator=self.rollout_generator,
+                            eos_token_ids=self.eos_ids,
+                            generator=row_generators(seeds, self.device),
                             batch_size=g.micro_batch_size * 4)
 
     def rewards(self, indices: list[int], batch: RolloutBatch) -> torch.Tensor:
@@ -208,21 +231,36 @@ class Trainer:
         g = self.cfg.grpo
         self.step += 1
         timings = StepTimings()
-        indices = self.next_batch()
+        step_prompts = self.next_batch()
+        mine = self.dist.share(len(step_prompts))
+        indices = [step_prompts[i] for i in mine]
         begin_step(self.model)
         with _stopwatch(timings, "rollout"):
-            batch = self.rollout(indices)
+            batch = self.rollout(indices, mine)
         with _stopwatch(timings, "reward"):
             rewards = self.rewards(indices, batch)
+        timings.rollout_tokens = int(batch.response_mask.sum())
+        batch, rewards = self._gather(batch, rewards)  # the whole step's groups, in order
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
         with _stopwatch(timings, "update"):
             update = self.update(batch, advantages)
         timings.old_logprob = update.logprob_seconds
         timings.update -= update.logprob_seconds
-        timings.rollout_tokens = int(batch.response_mask.sum())
         timings.train_tokens = update.tokens
         self.last_timings = timings
-        return self._metrics(rewards, batch, update.stats, timings)
+        return reduce_metrics(self._metrics(rewards, batch, update.stats, timings), self.dist)
+
+    def _gather(self, batch: RolloutBatch, rewards: torch.Tensor
+                ) -> tuple[RolloutBatch, torch.Tensor]:
+        """Every rank's rollouts and rewards, joined in the step's prompt order: each
+        rank then sees the whole batch, as a single process does, and trains its share
+        of the micro-batches."""
+        if not self.dist.active:
+            return batch, rewards
+        parts = all_gather((batch, rewards), self.dist)
+        joined = concat_batches([b for b, _ in parts], self.tok.pad_token_id)
+        moved = RolloutBatch(*(getattr(joined, f.name).to(self.device) for f in fields(joined)))
+        return moved, torch.cat([r for _, r in parts])
 
     def _metrics(self, rewards: torch.Tensor, batch: RolloutBatch, stats: dict[str, float],
                  timings: StepTimings) -> dict[str, Any]:
@@ -254,7 +292,12 @@ class Trainer:
                                      with_entropy)
 
     def update(self, batch: RolloutBatch, advantages: torch.Tensor) -> UpdateResult:
-        """PPO-style epochs of GRPO over mini-batches of whole groups."""
+        """PPO-style epochs of GRPO over mini-batches of whole groups.
+
+        Every rank holds the whole step's batch; the micro-batches (the same rows, the
+        same padding on any number of processes) are dealt round-robin to the ranks, so a
+        run on several processes computes each micro-batch exactly as one process does,
+        FP4 blocks along tokens included."""
         g = self.cfg.grpo
         n = advantages.numel()
         mask = batch.response_mask.bool()
@@ -282,32 +325,54 @@ class Trainer:
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
-        rows = torch.arange(seqs.ids.shape[0])
-        return torch.cat([self._logprobs(model, seqs, r)[0] for r in self._micro_batches(rows)])
+        """Log-probs of every row; each rank computes its micro-batches, then all share."""
+        d = self.dist
+        micros = self._micro_batches(torch.arange(seqs.ids.shape[0]))
+        mine = {i: self._logprobs(model, seqs, r)[0]
+                for i, r in enumerate(micros) if i % d.world_size == d.rank}
+        parts: dict[int, torch.Tensor] = {}
+        for part in all_gather(mine, d):
+            parts.update(part)
+        return torch.cat([parts[i].to(self.device) for i in range(len(micros))])
 
     def _mini_step(self, batch: RolloutBatch, seqs: _Sequences, rows: torch.Tensor,
-                   advantages: torch.Tensor,
-                   old_logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
+                   advantages: torch.Tensor, old_logp: torch.Tensor,
+                   ref_logp: torch.Tensor | None, mask: torch.Tensor,
                    stats: dict[str, list[float]]) -> int:
         """One optimizer step over ``rows``, accumulating gradients over micro-batches.
 
         Sequences whose advantage is zero contribute no policy gradient; when no KL term
         needs them they are skipped, keeping the aggregation's denominators unchanged.
+        Rank r takes micro-batches r, r + W, ...; each loss is weighted by its share of
+        the mini-batch times the world size W, which DDP's gradient average divides back
+        out. Every rank runs as many backward passes as the busiest one (an idle one a
+        zero-weight pass), as DDP's gradient all-reduce needs.
         """
-        loss_cfg = self.cfg.grpo
+        loss_cfg, d = self.cfg.grpo, self.dist
         self.optimizer.zero_grad(set_to_none=True)
         active = rows if ref_logp is not None else rows[advantages[rows] != 0]
         seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
         denominator = len(rows) if seq_mode else mask[rows].sum().clamp_min(1).item()
+        micros = self._micro_batches(active)
+        mine = micros[d.rank::d.world_size]
+        passes = -(-len(micros) // d.world_size)
         tokens, total_loss = 0, 0.0
-        for micro in self._micro_batches(active):
-            logp, entropy = self._logprobs(self.model, seqs, micro, with_entropy=True)
-            m = mask[micro]
-            loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro],
-                                 advantages[micro].to(logp.device), m, loss_cfg,
-                                 None if ref_logp is None else ref_logp[micro])
-            share = (len(micro) if seq_mode else m.sum().item()) / denominator
-            (loss * share).backward()
+        for i in range(passes):
+            weight = 1.0 if i < len(mine) else 0.0  # an idle rank's pass adds nothing
+            micro = mine[i] if weight else micros[0]
+            sync = i == passes - 1 or not d.active
+            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+                logp, entropy = self._logprobs(self.train_model, seqs, micro,
+                                               with_entropy=True)
+                m = mask[micro]
+                loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro],
+                                     advantages[micro].to(logp.device), m, loss_cfg,
+                                     None if ref_logp is None else ref_logp[micro])
+                share = weight * d.world_size * (
+                    len(micro) if seq_mode else m.sum().item()) / denominator
+                (loss * share).backward()
+            if not weight:
+                continue
             total_loss += loss.item() * share
             tokens += int(seqs.attention[micro].sum())
             for k, v in st.items():
@@ -338,7 +403,6 @@ class Trainer:
             "step": self.step, "cursor": (self.cursor.epoch, self.cursor.index),
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
-            "rollout_rng": self.rollout_generator.get_state(),
             "recovery": rollout_states(self.model),
             "config": self.cfg.model_dump(),
         }
@@ -349,10 +413,12 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
-        self.rollout_generator.set_state(state["rollout_rng"])
         load_rollout_states(self.model, state["recovery"])
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (under DDP every rank holds the same state)."""
+        if not self.dist.is_main:
+            return None
         return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
                                     self.state(), keep=self.cfg.run.keep_checkpoints)
 
@@ -362,7 +428,8 @@ class Trainer:
         if path is None:
             return False
         self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
-        _truncate_metrics(self.out / METRICS, self.step)
+        if self.dist.is_main:
+            _truncate_metrics(self.out / METRICS, self.step)
         if self.ref_model is not None:  # the reference policy is the initial one
             self.log("note: the KL reference model is rebuilt from the resumed weights")
             self.ref_model = self._reference_model()
@@ -374,12 +441,14 @@ class Trainer:
               ) -> list[dict[str, Any]]:
         """Run until ``steps`` (default ``run.steps``); returns this call's metrics."""
         total = steps or self.cfg.run.steps
-        if not (resume and self.resume()) and (self.out / METRICS).exists():
+        resumed = resume and self.resume()
+        if not resumed and self.dist.is_main and (self.out / METRICS).exists():
             (self.out / METRICS).unlink()  # lines of a run that never reached a checkpoint
         history = []
         while self.step < total:
             metrics = self.train_step()
-            _append_metrics(self.out / METRICS, metrics)
+            if self.dist.is_main:
+                _append_metrics(self.out / METRICS, metrics)
             history.append(metrics)
             if self.step % self.cfg.run.save_steps == 0 or self.step == total:
                 self.save()
@@ -406,6 +475,24 @@ def _stopwatch(timings: StepTimings, phase: str) -> Iterator[None]:
         yield
     finally:
         setattr(timings, phase, getattr(timings, phase) + time.perf_counter() - start)
+
+
+def _setup_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
+    d = config.distributed
+    return setup(d.strategy, d.backend, config.device, d.timeout_s)
+
+
+def _wrap(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
+    """The module the loss's forward runs through: DDP averages gradients over ranks."""
+    if d.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if d.strategy == "fsdp":
+        raise ConfigError("distributed.strategy=fsdp is not available in this version; "
+                          "use ddp (the model and optimizer state must fit on one device)")
+    return model
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,0 +1,163 @@
+"""One GRPO run on several processes, on torch.distributed.
+
+``torchrun --nproc-per-node N -m fp4rl train ...`` (or ``accelerate launch``) starts N
+processes that share the environment variables ``WORLD_SIZE``, ``RANK`` and
+``LOCAL_RANK``; :func:`setup` joins them into one process group. Every rank walks the
+same shuffled prompt order and takes its own contiguous share of each step's prompts,
+whole groups at a time, so group advantages need no communication; gradients are
+averaged by ``DistributedDataParallel``; metrics are reduced here and written by rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fp4rl.errors import ConfigError
+from fp4rl.precision import resolve_device
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the run (world size 1: no process group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def share(self, n: int, what: str = "grpo.batch_size") -> range:
+        """This rank's contiguous share of ``n`` items (``n`` must divide evenly)."""
+        if n % self.world_size:
+            raise ConfigError(f"{what} ({n}) does not divide by the {self.world_size} "
+                              f"processes; choose a multiple of {self.world_size}")
+        per = n // self.world_size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+def launched_world_size() -> int:
+    """The number of processes a launcher (torchrun, accelerate) started; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """This process's rank under a launcher; 0 without one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup(strategy: str, backend: str, device: str, timeout_s: float) -> tuple[Dist, torch.device]:
+    """Join the launcher's process group and pick this rank's device.
+
+    ``strategy``: auto (ddp on several processes, none on one), none, ddp, fsdp;
+    ``backend``: auto (nccl on CUDA, gloo on CPU), gloo, nccl. Collectives time out after
+    ``timeout_s`` seconds, so a rank that dies ends the run instead of hanging it.
+    """
+    world = launched_world_size()
+    chosen = ("ddp" if world > 1 else "none") if strategy == "auto" else strategy
+    if chosen != "none" and world == 1:
+        raise ConfigError(f"distributed.strategy={chosen} needs several processes: launch with "
+                          f"'torchrun --nproc-per-node N -m fp4rl train ...' or set "
+                          f"distributed.strategy=none")
+    if chosen == "none" and world > 1:
+        raise ConfigError(f"launched on {world} processes but distributed.strategy=none; "
+                          f"use ddp or fsdp, or launch one process")
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device)
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    chosen_backend = ("nccl" if dev.type == "cuda" else "gloo") if backend == "auto" else backend
+    if chosen_backend == "nccl" and dev.type != "cuda":
+        raise ConfigError("distributed.backend=nccl needs CUDA devices; on a CPU use gloo "
+                          "(or distributed.backend=auto)")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(chosen_backend, timeout=timedelta(seconds=timeout_s))
+    return Dist(rank, world, local_rank, chosen), dev
+
+
+def teardown() -> None:
+    """Leave the process group (every launched process must, or the launcher hangs)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(value: float, d: Dist) -> float:
+    """``value`` summed over ranks (itself on one process)."""
+    if not d.active:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def all_max(value: float, d: Dist) -> float:
+    """``value`` maximized over ranks (itself on one process)."""
+    if not d.active:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_gather(obj: Any, d: Dist) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` on one process). Tensors travel
+    through the CPU, so this serves small records (rollouts, log-prob rows), not weights."""
+    if not d.active:
+        return [obj]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, _to_cpu(obj))
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def reduce_metrics(metrics: dict[str, Any], d: Dist) -> dict[str, Any]:
+    """One metrics line for the whole run from every rank's line.
+
+    Ranks hold equal shares, so a mean over a rank's sequences averages to the mean over
+    all of them; ``*max*`` keys take the maximum, ``*min*`` the minimum, times the
+    slowest rank, token throughputs the sum, and ``step`` / ``lr`` rank 0's value.
+    """
+    if not d.active:
+        return metrics
+    lines: list[dict[str, Any]] = [{} for _ in range(d.world_size)]
+    dist.all_gather_object(lines, metrics)
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        values = [line[key] for line in lines if key in line]
+        if key in ("step", "lr") or not isinstance(value, int | float):
+            out[key] = value
+        elif key.endswith("max") or key.endswith("max_length") or key.startswith("time/"):
+            out[key] = max(values)
+        elif key.endswith("min"):
+            out[key] = min(values)
+        elif key.startswith("tokens_per_second/"):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+__all__ = ["Dist", "all_gather", "all_max", "all_sum", "launched_rank", "launched_world_size",
+           "reduce_metrics", "setup", "teardown"]

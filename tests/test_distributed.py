@@ -1,0 +1,111 @@
+"""Training on several processes (torch.distributed, gloo on this CPU).
+
+The multi-process tests launch 2 processes with torchrun, each run bounded in time and
+its whole process group killed on a timeout, so no process outlives a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fp4rl.errors import ConfigError
+from fp4rl.rl.distributed import Dist, reduce_metrics, setup
+from fp4rl.rl.trainer import METRICS, read_metrics
+
+DRIVER = textwrap.dedent("""
+    import sys
+    from fp4rl.cli import main
+    from fp4rl.rl import rewards
+
+    # a reward with signal on a random tiny model: the parity of the response's length
+    rewards.register_reward("parity", lambda completion, reference: float(len(completion) % 2))
+    sys.exit(main(sys.argv[1:]))
+""")
+TIMEOUT_S = 240
+
+
+def _overrides(model_dir) -> list[str]:
+    return [f"model={model_dir}", "mixed_precision=no", "device=cpu",
+            "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
+            "rollout.weights=hif4", "rollout.activations=hif4", "rollout.recovery.method=resq",
+            "data.reward=parity", "data.train_size=16", "grpo.batch_size=4",
+            "grpo.num_generations=4", "grpo.mini_batch_size=2", "grpo.micro_batch_size=3",
+            "grpo.max_response_length=8", "grpo.learning_rate=1e-3", "grpo.temperature=1.0",
+            "run.steps=2", "run.save_steps=1"]
+
+
+def _run(args: list[str], tmp_path, nproc: int) -> subprocess.CompletedProcess:
+    """The driver on ``nproc`` processes (torchrun for 2), killed as a group on timeout."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*launcher, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{nproc}-process run timed out:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_share_splits_whole_groups_evenly():
+    assert Dist(1, 2).share(8) == range(4, 8)
+    assert Dist().share(3) == range(0, 3)
+    with pytest.raises(ConfigError, match=r"grpo.batch_size \(5\) does not divide by the 2"):
+        Dist(0, 2).share(5)
+
+
+def test_one_process_needs_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    d, device = setup("auto", "auto", "cpu", 10)
+    assert (d.strategy, d.world_size, device.type) == ("none", 1, "cpu")
+    assert reduce_metrics({"loss": 1.0}, d) == {"loss": 1.0}
+    with pytest.raises(ConfigError, match="needs several processes: launch with 'torchrun"):
+        setup("ddp", "auto", "cpu", 10)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="backend=nccl needs CUDA"):
+        setup("ddp", "nccl", "cpu", 10)
+    with pytest.raises(ConfigError, match="strategy=none"):
+        setup("none", "auto", "cpu", 10)
+
+
+def test_bad_distributed_input_is_one_line(tmp_path, tiny_llama_dir):
+    run = _run(["train", "--output", str(tmp_path / "x"), *_overrides(tiny_llama_dir),
+                "distributed.strategy=ddp"], tmp_path, 1)
+    assert run.returncode == 2
+    assert "needs several processes" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir):
+    """Same rollouts (per-sample seeds), same rewards, the same optimizer steps (two
+    mini-batches per step, micro-batches that do not divide evenly over the ranks)."""
+    single = _run(["train", "--output", str(tmp_path / "one"), *_overrides(tiny_llama_dir)],
+                  tmp_path, 1)
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = _run(["train", "--output", str(tmp_path / "two"), *_overrides(tiny_llama_dir)],
+                  tmp_path, 2)
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = read_metrics(tmp_path / "one" / METRICS), read_metrics(tmp_path / "two" / METRICS)
+    assert [r["step"] for r in two] == [1, 2]  # written once, by rank 0
+    assert any(r["active_fraction"] > 0 for r in one)  # the steps did learn something
+    for a, b in zip(one, two, strict=True):
+        assert a["active_fraction"] == b["active_fraction"]
+        assert a["reward_mean"] == b["reward_mean"]
+        assert a["completions/mean_length"] == b["completions/mean_length"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3, abs=1e-6)
+    w1 = torch.load(tmp_path / "one" / "checkpoints" / "step-000002" / "state.pt",
+                    weights_only=False)["step"]
+    assert w1 == 2
+    saved = (tmp_path / "two" / "config.yaml").read_text()
+    assert "strategy: ddp" in saved
