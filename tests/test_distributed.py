@@ -30,8 +30,8 @@ DRIVER = textwrap.dedent("""
 TIMEOUT_S = 240
 
 
-def _overrides(model_dir) -> list[str]:
-    return [f"model={model_dir}", "mixed_precision=no", "device=cpu",
+def _overrides(model_dir, precision: str = "no") -> list[str]:
+    return [f"model={model_dir}", f"mixed_precision={precision}", "device=cpu",
             "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
             "rollout.weights=hif4", "rollout.activations=hif4", "rollout.recovery.method=resq",
             "data.reward=parity", "data.train_size=16", "grpo.batch_size=4",
@@ -86,14 +86,16 @@ def test_bad_distributed_input_is_one_line(tmp_path, tiny_llama_dir):
     assert "needs several processes" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir):
-    """Same rollouts (per-sample seeds), same rewards, the same optimizer steps (two
-    mini-batches per step, micro-batches that do not divide evenly over the ranks)."""
-    single = _run(["train", "--output", str(tmp_path / "one"), *_overrides(tiny_llama_dir)],
-                  tmp_path, 1)
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir, precision):
+    """Same rollouts (per-sample seeds, the same rollout chunks), same rewards, the same
+    optimizer steps (two mini-batches per step, micro-batches that do not divide evenly
+    over the ranks): every micro-batch is computed as one process computes it, so the
+    losses agree far inside the 1e-3 asked for."""
+    args = _overrides(tiny_llama_dir, precision)
+    single = _run(["train", "--output", str(tmp_path / "one"), *args], tmp_path, 1)
     assert single.returncode == 0, single.stderr[-3000:]
-    double = _run(["train", "--output", str(tmp_path / "two"), *_overrides(tiny_llama_dir)],
-                  tmp_path, 2)
+    double = _run(["train", "--output", str(tmp_path / "two"), *args], tmp_path, 2)
     assert double.returncode == 0, double.stderr[-3000:]
     one, two = read_metrics(tmp_path / "one" / METRICS), read_metrics(tmp_path / "two" / METRICS)
     assert [r["step"] for r in two] == [1, 2]  # written once, by rank 0
@@ -102,8 +104,8 @@ def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir):
         assert a["active_fraction"] == b["active_fraction"]
         assert a["reward_mean"] == b["reward_mean"]
         assert a["completions/mean_length"] == b["completions/mean_length"]
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3, abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-9)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-9)
     w1 = torch.load(tmp_path / "one" / "checkpoints" / "step-000002" / "state.pt",
                     weights_only=False)["step"]
     assert w1 == 2

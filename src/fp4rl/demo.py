@@ -5,7 +5,7 @@
 3. evaluate the starting model on the synthetic test split, unquantized and as the
    HiF4 + ResQ-2:4 rollout policy;
 4. train with GRPO, both policies in HiF4 (all three training GEMMs quantized), ResQ-2:4
-   on the rollout (``configs/demo.yaml``, shortened);
+   on the rollout (the ``demo`` config preset, shortened);
 5. evaluate again and write a report (markdown + PNG curves) to the run directory.
 """
 
@@ -31,7 +31,6 @@ from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.report import plot_curves
 from fp4rl.rl.trainer import Trainer
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
 
 
@@ -44,15 +43,12 @@ class DemoSize:
     max_new_tokens: int = 48
 
 
-def _config(model: str, size: DemoSize, seed: int, device: str,
+def _config(config: str, model: str, size: DemoSize, seed: int, device: str,
             mixed_precision: str) -> TrainConfig:
-    if not CONFIG.is_file():
-        raise FileNotFoundError(f"{CONFIG} is missing: run the demo from a checkout of the "
-                                "repository (pip install -e .)")
     changes = {"model": model, "run.steps": size.steps, "run.seed": seed, "device": device,
                "mixed_precision": mixed_precision,
                "run.save_steps": size.steps, "grpo.max_response_length": size.max_new_tokens}
-    return load_config(CONFIG, None, changes)
+    return load_config(config, None, changes)
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
@@ -73,7 +69,7 @@ def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: 
 
 def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/demo",
              size: DemoSize | None = None, seed: int = 0, device: str = "auto",
-             mixed_precision: str = "auto") -> int:
+             mixed_precision: str = "auto", config: str = "demo") -> int:
     from fp4rl.models import load_model
     from fp4rl.precision import resolve_device, resolve_mixed_precision
 
@@ -81,7 +77,7 @@ def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    cfg = _config(model, size, seed, device, mixed_precision)
+    cfg = _config(config, model, size, seed, device, mixed_precision)
     recipe = cfg.recipe()
     where = resolve_device(cfg.device)
     precision = resolve_mixed_precision(cfg.mixed_precision, where)
@@ -116,7 +112,8 @@ def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/
     minutes = (time.perf_counter() - started) / 60
     _summary(console, before, after, history, minutes)
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
-    _report(out, model, zeros, before, after, history, minutes, len(examples), setting)
+    _report(out, model, config, zeros, before, after, history, minutes, len(examples),
+            setting)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -146,13 +143,13 @@ def _summary(console: Console, before: dict[str, EvalResult], after: dict[str, E
     console.print(table)
 
 
-def _report(out: Path, model: str, zeros: dict[str, dict[str, float]],
+def _report(out: Path, model: str, config: str, zeros: dict[str, dict[str, float]],
             before: dict[str, EvalResult], after: dict[str, EvalResult],
             history: list[dict], minutes: float, n_eval: int, setting: str) -> None:
     plot_curves(history, out / "curves.png", title=f"{model}: HiF4 GRPO with ResQ-2:4")
     lines = [
         f"# fp4rl demo: {model}", "",
-        f"Wall clock: {minutes:.1f} min ({setting}). Config: configs/demo.yaml "
+        f"Wall clock: {minutes:.1f} min ({setting}). Config: {config} "
         f"({len(history)} steps). Evaluation: {n_eval} synthetic test prompts, greedy.", "",
         "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
         "| format | share exactly zero |", "|---|---|",

@@ -15,13 +15,13 @@ from typing import Any
 
 from fp4rl.errors import UserError, did_you_mean
 from fp4rl.nn.recipe import Recipe, preset, quantized_formats
+from fp4rl.presets import preset_path
 from fp4rl.recovery import recovery_variants
 
 KINDS = ("precision", "recovery")
 #: rows of the paper's Table 1: (train, rollout)
 PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "w4a8"),
                   ("fp4", "w16a4"), ("fp4", "fp4"), ("bf16", "fp4"))
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,13 @@ class ExperimentPreset:
 
     name: str
     description: str
-    config: str | None = None  # YAML file under configs/ (None: ``changes`` is everything)
+    config: str | None = None  # a config preset (None: ``changes`` is everything)
     changes: dict[str, Any] = field(default_factory=dict)
     evals: tuple[EvalSpec, ...] = ()
     formats: tuple[str, ...] = ("hif4", "mxfp4")
 
     def config_path(self) -> Path | None:
-        if self.config is None:
-            return None
-        path = CONFIGS / self.config
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the paper presets read configs/ from "
-                                    "a checkout of the repository")
-        return path
+        return None if self.config is None else preset_path(self.config)
 
 
 TINY = ExperimentPreset(
@@ -135,16 +129,16 @@ TINY = ExperimentPreset(
 )
 PAPER_3B = ExperimentPreset(
     "paper-3b",
-    "Qwen2.5-3B on GSM8K (configs/qwen2.5-3b-gsm8k.yaml); set model and data paths with "
+    "Qwen2.5-3B on GSM8K (config preset qwen2.5-3b-gsm8k); set model and data paths with "
     "--set, add MATH-500 with --eval Math500=math500:PATH",
-    config="qwen2.5-3b-gsm8k.yaml",
+    config="qwen2.5-3b-gsm8k",
     evals=(EvalSpec("GSM8K-test"),),
 )
 PAPER_7B = ExperimentPreset(
     "paper-7b",
-    "Qwen2.5-Math-7B on DAPO-Math-17K (configs/qwen2.5-math-7b-dapo.yaml), HiF4 only, "
+    "Qwen2.5-Math-7B on DAPO-Math-17K (config preset qwen2.5-math-7b-dapo), HiF4 only, "
     "Mean@32; give the benchmarks with --eval AIME24=aime24:PATH (and AIME25, AMC23, Math500)",
-    config="qwen2.5-math-7b-dapo.yaml",
+    config="qwen2.5-math-7b-dapo",
     formats=("hif4",),
 )
 PRESETS = {p.name: p for p in (TINY, PAPER_3B, PAPER_7B)}

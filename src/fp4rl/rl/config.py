@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import Recipe
+from fp4rl.presets import preset_path
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 
 
@@ -176,13 +177,11 @@ def set_path(data: dict[str, Any], key: str, value: Any) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 changes: dict[str, Any] | None = None) -> TrainConfig:
-    """Read ``path`` (YAML), apply ``overrides`` (``key=value``) and ``changes``
-    (``{"run.steps": 3}``), then validate."""
+    """Read ``path`` (a YAML file or a preset name, see :mod:`fp4rl.presets`), apply
+    ``overrides`` (``key=value``) and ``changes`` (``{"run.steps": 3}``), then validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
+        p = preset_path(path)
         try:
             data = yaml.load(p.read_text(), Loader=_Loader) or {}
         except yaml.YAMLError as err:

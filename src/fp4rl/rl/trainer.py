@@ -134,9 +134,7 @@ class Trainer:
             "device": str(self.device), "mixed_precision": self.mixed_precision,
             "distributed": config.distributed.model_copy(
                 update={"strategy": self.dist.strategy})})
-        g = config.grpo
-        self.dist.share(g.batch_size)  # each rank takes whole groups, equally many
-        self.dist.share(g.mini_batch_size or g.batch_size, "grpo.mini_batch_size")
+        self.dist.share(config.grpo.batch_size)  # equal work: every rank samples as many prompts
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = log
@@ -198,28 +196,36 @@ class Trainer:
         return chosen
 
     # ----- one RL step ---------------------------------------------------------------
-    def rollout(self, indices: list[int], positions: range) -> RolloutBatch:
-        """G responses per prompt from the rollout policy, with their log-probs mu.
+    def rollout(self, step_prompts: list[int]) -> dict[int, RolloutBatch]:
+        """This rank's chunks of the step's rollout: G responses per prompt from the
+        rollout policy, with their log-probs mu, by chunk number.
 
-        Response j to the prompt at ``positions[i]`` of this step's batch draws from its
-        own generator, seeded by (run seed, step, position, j): the same tokens on any
-        number of processes."""
+        The step's rows (prompt, sample) are cut into chunks of ``4 * micro_batch_size``
+        rows, the same on any number of processes, and dealt round-robin to the ranks.
+        Sample j of the prompt at position i draws from its own generator, seeded by (run
+        seed, step, i, j): the same tokens, from the same batch shapes, on any number of
+        processes."""
         g = self.cfg.grpo
-        prompts = [self.train_prompts[i] for i in indices for _ in range(g.num_generations)]
-        seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
-                 for pos in positions for j in range(g.num_generations)]
+        rows = [(prompt, pos, j) for pos, prompt in enumerate(step_prompts)
+                for j in range(g.num_generations)]
+        size = g.micro_batch_size * 4
+        chunks = [rows[k:k + size] for k in range(0, len(rows), size)]
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
+        out = {}
         with self.compute(), rollout_mode(self.model):
-            return generate(self.model, prompts, sampling, pad_token_id=self.tok.pad_token_id,
-                            eos_token_ids=self.eos_ids,
-                            generator=row_generators(seeds, self.device),
-                            batch_size=g.micro_batch_size * 4)
+            for c in range(self.dist.rank, len(chunks), self.dist.world_size):
+                seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
+                         for _, pos, j in chunks[c]]
+                out[c] = generate(self.model, [self.train_prompts[i] for i, _, _ in chunks[c]],
+                                  sampling, pad_token_id=self.tok.pad_token_id,
+                                  eos_token_ids=self.eos_ids,
+                                  generator=row_generators(seeds, self.device))
+        return out
 
-    def rewards(self, indices: list[int], batch: RolloutBatch) -> torch.Tensor:
+    def rewards(self, examples: list[Example], batch: RolloutBatch) -> torch.Tensor:
+        """One reward per response (on the CPU), from its example's reward function."""
         texts = batch.texts(self.tok)
-        examples = [self.train_examples[i] for i in indices
-                    for _ in range(self.cfg.grpo.num_generations)]
         return torch.tensor([get_reward_fn(self._reward_name(e))(t, e.answer)
                              for t, e in zip(texts, examples, strict=True)])
 
@@ -232,15 +238,17 @@ class Trainer:
         self.step += 1
         timings = StepTimings()
         step_prompts = self.next_batch()
-        mine = self.dist.share(len(step_prompts))
-        indices = [step_prompts[i] for i in mine]
         begin_step(self.model)
         with _stopwatch(timings, "rollout"):
-            batch = self.rollout(indices, mine)
+            chunks = self.rollout(step_prompts)
+        size = g.micro_batch_size * 4
+        examples = [self.train_examples[i] for i in step_prompts
+                    for _ in range(g.num_generations)]
         with _stopwatch(timings, "reward"):
-            rewards = self.rewards(indices, batch)
-        timings.rollout_tokens = int(batch.response_mask.sum())
-        batch, rewards = self._gather(batch, rewards)  # the whole step's groups, in order
+            rewards = {c: self.rewards(examples[c * size:(c + 1) * size], b)
+                       for c, b in chunks.items()}
+        timings.rollout_tokens = sum(int(b.response_mask.sum()) for b in chunks.values())
+        batch, rewards = self._gather(chunks, rewards)  # the whole step, in order
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
         with _stopwatch(timings, "update"):
             update = self.update(batch, advantages)
@@ -250,17 +258,21 @@ class Trainer:
         self.last_timings = timings
         return reduce_metrics(self._metrics(rewards, batch, update.stats, timings), self.dist)
 
-    def _gather(self, batch: RolloutBatch, rewards: torch.Tensor
+    def _gather(self, chunks: dict[int, RolloutBatch], rewards: dict[int, torch.Tensor]
                 ) -> tuple[RolloutBatch, torch.Tensor]:
-        """Every rank's rollouts and rewards, joined in the step's prompt order: each
-        rank then sees the whole batch, as a single process does, and trains its share
-        of the micro-batches."""
-        if not self.dist.active:
-            return batch, rewards
-        parts = all_gather((batch, rewards), self.dist)
-        joined = concat_batches([b for b, _ in parts], self.tok.pad_token_id)
-        moved = RolloutBatch(*(getattr(joined, f.name).to(self.device) for f in fields(joined)))
-        return moved, torch.cat([r for _, r in parts])
+        """Every rank's rollout chunks and rewards, joined in the step's order: each rank
+        then holds the whole batch, as a single process does, and trains its share of
+        the micro-batches."""
+        if self.dist.active:
+            everything: dict[int, tuple[RolloutBatch, torch.Tensor]] = {}
+            for part in all_gather({c: (b, rewards[c]) for c, b in chunks.items()},
+                                   self.dist):
+                everything.update(part)
+            chunks = {c: _to_device(b, self.device) for c, (b, _) in everything.items()}
+            rewards = {c: r for c, (_, r) in everything.items()}
+        order = sorted(chunks)
+        batch = concat_batches([chunks[c] for c in order], self.tok.pad_token_id)
+        return batch, torch.cat([rewards[c] for c in order])
 
     def _metrics(self, rewards: torch.Tensor, batch: RolloutBatch, stats: dict[str, float],
                  timings: StepTimings) -> dict[str, Any]:
@@ -475,6 +487,10 @@ def _stopwatch(timings: StepTimings, phase: str) -> Iterator[None]:
         yield
     finally:
         setattr(timings, phase, getattr(timings, phase) + time.perf_counter() - start)
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    return RolloutBatch(*(getattr(batch, f.name).to(device) for f in fields(batch)))
 
 
 def _setup_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
