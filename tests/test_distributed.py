@@ -19,12 +19,22 @@ from fp4rl.rl.distributed import Dist, reduce_metrics, setup
 from fp4rl.rl.trainer import METRICS, read_metrics
 
 DRIVER = textwrap.dedent("""
-    import sys
+    import os, signal, sys
     from fp4rl.cli import main
     from fp4rl.rl import rewards
+    from fp4rl.rl.trainer import Trainer
 
     # a reward with signal on a random tiny model: the parity of the response's length
     rewards.register_reward("parity", lambda completion, reference: float(len(completion) % 2))
+    kill = os.environ.get("KILL_RANK1_AFTER_STEP")
+    if kill and os.environ.get("RANK") == "1":  # rank 1 dies after that step's checkpoint
+        real = Trainer.save
+        def save_then_die(self):
+            path = real(self)
+            if self.step == int(kill):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return path
+        Trainer.save = save_then_die
     sys.exit(main(sys.argv[1:]))
 """)
 TIMEOUT_S = 240
@@ -40,13 +50,14 @@ def _overrides(model_dir, precision: str = "no") -> list[str]:
             "run.steps=2", "run.save_steps=1"]
 
 
-def _run(args: list[str], tmp_path, nproc: int) -> subprocess.CompletedProcess:
+def _run(args: list[str], tmp_path, nproc: int, **env_vars: str
+         ) -> subprocess.CompletedProcess:
     """The driver on ``nproc`` processes (torchrun for 2), killed as a group on timeout."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
     proc = subprocess.Popen([*launcher, str(script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -111,3 +122,24 @@ def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir, preci
     assert w1 == 2
     saved = (tmp_path / "two" / "config.yaml").read_text()
     assert "strategy: ddp" in saved
+
+
+def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_llama_dir):
+    """Rank 1 is SIGKILLed after step 2's checkpoint; the launcher ends the run; a rerun
+    with --resume on two processes continues from step 2 and writes the metrics the
+    uninterrupted run wrote."""
+    args = [*_overrides(tiny_llama_dir), "run.steps=3"]
+    straight = _run(["train", "--output", str(tmp_path / "a"), *args], tmp_path, 2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _run(["train", "--output", str(tmp_path / "b"), *args], tmp_path, 2,
+                  KILL_RANK1_AFTER_STEP="2")
+    assert killed.returncode != 0
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / METRICS)] == [1, 2]
+    resumed = _run(["train", "--output", str(tmp_path / "b"), "--resume", *args], tmp_path, 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    timing = ("time/", "tokens_per_second/")
+    strip = [{k: v for k, v in r.items() if not k.startswith(timing)}
+             for r in read_metrics(tmp_path / "a" / METRICS)]
+    again = [{k: v for k, v in r.items() if not k.startswith(timing)}
+             for r in read_metrics(tmp_path / "b" / METRICS)]
+    assert again == strip
