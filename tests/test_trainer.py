@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ OVERRIDES = [
     "data.reward=has_digit", "run.save_steps=2",
 ]
 TIMING = ("time/", "tokens_per_second/")
-CONFIGS = Path(__file__).parents[1] / "configs"
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys
@@ -138,9 +136,9 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_presets_validate():
     for name in ("smoke", "demo", "qwen2.5-3b-gsm8k", "qwen2.5-math-7b-dapo"):
-        cfg = load_config(CONFIGS / f"{name}.yaml")
+        cfg = load_config(name)
         assert cfg.recipe().rollout.recovery.method == "resq"
-    paper = load_config(CONFIGS / "qwen2.5-math-7b-dapo.yaml")
+    paper = load_config("qwen2.5-math-7b-dapo")
     assert (paper.grpo.epsilon, paper.grpo.epsilon_high, paper.grpo.num_generations,
             paper.grpo.batch_size, paper.grpo.learning_rate) == (0.2, 0.28, 16, 128, 1e-6)
 
@@ -159,11 +157,11 @@ def test_metrics_lines_are_json(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_config_trains_the_embedded_model(tmp_path):
-    """configs/smoke.yaml: one GRPO step of smollm2-135m, both policies in HiF4."""
+    """The smoke preset: one GRPO step of smollm2-135m, both policies in HiF4."""
     from fp4rl.cli import main
 
     out = tmp_path / "smoke"
-    assert main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--output", str(out)]) == 0
+    assert main(["train", "--config", "smoke", "--output", str(out)]) == 0
     (row,) = read_metrics(out / METRICS)
     assert row["step"] == 1 and 0.0 <= row["reward_mean"] <= 1.0
     assert row["completions/mean_length"] > 0
@@ -227,8 +225,8 @@ def test_overrides_read_numbers_as_meant_and_suggest_keys(capsys, tmp_path):
     assert cfg.recipe().rollout.recovery.config.alpha == 0.1 and cfg.grpo.learning_rate == 1e-6
     with pytest.raises(ConfigError, match="did you mean learning_rate"):
         load_config(None, ["grpo.learning_rat=1e-5"])
-    assert main(["train", "--config", str(CONFIGS / "smoke.yaml"), "--output",
-                 str(tmp_path / "r"), "grpo.learning_rat=1e-5"]) == 2
+    assert main(["train", "--config", "smoke", "--output", str(tmp_path / "r"),
+                 "grpo.learning_rat=1e-5"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "learning_rate" in err
 

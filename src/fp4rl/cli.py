@@ -288,7 +288,19 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     given = {"steps": args.steps, "eval_prompts": args.eval_prompts}
     size = DemoSize(**{k: v for k, v in given.items() if v is not None})
     return run_demo(console, model=args.model, output=args.output, size=size, seed=args.seed,
-                    device=args.device, mixed_precision=args.mixed_precision)
+                    device=args.device, mixed_precision=args.mixed_precision,
+                    config=args.config)
+
+
+def _presets(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.presets import list_presets
+
+    presets = list_presets()
+    width = max(map(len, presets))
+    for name, description in presets.items():
+        console.print(f"{name:<{width}}  {description}", markup=False, highlight=False,
+                      soft_wrap=True)
+    return 0
 
 
 def _add_device_args(parser: argparse.ArgumentParser, precision: str) -> None:
@@ -304,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="the main job on the embedded default model")
-    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--config", default="demo",
+                      help="config preset name (see fp4rl presets) or YAML file; default demo")
+    demo.add_argument("--model", help="override the config's model")
     demo.add_argument("--output", default="runs/demo", help="run directory for the report")
     demo.add_argument("--steps", type=int, help="GRPO steps (default: sized for ~10 min)")
     demo.add_argument("--eval-prompts", type=int, help="test prompts per evaluation")
@@ -313,13 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="GRPO with FP4 rollout and FP4 training policies")
-    train.add_argument("--config", help="YAML config (configs/*.yaml)")
+    train.add_argument("--config", help="config preset name (see fp4rl presets) or YAML file")
     train.add_argument("--output", required=True, help="run directory")
     train.add_argument("--steps", type=int, help="override run.steps")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. grpo.learning_rate=1e-5")
     train.set_defaults(func=_train)
+
+    presets = sub.add_parser("presets", help="the config presets --config NAME accepts")
+    presets.set_defaults(func=_presets)
 
     ev = sub.add_parser("eval", help="Mean@1 (greedy) or Mean@k accuracy")
     src = ev.add_mutually_exclusive_group()

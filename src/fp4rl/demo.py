@@ -43,12 +43,14 @@ class DemoSize:
     max_new_tokens: int = 48
 
 
-def _config(config: str, model: str, size: DemoSize, seed: int, device: str,
+def _config(config: str, model: str | None, size: DemoSize, seed: int, device: str,
             mixed_precision: str) -> TrainConfig:
-    changes = {"model": model, "run.steps": size.steps, "run.seed": seed, "device": device,
+    """The config preset (or file) shortened to the demo's size; ``model`` None keeps its
+    model."""
+    changes = {"run.steps": size.steps, "run.seed": seed, "device": device,
                "mixed_precision": mixed_precision,
                "run.save_steps": size.steps, "grpo.max_response_length": size.max_new_tokens}
-    return load_config(config, None, changes)
+    return load_config(config, None, changes | ({"model": model} if model else {}))
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
@@ -67,17 +69,19 @@ def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: 
             "fp4": _evaluate(net, tok, examples, prompts, size, precision)}
 
 
-def run_demo(console: Console, model: str = "smollm2-135m", output: str = "runs/demo",
+def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
              size: DemoSize | None = None, seed: int = 0, device: str = "auto",
              mixed_precision: str = "auto", config: str = "demo") -> int:
     from fp4rl.models import load_model
     from fp4rl.precision import resolve_device, resolve_mixed_precision
 
     size = size or DemoSize()
+    started = time.perf_counter()
+    # before anything is written: a bad --config leaves no empty run directory behind
+    cfg = _config(config, model, size, seed, device, mixed_precision)
+    model = cfg.model
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    cfg = _config(config, model, size, seed, device, mixed_precision)
     recipe = cfg.recipe()
     where = resolve_device(cfg.device)
     precision = resolve_mixed_precision(cfg.mixed_precision, where)
