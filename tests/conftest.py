@@ -18,14 +18,19 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _isolated_reward_registry():
-    """Rewards a test (or a benchmark it runs) registers do not leak into the next test."""
+def _isolated_registries():
+    """Rewards, formats and recovery methods a test (or a benchmark it runs) registers do
+    not leak into the next test."""
+    from fp4rl.formats import registry
+    from fp4rl.recovery import base
     from fp4rl.rl import rewards
 
-    saved = dict(rewards._REWARDS)
+    tables = (rewards._REWARDS, registry._FORMATS, base._METHODS)
+    saved = [dict(t) for t in tables]
     yield
-    rewards._REWARDS.clear()
-    rewards._REWARDS.update(saved)
+    for table, before in zip(tables, saved, strict=True):
+        table.clear()
+        table.update(before)
 
 
 @pytest.fixture(scope="session")

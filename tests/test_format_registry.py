@@ -12,7 +12,7 @@ import torch
 import fp4rl
 from fp4rl import kernels
 from fp4rl.errors import UserError
-from fp4rl.formats import FormatError, get_format, list_formats, register_format, registry
+from fp4rl.formats import FormatError, get_format, list_formats, register_format
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
@@ -51,15 +51,6 @@ class RenamedHiF4(HiF4):
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         self.field_calls += 1
         return super().fields(blocks, noise)
-
-
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    """Formats a test registers do not leak into the next test."""
-    saved = dict(registry._FORMATS)
-    yield
-    registry._FORMATS.clear()
-    registry._FORMATS.update(saved)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

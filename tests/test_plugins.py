@@ -17,7 +17,6 @@ from torch import nn
 import fp4rl
 from fp4rl.errors import RecipeError
 from fp4rl.experiments.grid import grid_cells
-from fp4rl.formats import registry
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, fp4_layers, preset, quantize_model
 from fp4rl.recovery import register, unregister
@@ -35,18 +34,14 @@ def doc_examples() -> list[str]:
 
 @pytest.fixture
 def plugins():
-    """Run every example of the page in a fresh namespace (each registers itself), and
-    take the registrations back afterwards."""
-    formats = dict(registry._FORMATS)
+    """Run every example of the page in a fresh module (each registers itself; the
+    registrations are taken back by conftest's fixture)."""
     module = ModuleType("user_plugins")
     sys.modules[module.__name__] = module
     for code in doc_examples():
         exec(compile(code, str(DOC), "exec"), module.__dict__)
     yield module
     del sys.modules[module.__name__]
-    unregister("clip")
-    registry._FORMATS.clear()
-    registry._FORMATS.update(formats)
 
 
 @pytest.fixture
@@ -113,9 +108,11 @@ def test_unregistered_method_is_refused_with_the_registry():
         preset("hif4+clip-0.5")
 
 
-def test_name_clash_is_refused(clip_method):
+def test_name_clash_is_refused_and_unregister_takes_back(clip_method):
     with pytest.raises(RecipeError, match="already registered"):
         register("resq", clip_method)
+    unregister("clip")
+    assert "clip" not in fp4rl.recovery.list_methods()
 
 
 def test_one_grpo_step_through_a_recipe_string(plugins, tmp_path):
