@@ -97,8 +97,9 @@ def test_bad_distributed_input_is_one_line(tmp_path, tiny_llama_dir):
     assert "needs several processes" in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir, precision):
+@pytest.mark.parametrize(("strategy", "precision"), [("ddp", "no"), ("ddp", "bf16"),
+                                                      ("fsdp", "bf16")])
+def test_two_processes_equal_one_process(tmp_path, tiny_llama_dir, strategy, precision):
     """Same rollouts (per-sample seeds, the same rollout chunks), same rewards, the same
     optimizer steps (two mini-batches per step, micro-batches that do not divide evenly
     over the ranks): every micro-batch is computed as one process computes it, so the
@@ -106,7 +107,8 @@ def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir, preci
     args = _overrides(tiny_llama_dir, precision)
     single = _run(["train", "--output", str(tmp_path / "one"), *args], tmp_path, 1)
     assert single.returncode == 0, single.stderr[-3000:]
-    double = _run(["train", "--output", str(tmp_path / "two"), *args], tmp_path, 2)
+    double = _run(["train", "--output", str(tmp_path / "two"), *args,
+                   f"distributed.strategy={strategy}"], tmp_path, 2)
     assert double.returncode == 0, double.stderr[-3000:]
     one, two = read_metrics(tmp_path / "one" / METRICS), read_metrics(tmp_path / "two" / METRICS)
     assert [r["step"] for r in two] == [1, 2]  # written once, by rank 0
@@ -121,14 +123,17 @@ def test_ddp_on_two_processes_equals_one_process(tmp_path, tiny_llama_dir, preci
                     weights_only=False)["step"]
     assert w1 == 2
     saved = (tmp_path / "two" / "config.yaml").read_text()
-    assert "strategy: ddp" in saved
+    assert f"strategy: {strategy}" in saved
 
 
-def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_llama_dir,
+                                                                strategy):
     """Rank 1 is SIGKILLed after step 2's checkpoint; the launcher ends the run; a rerun
     with --resume on two processes continues from step 2 and writes the metrics the
-    uninterrupted run wrote."""
-    args = [*_overrides(tiny_llama_dir), "run.steps=3"]
+    uninterrupted run wrote (under FSDP through the gathered full model and optimizer
+    state, shared out to the shards again)."""
+    args = [*_overrides(tiny_llama_dir), "run.steps=3", f"distributed.strategy={strategy}"]
     straight = _run(["train", "--output", str(tmp_path / "a"), *args], tmp_path, 2)
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _run(["train", "--output", str(tmp_path / "b"), *args], tmp_path, 2,

@@ -37,14 +37,18 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                    keep: int = 2) -> Path:
-    """Atomically write checkpoint ``step`` and point ``latest`` at it; prune old ones."""
+                    keep: int = 2, optimizer_state: dict[str, Any] | None = None) -> Path:
+    """Atomically write checkpoint ``step`` and point ``latest`` at it; prune old ones.
+
+    ``optimizer_state`` replaces ``optimizer.state_dict()`` (a sharded optimizer's
+    gathered full state)."""
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
+               tmp / "optimizer.pt")
     torch.save(state, tmp / "state.pt")
     (tmp / COMPLETE).write_text(json.dumps({"step": step}))
     _fsync_tree(tmp)

@@ -149,7 +149,15 @@ class Trainer:
         self.recipe = config.recipe()
         quantize_model(self.model, self.recipe)
         self.model.eval()  # no dropout in either policy; gradients still flow
-        #: what the loss's forward runs through: the model, or its DDP wrapper
+        #: the rollout policy's model: the training model itself, or under FSDP an
+        #: unsharded copy refreshed from the shards once per step (generation runs many
+        #: forwards of different counts per rank, which sharded layers cannot)
+        self.policy = copy.deepcopy(self.model) if self.dist.strategy == "fsdp" else self.model
+        if self.dist.strategy == "fsdp" and optimizer is not None:
+            raise ConfigError("distributed.strategy=fsdp shards the parameters, so the trainer "
+                              "builds the optimizer itself (set optimizer.name/kwargs)")
+        #: what the loss's forward runs through: the model, its DDP wrapper, or the model
+        #: with FSDP2-sharded layers
         self.train_model = _wrap(self.model, self.dist, self.device)
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
         if config.data.reward:
@@ -213,11 +221,11 @@ class Trainer:
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         out = {}
-        with self.compute(), rollout_mode(self.model):
+        with self.compute(), rollout_mode(self.policy):
             for c in range(self.dist.rank, len(chunks), self.dist.world_size):
                 seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
                          for _, pos, j in chunks[c]]
-                out[c] = generate(self.model, [self.train_prompts[i] for i, _, _ in chunks[c]],
+                out[c] = generate(self.policy, [self.train_prompts[i] for i, _, _ in chunks[c]],
                                   sampling, pad_token_id=self.tok.pad_token_id,
                                   eos_token_ids=self.eos_ids,
                                   generator=row_generators(seeds, self.device))
@@ -238,7 +246,8 @@ class Trainer:
         self.step += 1
         timings = StepTimings()
         step_prompts = self.next_batch()
-        begin_step(self.model)
+        self._sync_policy()
+        begin_step(self.policy)
         with _stopwatch(timings, "rollout"):
             chunks = self.rollout(step_prompts)
         size = g.micro_batch_size * 4
@@ -316,7 +325,7 @@ class Trainer:
         ids, attention = batch.sequences()
         seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
         start = time.perf_counter()
-        old_logp = self._no_grad_logprobs(self.model, seqs)
+        old_logp = self._no_grad_logprobs(self.policy, seqs)  # the same weights, unsharded
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
         seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
@@ -373,7 +382,7 @@ class Trainer:
             weight = 1.0 if i < len(mine) else 0.0  # an idle rank's pass adds nothing
             micro = mine[i] if weight else micros[0]
             sync = i == passes - 1 or not d.active
-            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+            with _gradient_sync(self.train_model, sync):
                 logp, entropy = self._logprobs(self.train_model, seqs, micro,
                                                with_entropy=True)
                 m = mask[micro]
@@ -392,6 +401,8 @@ class Trainer:
             stats.setdefault("entropy", []).append(masked_mean(entropy, m).item())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.cfg.grpo.max_grad_norm or math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
         if active.numel():
             self.optimizer.step()
         stats.setdefault("loss", []).append(total_loss)
@@ -403,8 +414,14 @@ class Trainer:
         """The run's compute context (bf16 autocast under mixed_precision=bf16)."""
         return autocast(self.device, self.mixed_precision)
 
+    def _sync_policy(self) -> None:
+        """Under FSDP: gather the full weights into the rollout copy (once per step)."""
+        if self.policy is self.model:
+            return
+        self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
+
     def _reference_model(self) -> torch.nn.Module:
-        ref = copy.deepcopy(self.model)
+        ref = copy.deepcopy(self.policy)
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref.eval()
@@ -415,7 +432,7 @@ class Trainer:
             "step": self.step, "cursor": (self.cursor.epoch, self.cursor.index),
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
-            "recovery": rollout_states(self.model),
+            "recovery": rollout_states(self.policy),
             "config": self.cfg.model_dump(),
         }
 
@@ -425,21 +442,33 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         np.random.set_state(state["numpy_rng"])
-        load_rollout_states(self.model, state["recovery"])
+        load_rollout_states(self.policy, state["recovery"])
 
     def save(self) -> Path | None:
-        """Rank 0 writes the checkpoint (under DDP every rank holds the same state)."""
+        """Rank 0 writes the checkpoint: under DDP every rank holds the same state; under
+        FSDP the ranks first gather the full weights and optimizer state to rank 0, so
+        ``model.safetensors`` is a consolidated Hugging Face checkpoint either way."""
+        optimizer_state = None
+        if self.policy is not self.model:
+            self._sync_policy()
+            optimizer_state = _full_optimizer_state(self.model, self.optimizer)
         if not self.dist.is_main:
             return None
-        return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
-                                    self.state(), keep=self.cfg.run.keep_checkpoints)
+        return ckpt.save_checkpoint(self.out, self.step, self.policy, self.optimizer,
+                                    self.state(), keep=self.cfg.run.keep_checkpoints,
+                                    optimizer_state=optimizer_state)
 
     def resume(self) -> bool:
         """Load the latest checkpoint, if any, and cut metrics.jsonl back to its step."""
         path = ckpt.latest_checkpoint(self.out)
         if path is None:
             return False
-        self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
+        if self.policy is self.model:
+            self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
+        else:  # the full checkpoint into the copy, then shared out to the shards
+            self.load_state(ckpt.load_checkpoint(path, self.policy))
+            _load_full_state(self.model, self.optimizer, self.policy.state_dict(),
+                             torch.load(path / "optimizer.pt", weights_only=False))
         if self.dist.is_main:
             _truncate_metrics(self.out / METRICS, self.step)
         if self.ref_model is not None:  # the reference policy is the initial one
@@ -499,16 +528,84 @@ def _setup_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
 
 
 def _wrap(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
-    """The module the loss's forward runs through: DDP averages gradients over ranks."""
+    """The module the loss's forward runs through: DDP averages gradients over ranks;
+    FSDP2 shards every transformer block and the root (in place).
+
+    FSDP2's parameters stay FP32 (no ``param_dtype``): the FP4 layers quantize from the
+    FP32 masters, as on one process, and autocast gives the bf16 compute; gradients are
+    reduced in FP32."""
     if d.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     if d.strategy == "fsdp":
-        raise ConfigError("distributed.strategy=fsdp is not available in this version; "
-                          "use ddp (the model and optimizer state must fit on one device)")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (d.world_size,))
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the entries of the first ModuleList of the model."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module):
+            return list(module)
+    raise ConfigError("distributed.strategy=fsdp found no transformer blocks to shard")
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Accumulate gradients locally (no communication) unless ``sync``."""
+    if sync:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    else:  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def _full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, torch.Tensor]:
+    """The sharded model's full state dict, on every rank or (CPU-offloaded) on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=not everywhere))
+
+
+def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                          ) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def _load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+                     ) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def _seed_everything(seed: int) -> None:
