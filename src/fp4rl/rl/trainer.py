@@ -365,9 +365,10 @@ class Trainer:
         Sequences whose advantage is zero contribute no policy gradient; when no KL term
         needs them they are skipped, keeping the aggregation's denominators unchanged.
         Rank r takes micro-batches r, r + W, ...; each loss is weighted by its share of
-        the mini-batch times the world size W, which DDP's gradient average divides back
-        out. Every rank runs as many backward passes as the busiest one (an idle one a
-        zero-weight pass), as DDP's gradient all-reduce needs.
+        the mini-batch times the world size W, which the gradient average of DDP (or
+        FSDP2's reduce-scatter) divides back out. Every rank runs as many forward and
+        backward passes as the busiest one (an idle one a zero-weight pass), as those
+        collectives need.
         """
         loss_cfg, d = self.cfg.grpo, self.dist
         self.optimizer.zero_grad(set_to_none=True)
