@@ -94,24 +94,6 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def all_sum(value: float, d: Dist) -> float:
-    """``value`` summed over ranks (itself on one process)."""
-    if not d.active:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
-
-
-def all_max(value: float, d: Dist) -> float:
-    """``value`` maximized over ranks (itself on one process)."""
-    if not d.active:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def all_gather(obj: Any, d: Dist) -> list[Any]:
     """Every rank's ``obj``, in rank order (``[obj]`` on one process). Tensors travel
     through the CPU, so this serves small records (rollouts, log-prob rows), not weights."""
@@ -159,5 +141,5 @@ def reduce_metrics(metrics: dict[str, Any], d: Dist) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Dist", "all_gather", "all_max", "all_sum", "launched_rank", "launched_world_size",
+__all__ = ["Dist", "all_gather", "launched_rank", "launched_world_size",
            "reduce_metrics", "setup", "teardown"]

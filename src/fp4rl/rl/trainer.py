@@ -204,20 +204,23 @@ class Trainer:
         return chosen
 
     # ----- one RL step ---------------------------------------------------------------
-    def rollout(self, step_prompts: list[int]) -> dict[int, RolloutBatch]:
-        """This rank's chunks of the step's rollout: G responses per prompt from the
-        rollout policy, with their log-probs mu, by chunk number.
-
-        The step's rows (prompt, sample) are cut into chunks of ``4 * micro_batch_size``
-        rows, the same on any number of processes, and dealt round-robin to the ranks.
-        Sample j of the prompt at position i draws from its own generator, seeded by (run
-        seed, step, i, j): the same tokens, from the same batch shapes, on any number of
-        processes."""
+    def chunks(self, step_prompts: list[int]) -> list[list[tuple[int, int, int]]]:
+        """The step's rows (prompt index, position in the step, sample) cut into chunks of
+        ``4 * micro_batch_size`` rows: the same chunks on any number of processes."""
         g = self.cfg.grpo
         rows = [(prompt, pos, j) for pos, prompt in enumerate(step_prompts)
                 for j in range(g.num_generations)]
         size = g.micro_batch_size * 4
-        chunks = [rows[k:k + size] for k in range(0, len(rows), size)]
+        return [rows[k:k + size] for k in range(0, len(rows), size)]
+
+    def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
+        """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:
+        G responses per prompt from the rollout policy, with their log-probs mu.
+
+        Sample j of the prompt at position i draws from its own generator, seeded by (run
+        seed, step, i, j): the same tokens, from the same batch shapes, on any number of
+        processes."""
+        g = self.cfg.grpo
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         out = {}
@@ -245,19 +248,16 @@ class Trainer:
         g = self.cfg.grpo
         self.step += 1
         timings = StepTimings()
-        step_prompts = self.next_batch()
+        rows = self.chunks(self.next_batch())
         self._sync_policy()
         begin_step(self.policy)
         with _stopwatch(timings, "rollout"):
-            chunks = self.rollout(step_prompts)
-        size = g.micro_batch_size * 4
-        examples = [self.train_examples[i] for i in step_prompts
-                    for _ in range(g.num_generations)]
+            mine = self.rollout(rows)
         with _stopwatch(timings, "reward"):
-            rewards = {c: self.rewards(examples[c * size:(c + 1) * size], b)
-                       for c, b in chunks.items()}
-        timings.rollout_tokens = sum(int(b.response_mask.sum()) for b in chunks.values())
-        batch, rewards = self._gather(chunks, rewards)  # the whole step, in order
+            rewards = {c: self.rewards([self.train_examples[i] for i, _, _ in rows[c]], b)
+                       for c, b in mine.items()}
+        timings.rollout_tokens = sum(int(b.response_mask.sum()) for b in mine.values())
+        batch, rewards = self._gather(mine, rewards)  # the whole step, in order
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
         with _stopwatch(timings, "update"):
             update = self.update(batch, advantages)
