@@ -29,8 +29,8 @@ DRIVER = textwrap.dedent("""
     kill = os.environ.get("KILL_RANK1_AFTER_STEP")
     if kill and os.environ.get("RANK") == "1":  # rank 1 dies after that step's checkpoint
         real = Trainer.save
-        def save_then_die(self):
-            path = real(self)
+        def save_then_die(self, *args, **kwargs):
+            path = real(self, *args, **kwargs)
             if self.step == int(kill):
                 os.kill(os.getpid(), signal.SIGKILL)
             return path
@@ -50,11 +50,11 @@ def _overrides(model_dir, precision: str = "no") -> list[str]:
             "run.steps=2", "run.save_steps=1"]
 
 
-def _run(args: list[str], tmp_path, nproc: int, **env_vars: str
+def _run(args: list[str], tmp_path, nproc: int, driver: str = DRIVER, **env_vars: str
          ) -> subprocess.CompletedProcess:
-    """The driver on ``nproc`` processes (torchrun for 2), killed as a group on timeout."""
+    """``driver`` on ``nproc`` processes (torchrun for 2), killed as a group on timeout."""
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
+    script.write_text(driver)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
@@ -124,6 +124,43 @@ def test_two_processes_equal_one_process(tmp_path, tiny_llama_dir, strategy, pre
     assert w1 == 2
     saved = (tmp_path / "two" / "config.yaml").read_text()
     assert f"strategy: {strategy}" in saved
+    if strategy == "fsdp":
+        _check_sharded_checkpoints(tmp_path / "one", tmp_path / "two", tiny_llama_dir)
+        for line in two:  # HiF4 rollout weights travel as 4.5 bits per value, not 16
+            assert line["sync/rollout_weight_bytes_4bit"] == pytest.approx(
+                line["sync/rollout_weight_bytes_as_bf16"] * 4.5 / 16)
+
+
+def _check_sharded_checkpoints(single, sharded, model_dir) -> None:
+    """FSDP checkpoints hold shards (dcp/); the last one also a consolidated HF file, which
+    equals the shards reassembled on one process, and both agree with one process's run."""
+    from safetensors.torch import load_file
+
+    from fp4rl.models import load_model
+    from fp4rl.rl import checkpoint as ckpt
+
+    for step in (1, 2):
+        path = ckpt.step_dir(sharded, step)
+        assert ckpt.is_sharded(path) and (path / "state-rank1.pt").is_file()
+        assert (path / "model.safetensors").is_file() == (step == 2)  # consolidated at the end
+        model, _ = load_model(str(model_dir))
+        state = ckpt.load_checkpoint(path, model) if step == 1 else None
+        if step == 2:  # force the shards path, then compare with the consolidated file
+            ckpt.load_weights(path, model)
+            shards_only = path.parent / "shards-only"
+            shards_only.mkdir()
+            (shards_only / "dcp").symlink_to(path / "dcp")
+            again, _ = load_model(str(model_dir))
+            ckpt.load_weights(shards_only, again)
+            for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(),
+                                    strict=True):
+                assert torch.equal(a, b), name
+        else:
+            assert state["step"] == 1
+        reference = load_file(ckpt.step_dir(single, step) / "model.safetensors")
+        mine = model.state_dict()
+        for name, value in reference.items():
+            torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -148,3 +185,65 @@ def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_ll
     again = [{k: v for k, v in r.items() if not k.startswith(timing)}
              for r in read_metrics(tmp_path / "b" / METRICS)]
     assert again == strip
+
+
+PACKED_SYNC = textwrap.dedent("""
+    import copy, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from fp4rl.gemm import quantize_operand
+    from fp4rl.models import tiny_model
+    from fp4rl.nn import FP4Linear, fp4_layers, quantize_model
+    from fp4rl.nn.recipe import preset
+    from fp4rl.rl.weight_sync import sync_rollout_weights
+
+    dist.init_process_group("gloo")
+    try:
+        recipe = preset(sys.argv[1])
+        torch.manual_seed(0)
+        llama, _ = tiny_model("llama")
+        odd = torch.nn.Linear(128, 33)  # 33 rows: shards of 17 and 16, one padded
+        with torch.no_grad():
+            odd.weight[-1, 0] = 50.0  # the amax on rank 1's shard (NVFP4's tensor scale)
+        model = torch.nn.ModuleDict({"llama": llama, "odd": odd})
+        quantize_model(llama, recipe)
+        model["odd"] = FP4Linear.from_linear(odd, recipe)
+        expected = {n: quantize_operand(m.weight.detach(), m.recipe.rollout.weights, -1)
+                    for n, m in fp4_layers(model).items()}
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        policy = copy.deepcopy(model)
+        with torch.no_grad():  # whatever the copy holds must come from the sync
+            for p in policy.parameters():
+                p.zero_()
+        mesh = init_device_mesh("cpu", (2,))
+        for block in llama.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(llama, mesh=mesh)
+        fully_shard(model["odd"], mesh=mesh)
+        sent = sync_rollout_weights(model, policy, 2)
+        for name, layer in fp4_layers(policy).items():
+            got, want = layer.rollout_weight(), expected[name]
+            assert torch.equal(got.values, want.values), name
+            assert (got.scale is None) == (want.scale is None), name
+            assert got.scale is None or torch.equal(got.scale, want.scale), name
+            assert not layer.weight.any(), name  # no FP32 weight travelled for it
+        packed = {f"{n}.weight" for n in fp4_layers(policy)}
+        for name, p in policy.named_parameters():
+            if name not in packed:
+                assert torch.equal(p, full[name]), name
+        assert 0 < sent.packed < sent.packed_as_bf16 / 3
+        print("packed sync ok", sent)
+    finally:
+        dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "mxfp4", "nvfp4+resq-2:4"])
+def test_packed_rollout_weights_decode_to_the_single_process_weights(tmp_path, recipe):
+    """Each rank encodes its shard of every rollout weight in the 4-bit format, the ranks
+    all-gather the codes and scales, and the decoded weights equal one process's rollout
+    quantization bit for bit (uneven shards and NVFP4's per-tensor scale included)."""
+    run = _run([recipe], tmp_path, 2, driver=PACKED_SYNC)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "packed sync ok" in run.stdout

@@ -110,6 +110,7 @@ class FP4Linear(nn.Linear):
         self.recovery: RolloutRecovery = make_recovery(
             recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed)
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
+        self._received: tuple[tuple[int, int, int], Operand] | None = None
 
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured."""
@@ -126,13 +127,28 @@ class FP4Linear(nn.Linear):
     def rollout_weight(self, dtype: torch.dtype = torch.float32) -> Operand:
         """The rollout-quantized weight in ``dtype``, recomputed only when the weight, the
         recovery transform or the compute dtype changed."""
-        key = (self.weight._version, self.weight.data_ptr(), self.recovery.version, dtype)
+        key = (self._weight_key(), dtype)
         if self._weight_cache is None or self._weight_cache[0] != key:
-            with torch.no_grad():
-                w = self.recovery.transform_weight(self.weight.detach())
-                qw = quantize_operand(w, self.recipe.rollout.weights, -1)
-            self._weight_cache = (key, qw.to(dtype))
+            self._weight_cache = (key, self._quantized_rollout_weight().to(dtype))
         return self._weight_cache[1]
+
+    def receive_rollout_weight(self, qw: Operand) -> None:
+        """Use ``qw`` (the rollout weight quantized elsewhere, e.g. decoded from the 4-bit
+        codes a sharded trainer sent) instead of quantizing this layer's own weight, until
+        the weight or the recovery transform changes: a rollout copy then holds what a real
+        FP4 rollout engine receives, not the trainer's FP32 weights."""
+        self._received = (self._weight_key(), qw)
+        self._weight_cache = None
+
+    def _weight_key(self) -> tuple[int, int, int]:
+        return (self.weight._version, self.weight.data_ptr(), self.recovery.version)
+
+    def _quantized_rollout_weight(self) -> Operand:
+        if self._received is not None and self._received[0] == self._weight_key():
+            return self._received[1]
+        with torch.no_grad():
+            w = self.recovery.transform_weight(self.weight.detach())
+            return quantize_operand(w, self.recipe.rollout.weights, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)

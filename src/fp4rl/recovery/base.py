@@ -67,6 +67,10 @@ class RolloutRecovery(ABC):
     #: the variants experiment grids and fidelity tables run: (recipe-string argument,
     #: table label), in table order; empty means one variant, labelled with the name
     variants: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: whether the method needs the high-precision weight at rollout time (a weight
+    #: transform, a high-precision correction term); if not, the 4-bit weight is all a
+    #: rollout engine needs, and a sharded trainer sends it packed
+    reads_weight: ClassVar[bool] = False
 
     def __init__(self, config: RecoveryConfig, act_format: str, in_features: int,
                  seed: int) -> None:

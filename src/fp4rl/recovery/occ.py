@@ -35,6 +35,7 @@ class OCC(RolloutRecovery):
     config_cls = OCCConfig
     variants = (("", "OCC"),)
     config: OCCConfig
+    reads_weight = True  # the clipped outliers multiply the high-precision weight
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(clamp_outliers(x, self.config.quantile)[0])]

@@ -46,6 +46,7 @@ class RHT(RolloutRecovery):
     config_cls = RHTConfig
     variants = (("", "RHT"),)
     config: RHTConfig
+    reads_weight = True  # its weight is rotated before quantization
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ class SmoothQuant(RolloutRecovery):
     config_cls = SmoothQuantConfig
     variants = (("", "SmoothQuant"),)
     config: SmoothQuantConfig
+    reads_weight = True  # calibration reads it and its weight is rescaled
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -4,6 +4,13 @@ A checkpoint ``<run>/checkpoints/step-000010/`` is written into a hidden tempora
 directory, every file is flushed to disk, and only then is the directory renamed into
 place and the ``latest`` pointer replaced (both atomic). A SIGKILL at any moment
 leaves either the previous checkpoint or the new one as ``latest``, never a partial one.
+
+One process (and DDP, whose ranks hold the same state) writes ``model.safetensors`` (a
+Hugging Face checkpoint) and ``optimizer.pt``. Under FSDP2 every rank writes its own
+shards of the model and the optimizer through ``torch.distributed.checkpoint`` into
+``dcp/`` (no rank gathers the whole state), plus its RNG state; the run's last
+checkpoint also gets a consolidated ``model.safetensors``. A sharded checkpoint without
+one still loads into a whole model on one process (:func:`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,13 +28,17 @@ from safetensors.torch import load_model, save_model
 from fp4rl.paths import fsync_path
 
 CHECKPOINTS = "checkpoints"
+SHARDS = "dcp"  # torch.distributed.checkpoint directory of a sharded checkpoint
 LATEST = "latest"
 COMPLETE = "trainer_state.json"  # written last inside a checkpoint
 
 
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
-        fsync_path(f)
+        if f.is_dir():
+            _fsync_tree(f)
+        else:
+            fsync_path(f)
     fsync_path(path)
 
 
@@ -37,19 +48,54 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                    keep: int = 2, optimizer_state: dict[str, Any] | None = None) -> Path:
-    """Atomically write checkpoint ``step`` and point ``latest`` at it; prune old ones.
-
-    ``optimizer_state`` replaces ``optimizer.state_dict()`` (a sharded optimizer's
-    gathered full state)."""
+                    keep: int = 2) -> Path:
+    """Atomically write checkpoint ``step`` and point ``latest`` at it; prune old ones."""
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    final = step_dir(run_dir, step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{step_dir(run_dir, step).name}.", dir=root))
     save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict() if optimizer_state is None else optimizer_state,
-               tmp / "optimizer.pt")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(state, tmp / "state.pt")
+    return _publish(tmp, run_dir, step, keep)
+
+
+def save_sharded_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                            rank: int, keep: int = 2,
+                            consolidated: torch.nn.Module | None = None) -> Path:
+    """Every rank of an FSDP2 run writes its model and optimizer shards and its state;
+    rank 0 adds ``consolidated``'s weights as ``model.safetensors`` when given (a whole
+    copy of the model, on rank 0) and publishes the directory. Collective: every rank
+    calls it, and none returns before the checkpoint is in place."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = run_dir / CHECKPOINTS
+    tmp = root / f".{step_dir(run_dir, step).name}.sharded"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / SHARDS))
+    torch.save(state, tmp / _state_file(rank))
+    dist.barrier()
+    if rank == 0:
+        if consolidated is not None:
+            save_model(consolidated, str(tmp / "model.safetensors"))
+        _publish(tmp, run_dir, step, keep)
+    dist.barrier()
+    return step_dir(run_dir, step)
+
+
+def _state_file(rank: int) -> str:
+    return "state.pt" if rank == 0 else f"state-rank{rank}.pt"
+
+
+def _publish(tmp: Path, run_dir: Path, step: int, keep: int) -> Path:
+    """Mark ``tmp`` complete, flush it, rename it to step ``step`` and point ``latest``."""
+    root, final = run_dir / CHECKPOINTS, step_dir(run_dir, step)
     (tmp / COMPLETE).write_text(json.dumps({"step": step}))
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step after a resume: replace it
@@ -69,7 +115,13 @@ def _write_latest(root: Path, name: str) -> None:
 
 
 def _complete(path: Path) -> bool:
-    return (path / COMPLETE).is_file() and (path / "model.safetensors").is_file()
+    return (path / COMPLETE).is_file() and (
+        (path / "model.safetensors").is_file() or is_sharded(path))
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint ``path`` holds FSDP2 shards (``torch.distributed.checkpoint``)."""
+    return (path / SHARDS / ".metadata").is_file()
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -94,8 +146,43 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Restore model (and optimizer) in place; return the saved trainer state."""
-    load_model(model, str(path / "model.safetensors"))
+    """Restore a whole model (and optimizer) in place; return the saved trainer state.
+
+    A sharded checkpoint without a consolidated ``model.safetensors`` loads its model
+    shards into the whole model on this one process (``torch.distributed.checkpoint``
+    reassembles them); its optimizer state resumes only under FSDP
+    (:func:`load_sharded_checkpoint`)."""
+    load_weights(path, model)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     return torch.load(path / "state.pt", weights_only=False)
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Checkpoint ``path``'s model weights into a whole model on its device: from
+    ``model.safetensors``, or from the shards of a sharded checkpoint without one."""
+    if (path / "model.safetensors").is_file():
+        device = next(model.parameters()).device
+        load_model(model, str(path / "model.safetensors"), device=str(device))
+        return
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    load(state, checkpoint_id=str(path / SHARDS), no_dist=True)
+    set_model_state_dict(model, state["model"])
+
+
+def load_sharded_checkpoint(path: Path, model: torch.nn.Module,
+                            optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
+    """Restore this rank's model and optimizer shards of an FSDP2 run (the same world
+    size that wrote them); return this rank's saved trainer state."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    load(state, checkpoint_id=str(path / SHARDS))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    return torch.load(path / _state_file(rank), weights_only=False)

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model as load_weights
 
 from fp4rl.data import Example
 from fp4rl.nn import quantize_model
@@ -40,7 +39,7 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
         path = _checkpoint_dir(Path(checkpoint))
         config = torch.load(path / "state.pt", weights_only=False)["config"]
         net, tok = load_model(config["model"], device=device)
-        load_weights(net, str(path / "model.safetensors"), device=str(device))
+        ckpt.load_weights(path, net)
         run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
                                        "ignore": config.get("ignore")}, strict=False)
         label = f"checkpoint {path}"

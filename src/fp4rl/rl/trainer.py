@@ -68,6 +68,7 @@ from fp4rl.rl.rollout import (
     row_generators,
     sample_seed,
 )
+from fp4rl.rl.weight_sync import sync_rollout_weights
 
 METRICS = "metrics.jsonl"
 
@@ -249,7 +250,7 @@ class Trainer:
         self.step += 1
         timings = StepTimings()
         rows = self.chunks(self.next_batch())
-        self._sync_policy()
+        sync = self._sync_policy()
         begin_step(self.policy)
         with _stopwatch(timings, "rollout"):
             mine = self.rollout(rows)
@@ -265,7 +266,8 @@ class Trainer:
         timings.update -= update.logprob_seconds
         timings.train_tokens = update.tokens
         self.last_timings = timings
-        return reduce_metrics(self._metrics(rewards, batch, update.stats, timings), self.dist)
+        metrics = {**self._metrics(rewards, batch, update.stats, timings), **sync}
+        return reduce_metrics(metrics, self.dist)
 
     def _gather(self, chunks: dict[int, RolloutBatch], rewards: dict[int, torch.Tensor]
                 ) -> tuple[RolloutBatch, torch.Tensor]:
@@ -325,7 +327,7 @@ class Trainer:
         ids, attention = batch.sequences()
         seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
         start = time.perf_counter()
-        old_logp = self._no_grad_logprobs(self.policy, seqs)  # the same weights, unsharded
+        old_logp = self._no_grad_logprobs(self.model, seqs)  # under FSDP: the shards
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
         seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
@@ -346,11 +348,16 @@ class Trainer:
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
-        """Log-probs of every row; each rank computes its micro-batches, then all share."""
+        """Log-probs of every row; each rank computes its micro-batches, then all share.
+        On FSDP2-sharded layers every rank runs as many forwards as the busiest one (an
+        idle rank a discarded pass), as their all-gathers need."""
         d = self.dist
         micros = self._micro_batches(torch.arange(seqs.ids.shape[0]))
         mine = {i: self._logprobs(model, seqs, r)[0]
                 for i, r in enumerate(micros) if i % d.world_size == d.rank}
+        if model is self.model and d.strategy == "fsdp":
+            for _ in range(-(-len(micros) // d.world_size) - len(mine)):
+                self._logprobs(model, seqs, micros[0])
         parts: dict[int, torch.Tensor] = {}
         for part in all_gather(mine, d):
             parts.update(part)
@@ -415,11 +422,13 @@ class Trainer:
         """The run's compute context (bf16 autocast under mixed_precision=bf16)."""
         return autocast(self.device, self.mixed_precision)
 
-    def _sync_policy(self) -> None:
-        """Under FSDP: gather the full weights into the rollout copy (once per step)."""
+    def _sync_policy(self) -> dict[str, float]:
+        """Under FSDP: refresh the rollout copy from the shards, once per step, the FP4
+        rollout weights as packed 4-bit codes (:mod:`fp4rl.rl.weight_sync`); returns the
+        bytes this rank received, as metrics."""
         if self.policy is self.model:
-            return
-        self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
+            return {}
+        return sync_rollout_weights(self.model, self.policy, self.dist.world_size).metrics()
 
     def _reference_model(self) -> torch.nn.Module:
         ref = copy.deepcopy(self.policy)
@@ -445,19 +454,27 @@ class Trainer:
         np.random.set_state(state["numpy_rng"])
         load_rollout_states(self.policy, state["recovery"])
 
-    def save(self) -> Path | None:
-        """Rank 0 writes the checkpoint: under DDP every rank holds the same state; under
-        FSDP the ranks first gather the full weights and optimizer state to rank 0, so
-        ``model.safetensors`` is a consolidated Hugging Face checkpoint either way."""
-        optimizer_state = None
-        if self.policy is not self.model:
-            self._sync_policy()
-            optimizer_state = _full_optimizer_state(self.model, self.optimizer)
-        if not self.dist.is_main:
-            return None
-        return ckpt.save_checkpoint(self.out, self.step, self.policy, self.optimizer,
-                                    self.state(), keep=self.cfg.run.keep_checkpoints,
-                                    optimizer_state=optimizer_state)
+    def save(self, consolidate: bool = False) -> Path | None:
+        """Write a checkpoint of this step. Under DDP every rank holds the same state and
+        rank 0 writes it (``model.safetensors``, a Hugging Face checkpoint, and the
+        optimizer); under FSDP every rank writes its own shards through
+        ``torch.distributed.checkpoint``, and ``consolidate`` adds the whole model as
+        ``model.safetensors`` (gathered to rank 0)."""
+        if self.policy is self.model:
+            if not self.dist.is_main:
+                return None
+            return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
+                                        self.state(), keep=self.cfg.run.keep_checkpoints)
+        whole = None
+        if consolidate:
+            full = _full_model_state(self.model, everywhere=False)  # collective
+            if self.dist.is_main:
+                self.policy.load_state_dict(full)
+                whole = self.policy
+        path = ckpt.save_sharded_checkpoint(
+            self.out, self.step, self.model, self.optimizer, self.state(), self.dist.rank,
+            keep=self.cfg.run.keep_checkpoints, consolidated=whole)
+        return path if self.dist.is_main else None
 
     def resume(self) -> bool:
         """Load the latest checkpoint, if any, and cut metrics.jsonl back to its step."""
@@ -466,10 +483,13 @@ class Trainer:
             return False
         if self.policy is self.model:
             self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
-        else:  # the full checkpoint into the copy, then shared out to the shards
-            self.load_state(ckpt.load_checkpoint(path, self.policy))
-            _load_full_state(self.model, self.optimizer, self.policy.state_dict(),
-                             torch.load(path / "optimizer.pt", weights_only=False))
+        elif ckpt.is_sharded(path):  # this rank's shards, then the whole copy from them
+            self.load_state(ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
+                                                         self.dist.rank))
+            self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
+        else:
+            raise ConfigError(f"{path} was not written under distributed.strategy=fsdp; "
+                              "resume it with the strategy that wrote it")
         if self.dist.is_main:
             _truncate_metrics(self.out / METRICS, self.step)
         if self.ref_model is not None:  # the reference policy is the initial one
@@ -493,7 +513,7 @@ class Trainer:
                 _append_metrics(self.out / METRICS, metrics)
             history.append(metrics)
             if self.step % self.cfg.run.save_steps == 0 or self.step == total:
-                self.save()
+                self.save(consolidate=self.step == total)
             if progress:
                 progress(self.step, total, metrics)
         return history
@@ -582,31 +602,6 @@ def _full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, tor
 
     return get_model_state_dict(model, options=StateDictOptions(
         full_state_dict=True, cpu_offload=not everywhere))
-
-
-def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                          ) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
-
-
-def _load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
-                     ) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,0 +1,116 @@
+"""The rollout copy's weights under FSDP2: gathered once per RL step, in 4 bits.
+
+A real FP4 rollout engine receives the quantized weights, not the trainer's FP32
+masters. Once per step each rank encodes its shard of every patched layer's rollout
+weight in the rollout format (FSDP2 shards rows, i.e. out_features, so every block along
+in_features stays whole on one rank), the ranks all-gather the packed codes and scales,
+and each rank decodes them into the rollout copy (:meth:`FP4Linear.receive_rollout_weight`).
+Formats with a per-tensor scale (NVFP4) first agree on the whole tensor's amax with one
+all-reduce, so every shard is scaled as the whole tensor would be: the decoded weight is
+bit for bit what one process quantizes.
+
+Layers whose recovery method needs the high-precision weight at rollout
+(``reads_weight``: SmoothQuant, RHT, OCC), layers whose rollout weights are not quantized,
+and every other parameter (embeddings, norms, lm_head) travel at full precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fp4rl.formats import get_format
+from fp4rl.formats.packing import PackedTensor
+from fp4rl.gemm import UNQUANTIZED, Operand
+from fp4rl.nn import FP4Linear, fp4_layers
+
+
+@dataclass
+class SyncBytes:
+    """Bytes one rank received in one sync, and what the packed layers would cost in bf16."""
+
+    packed: int = 0  # 4-bit codes and scales
+    full: int = 0  # parameters sent at full precision
+    packed_as_bf16: int = 0  # the packed layers' weights, had they travelled in bf16
+
+    def metrics(self) -> dict[str, float]:
+        return {"sync/rollout_weight_bytes_4bit": float(self.packed),
+                "sync/rollout_weight_bytes_full": float(self.full),
+                "sync/rollout_weight_bytes_as_bf16": float(self.packed_as_bf16)}
+
+
+def packable(layer: FP4Linear) -> bool:
+    """Whether the 4-bit rollout weight is all this layer's rollout needs."""
+    return layer.recipe.rollout.weights != UNQUANTIZED and not layer.recovery.reads_weight
+
+
+def sync_rollout_weights(model: torch.nn.Module, policy: torch.nn.Module,
+                         world_size: int) -> SyncBytes:
+    """Refresh ``policy`` (an unsharded copy of ``model``) from the FSDP2-sharded
+    ``model``: packable layers' rollout weights in their 4-bit format, the rest in full."""
+    sent = SyncBytes()
+    targets = fp4_layers(policy)
+    packed_params = set()
+    for name, layer in fp4_layers(model).items():
+        if packable(layer):
+            qw, nbytes = _gather_packed(layer.weight, layer.recipe.rollout.weights, world_size)
+            targets[name].receive_rollout_weight(qw)
+            sent.packed += nbytes
+            sent.packed_as_bf16 += _received(layer.weight.numel() * 2, world_size)
+            packed_params.add(f"{name}.weight")
+    destination = dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in packed_params:
+                continue
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            destination[name].copy_(full)
+            sent.full += _received(full.numel() * full.element_size(), world_size)
+    return sent
+
+
+def _received(nbytes: int, world_size: int) -> int:
+    """What one rank receives of an all-gather of ``nbytes`` in all."""
+    return nbytes * (world_size - 1) // world_size
+
+
+def _gather_packed(weight: torch.Tensor, fmt_name: str, world_size: int
+                   ) -> tuple[Operand, int]:
+    """The whole weight's rollout operand, from every rank's packed shard; and the bytes
+    this rank received."""
+    fmt = get_format(fmt_name)
+    local = weight.to_local().detach().float()
+    rows, cols = weight.shape
+    per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
+    padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))
+    scale = _tensor_scale(fmt, local)
+    packed = fmt.encode(padded if scale is None else padded / scale, dim=-1,
+                        **({"per_tensor_scale": False} if scale is not None else {}))
+    parts = [_gather_fields(packed, name, world_size) for name in sorted(packed.fields)]
+    decoded = [fmt.decode(PackedTensor(packed.format, packed.shape, packed.dim, packed.dtype,
+                                       dict(zip(sorted(packed.fields), buffers, strict=True)),
+                                       options=packed.options))
+               for buffers in zip(*parts, strict=True)]
+    values = torch.cat(decoded)[:rows].reshape(rows, cols)
+    return Operand(values, scale), _received(packed.nbytes * world_size, world_size)
+
+
+def _gather_fields(packed: PackedTensor, name: str, world_size: int) -> list[torch.Tensor]:
+    mine = packed.fields[name].contiguous()
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return out
+
+
+def _tensor_scale(fmt: object, local: torch.Tensor) -> torch.Tensor | None:
+    """The format's per-tensor scale of the whole weight (None for formats without one):
+    the scale depends on the tensor's amax alone, which the ranks agree on here."""
+    finite = local[torch.isfinite(local)]
+    amax = finite.abs().amax() if finite.numel() else local.new_zeros(())
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return fmt.tensor_scale(amax.reshape(1))  # type: ignore[attr-defined]
+
+
+__all__ = ["SyncBytes", "packable", "sync_rollout_weights"]
