@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -71,6 +72,9 @@ def test_bf16_export_loads_with_plain_transformers(tiny, tmp_path):
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= files
     assert result.ratio == pytest.approx(1.0, abs=0.02)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
 
 
 def test_mxfp4_export_is_compressed_tensors_and_bit_exact(tiny, tmp_path):

@@ -83,6 +83,7 @@ def write_directory(directory: Path, model: PreTrainedModel,
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
         _write_files(tmp, model, tokenizer, payload)
+        _share(tmp)
         for path in tmp.iterdir():
             fsync_path(path)
         if directory.exists():
@@ -92,6 +93,17 @@ def write_directory(directory: Path, model: PreTrainedModel,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _share(directory: Path) -> None:
+    """Give the directory and its files the permissions the user's umask grants new ones:
+    mkdtemp makes the directory private, yet an export is meant for other tools (a
+    serving container's user among them) to read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _write_files(out: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
