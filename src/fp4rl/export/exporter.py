@@ -1,4 +1,4 @@
-"""``export_checkpoint`` and ``export_model``: a trained policy as a directory other tools load."""
+"""``export_checkpoint``, ``export_pretrained``, ``export_model``: a policy others can load."""
 
 from __future__ import annotations
 
