@@ -225,6 +225,17 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.export import export_checkpoint, export_pretrained
+
+    source = args.checkpoint or args.model
+    with console.status(f"exporting {source} as {args.format}"):
+        export = export_checkpoint if args.checkpoint else export_pretrained
+        result = export(source, args.format, args.output)
+    console.print(result.summary(), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
 def _cost(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.analysis.cost import cost_table, format_cost_table
 
@@ -360,6 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_args(ev, "auto")
     ev.add_argument("--json", help="write the result here")
     ev.set_defaults(func=_eval)
+
+    export = sub.add_parser("export", help="a run's policy as a directory other tools load: "
+                            "bf16, compressed-tensors mxfp4/nvfp4, fp4rl's packed hif4")
+    what = export.add_mutually_exclusive_group(required=True)
+    what.add_argument("--checkpoint", help="a training run directory (its latest checkpoint) "
+                      "or one of its checkpoints")
+    what.add_argument("--model", help="registered name or checkpoint directory (untrained)")
+    export.add_argument("--format", required=True,
+                        help="bf16, mxfp4, nvfp4 (compressed-tensors) or hif4 (fp4rl packed)")
+    export.add_argument("--output", required=True, help="new (or empty) directory to write")
+    export.set_defaults(func=_export)
 
     diag = sub.add_parser("diagnose", help="zero collapse, outlier blocks, residual sparsity")
     diag.add_argument("--model", default="smollm2-135m", help="registered name or checkpoint dir")

@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from fp4rl.models.cache import Fingerprint, discard, ensure_entry
+from fp4rl.models.packed import is_packed, load_packed_model
 
 ModelAndTokenizer = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -33,9 +34,14 @@ def load_checkpoint(
     """Load the causal LM and tokenizer saved in ``directory`` without touching the network.
 
     The model comes back in eval mode. A tokenizer without a pad token gets its eos token as
-    pad token, since batched generation needs one; the padding side is left as saved.
+    pad token, since batched generation needs one; the padding side is left as saved. A
+    packed directory (``fp4rl export --format hif4``) has its packed weights decoded.
     """
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    if is_packed(directory):
+        model = load_packed_model(directory, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype,
+                                                     local_files_only=True)
     model = model.to(device).eval()
     check_tied_embeddings(model)
     tokenizer = load_tokenizer(directory)

@@ -1,13 +1,15 @@
-"""Where evaluation gets its policy and its prompts from (the ``fp4rl eval`` inputs)."""
+"""Where evaluation and export get a trained policy (``--checkpoint``), evaluation its prompts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fp4rl.data import Example
+from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, preset
 from fp4rl.rl import checkpoint as ckpt
@@ -15,13 +17,46 @@ from fp4rl.rl.config import DataConfig
 from fp4rl.rl.datasets import encode_examples, load_split
 
 
-def _checkpoint_dir(path: Path) -> Path:
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A ``--checkpoint`` path that is neither a checkpoint nor a run directory with one."""
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: itself if it is one, else the latest of the run
+    directory ``path``. Commands that take ``--checkpoint`` share this rule."""
+    path = Path(path)
     if (path / ckpt.COMPLETE).is_file():
         return path
     found = ckpt.latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with one")
+        raise CheckpointNotFoundError(
+            f"{path} is neither a checkpoint (a directory with {ckpt.COMPLETE}) nor a run "
+            f"directory with one under {ckpt.CHECKPOINTS}/")
     return found
+
+
+@dataclass(frozen=True)
+class TrainedPolicy:
+    """A run's trained master weights on its base model, and where they came from."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    path: Path
+    recipe: Recipe
+
+
+def load_trained(checkpoint: str | Path, device: str | torch.device = "cpu") -> TrainedPolicy:
+    """Load a checkpoint (or a run directory's latest one) onto the run's base model,
+    unquantized; ``recipe`` is the run's own (formats, recovery and ``ignore``)."""
+    from fp4rl.models import load_model
+
+    path = checkpoint_dir(checkpoint)
+    config = torch.load(path / "state.pt", weights_only=False)["config"]
+    net, tok = load_model(config["model"], device=device)
+    ckpt.load_weights(path, net)
+    recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
+                               "ignore": config.get("ignore")}, strict=False)
+    return TrainedPolicy(net, tok, path, recipe)
 
 
 def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
@@ -36,13 +71,9 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
 
     run_recipe = None
     if checkpoint is not None:
-        path = _checkpoint_dir(Path(checkpoint))
-        config = torch.load(path / "state.pt", weights_only=False)["config"]
-        net, tok = load_model(config["model"], device=device)
-        ckpt.load_weights(path, net)
-        run_recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
-                                       "ignore": config.get("ignore")}, strict=False)
-        label = f"checkpoint {path}"
+        trained = load_trained(checkpoint, device)
+        net, tok, run_recipe = trained.model, trained.tokenizer, trained.recipe
+        label = f"checkpoint {trained.path}"
     else:
         net, tok = load_model(model or "smollm2-135m", device=device)
         label = model or "smollm2-135m"

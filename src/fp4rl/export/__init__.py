@@ -1,0 +1,15 @@
+"""Exporting a trained policy for other tools: bf16, compressed-tensors MXFP4 / NVFP4,
+and fp4rl's packed HiF4 (see ``docs/integrations.md``, section "Export")."""
+
+from fp4rl.export.exporter import (
+    EXPORT_FORMATS,
+    ExportResult,
+    check_format,
+    export_checkpoint,
+    export_model,
+    export_pretrained,
+)
+from fp4rl.export.targets import ExportError
+
+__all__ = ["EXPORT_FORMATS", "ExportError", "ExportResult", "check_format",
+           "export_checkpoint", "export_model", "export_pretrained"]

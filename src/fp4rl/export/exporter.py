@@ -1,0 +1,119 @@
+"""``export_checkpoint``, ``export_pretrained``, ``export_model``: a policy others can load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fp4rl.errors import did_you_mean
+from fp4rl.export.compressed import LAYOUTS, compressed_payload, require_compressed_tensors
+from fp4rl.export.directory import (
+    Payload,
+    bf16_bytes,
+    check_output,
+    total_bytes,
+    unquantized_tensors,
+    weights_bytes,
+    write_directory,
+)
+from fp4rl.export.hif4 import hif4_payload
+from fp4rl.export.targets import ExportError, block_linears, check_blocks
+from fp4rl.formats import get_format
+
+EXPORT_FORMATS = ("bf16", "mxfp4", "nvfp4", "hif4")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where an export went and what it weighs on disk."""
+
+    format: str
+    directory: Path
+    weights_bytes: int
+    total_bytes: int
+    #: what the same tensors take in bf16 (2 bytes per parameter, tied ones once)
+    bf16_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Size of the weights on disk relative to the bf16 export's."""
+        return self.weights_bytes / self.bf16_bytes
+
+    def summary(self) -> str:
+        """One line for the command line."""
+        return (f"{self.format} export in {self.directory}: weights {_mb(self.weights_bytes)} "
+                f"on disk ({self.ratio:.3f}x the bf16 export's {_mb(self.bf16_bytes)}); "
+                f"directory {_mb(self.total_bytes)}")
+
+
+def check_format(fmt: str) -> str:
+    """The export format named ``fmt`` (case-insensitive), its dependencies checked, or
+    one line saying what is accepted."""
+    name = str(fmt).lower()
+    if name not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}{did_you_mean(name, EXPORT_FORMATS)}; "
+                          f"choose one of: {', '.join(EXPORT_FORMATS)}")
+    if name in LAYOUTS:
+        require_compressed_tensors(name)
+    return name
+
+
+def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path) -> ExportResult:
+    """Export a training run's latest checkpoint (or the checkpoint ``checkpoint``) in
+    ``fmt`` to the new directory ``output``.
+
+    The layers the run quantized (every block linear, minus its recipe's ``ignore``) are
+    quantized; the rest stays bf16. Bad arguments fail before the model is loaded."""
+    from fp4rl.rl.sources import load_trained
+
+    name = check_format(fmt)
+    check_output(Path(output))
+    trained = load_trained(checkpoint)
+    return export_model(trained.model, trained.tokenizer, name, output, trained.recipe.ignores)
+
+
+def export_pretrained(model: str, fmt: str, output: str | Path) -> ExportResult:
+    """Export a registered model or a Hugging Face directory (as ``load_model`` takes it),
+    untrained, in ``fmt`` to the new directory ``output``."""
+    from fp4rl.models import load_model
+
+    name = check_format(fmt)
+    check_output(Path(output))
+    return export_model(*load_model(model), name, output)
+
+
+def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: str,
+                 output: str | Path,
+                 ignores: Callable[[str], bool] = lambda name: False) -> ExportResult:
+    """Export ``model`` (any causal LM ``fp4rl.quantize_model`` can patch) in ``fmt``.
+
+    ``bf16``: a plain Hugging Face directory. ``mxfp4`` / ``nvfp4``: a compressed-tensors
+    checkpoint. ``hif4``: fp4rl's packed directory. In the three 4-bit formats each block
+    linear not matched by ``ignores`` is quantized along in_features exactly as
+    ``fp4rl.quantize(w, fmt, dim=-1)`` does; everything else is stored in bf16."""
+    name = check_format(fmt)
+    directory = Path(output)
+    check_output(directory)
+    write_directory(directory, model, tokenizer, _payload(model, name, ignores))
+    return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),
+                        bf16_bytes(model))
+
+
+def _payload(model: PreTrainedModel, fmt: str, ignores: Callable[[str], bool]) -> Payload:
+    if fmt == "bf16":
+        return Payload(unquantized_tensors(model, skip=set()))
+    layers = block_linears(model, ignores)
+    if not layers:
+        raise ExportError(f"{type(model).__name__} has no linear layer inside a transformer "
+                          f"block to quantize in {fmt}; export it as bf16")
+    check_blocks(layers, fmt, get_format(fmt).block_size)
+    if fmt in LAYOUTS:
+        return compressed_payload(model, layers, fmt)
+    return hif4_payload(model, layers)
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
