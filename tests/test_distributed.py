@@ -168,8 +168,8 @@ def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_ll
                                                                 strategy):
     """Rank 1 is SIGKILLed after step 2's checkpoint; the launcher ends the run; a rerun
     with --resume on two processes continues from step 2 and writes the metrics the
-    uninterrupted run wrote (under FSDP through the gathered full model and optimizer
-    state, shared out to the shards again)."""
+    uninterrupted run wrote (under FSDP each rank reloads its own model and optimizer
+    shards from the torch.distributed.checkpoint directory)."""
     args = [*_overrides(tiny_llama_dir), "run.steps=3", f"distributed.strategy={strategy}"]
     straight = _run(["train", "--output", str(tmp_path / "a"), *args], tmp_path, 2)
     assert straight.returncode == 0, straight.stderr[-3000:]

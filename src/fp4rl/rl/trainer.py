@@ -428,7 +428,9 @@ class Trainer:
         bytes this rank received, as metrics."""
         if self.policy is self.model:
             return {}
-        return sync_rollout_weights(self.model, self.policy, self.dist.world_size).metrics()
+        start = time.perf_counter()
+        sent = sync_rollout_weights(self.model, self.policy, self.dist.world_size)
+        return {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
 
     def _reference_model(self) -> torch.nn.Module:
         ref = copy.deepcopy(self.policy)
