@@ -1,0 +1,278 @@
+"""TRL's GRPO trainer running fp4rl's 4-bit policies: :class:`FP4GRPOTrainer`.
+
+TRL's ``GRPOTrainer`` keeps the whole GRPO loop (data, rewards, advantages, loss, logging,
+checkpoints); the subclass changes what the policy computes in and where completions come
+from:
+
+- the linears of every transformer block become :class:`fp4rl.nn.FP4Linear`
+  (:func:`fp4rl.quantize_model`), so each forward and backward TRL runs is the recipe's
+  training policy;
+- completions are sampled from the recipe's rollout policy (:func:`fp4rl.rollout_mode`),
+  by fp4rl's KV-cache engine or by transformers' ``generate``, together with each token's
+  log-probability under the distribution it was drawn from (temperature, top-k, top-p
+  applied);
+- TRL's importance-sampling correction for a mismatched sampler
+  (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min``, ``_clip_max``) is
+  applied to that rollout/training mismatch, with TRL's own code and metrics.
+
+What it touches inside TRL, and why the version is pinned (:data:`TRL_REQUIREMENT`):
+
+- ``_generate_single_turn`` (private, overridden): TRL's one-round generation hook. It
+  returns the completions and their sampling log-probs, which TRL turns into
+  ``sampling_per_token_logps``; everything around it (tokenizing, decoding, rewards) stays
+  TRL's.
+- ``use_vllm`` (attribute, set after TRL's constructor): TRL gates the correction on
+  ``use_vllm and vllm_importance_sampling_correction``, in
+  ``_generate_and_score_completions`` (pi_old, the ratio, the ``sampling/*`` metrics) and
+  ``_compute_loss`` (the weighted loss). ``args.use_vllm`` stays False, so no vLLM engine
+  is built; the flag's other readers are the vLLM branch of ``_generate_single_turn``
+  (overridden) and the weight sync of ``rollout_func`` and the context limit of the tool
+  loop, both refused here.
+
+Both are private interfaces that change between TRL releases, so the module refuses a
+TRL outside the tested range at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from packaging.requirements import Requirement
+from torch import nn
+
+from fp4rl.errors import RecipeError, UserError, did_you_mean
+from fp4rl.nn import Recipe, begin_step, preset, quantize_model, rollout_mode
+from fp4rl.rl.rollout import SamplingConfig, generate
+
+#: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
+TRL_REQUIREMENT = "trl>=1.16,<1.17"
+INSTALL = 'pip install "fp4rl[trl]"'
+
+try:
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.models import unwrap_model_for_generation
+    from trl.trainer.utils import pad
+except ModuleNotFoundError as error:
+    if error.name != "trl":
+        raise
+    raise ImportError(f"fp4rl.integrations.trl needs TRL ({TRL_REQUIREMENT}), which is not "
+                      f"installed: {INSTALL}") from None
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+
+RolloutEngine = Literal["fp4rl", "transformers"]
+ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
+
+#: GRPOTrainer arguments this trainer cannot honour, and why
+_REFUSED_ARGUMENTS = {
+    "peft_config": "fp4rl trains the full FP32 master weights, not adapters",
+    "tools": "only single-turn generation is supported",
+    "environment_factory": "only single-turn generation is supported",
+    "rollout_func": "a custom rollout would bypass the FP4 rollout policy",
+}
+
+
+class TRLVersionError(UserError, ImportError):
+    """The installed TRL is outside the range this module is tested with."""
+
+
+def check_trl_version(installed: str) -> None:
+    """Refuse a TRL outside :data:`TRL_REQUIREMENT`: the trainer overrides TRL's private
+    generation hook and sets an attribute TRL reads, and both change between releases."""
+    if not Requirement(TRL_REQUIREMENT).specifier.contains(installed, prereleases=True):
+        raise TRLVersionError(f"fp4rl.integrations.trl is tested with {TRL_REQUIREMENT}, "
+                              f"but trl {installed} is installed: {INSTALL}")
+
+
+check_trl_version(trl.__version__)
+
+
+def resolve_recipe(recipe: Recipe | str) -> Recipe:
+    """A :class:`Recipe` from a preset name or recipe string (``"hif4+resq-2:4"``) or a
+    Recipe itself; an unknown name is a one-line :class:`RecipeError`."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return preset(recipe)
+    raise RecipeError(f"fp4_recipe must be a recipe name or a fp4rl.Recipe, "
+                      f"got {type(recipe).__name__}")
+
+
+def _check_engine(engine: str, args: GRPOConfig | None) -> None:
+    if engine not in ROLLOUT_ENGINES:
+        raise UserError(f"fp4_rollout_engine {engine!r} is not one of "
+                        f"{', '.join(ROLLOUT_ENGINES)}{did_you_mean(engine, ROLLOUT_ENGINES)}")
+    if engine != "fp4rl" or args is None:
+        return
+    extras = {"min_p": args.min_p is not None, "repetition_penalty": args.repetition_penalty != 1,
+              "generation_kwargs": bool(args.generation_kwargs)}
+    chosen = [name for name, used in extras.items() if used]
+    if chosen:
+        raise UserError(f"{', '.join(chosen)}: fp4rl's rollout engine samples with temperature, "
+                        "top_p and top_k only; pass fp4_rollout_engine='transformers' to sample "
+                        "with transformers' generate, which applies them")
+
+
+def _check_config(args: GRPOConfig) -> None:
+    """Refuse settings that would leave fp4rl's policies or precision policy."""
+    if args.use_vllm:
+        raise UserError("use_vllm=True: FP4GRPOTrainer samples from fp4rl's rollout policy "
+                        "in this process (vLLM does not run its FP4 simulation); set "
+                        "use_vllm=False")
+    if args.use_transformers_continuous_batching:
+        raise UserError("use_transformers_continuous_batching=True casts the model for "
+                        "generation; FP4GRPOTrainer generates with its own rollout, set it False")
+    if args.fp16:
+        raise UserError("fp16=True: fp4rl computes in bf16 (bf16=True) or fp32 (bf16=False), "
+                        "always with FP32 master weights")
+    token_modes = ("token_truncate", "token_mask")
+    if args.loss_type == "vespo" and args.vllm_importance_sampling_correction and \
+            args.vllm_importance_sampling_mode not in token_modes:
+        raise UserError(f"loss_type='vespo' needs vllm_importance_sampling_mode in "
+                        f"{', '.join(token_modes)}, got {args.vllm_importance_sampling_mode!r}")
+
+
+def _check_arguments(kwargs: dict[str, Any]) -> None:
+    for name, reason in _REFUSED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise UserError(f"FP4GRPOTrainer does not take {name}: {reason}")
+
+
+def _require_fp32_masters(model: nn.Module) -> None:
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    if dtypes != [str(torch.float32)]:
+        raise UserError(f"the model's parameters are {', '.join(dtypes)}: fp4rl keeps FP32 "
+                        "master weights (bf16=True computes in bf16 under autocast); load the "
+                        "model in float32")
+
+
+def _trim(tokens: torch.Tensor, logprobs: torch.Tensor,
+          lengths: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's first ``length`` token ids and log-probs, as the lists TRL takes."""
+    n = lengths.tolist()
+    return ([row[:k] for row, k in zip(tokens.tolist(), n, strict=True)],
+            [row[:k] for row, k in zip(logprobs.tolist(), n, strict=True)])
+
+
+def _lengths_through_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Tokens up to and including each row's first end token (all of them if none), which
+    is what TRL counts as the completion."""
+    is_eos = torch.isin(tokens, torch.tensor(list(eos_token_ids), device=tokens.device))
+    first = is_eos.int().argmax(dim=1) + 1
+    return torch.where(is_eos.any(dim=1), first, tokens.shape[1])
+
+
+def sample_with_fp4rl(model: nn.Module, prompt_ids: Sequence[Sequence[int]],
+                      config: SamplingConfig, pad_token_id: int,
+                      eos_token_ids: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion per prompt from fp4rl's KV-cache engine, with each token's log-prob
+    under the filtered distribution it was drawn from."""
+    batch = generate(model, prompt_ids, config, pad_token_id=pad_token_id,
+                     eos_token_ids=list(eos_token_ids))
+    return _trim(batch.response_ids, batch.logprobs, batch.response_lengths())
+
+
+def sample_with_transformers(model: PreTrainedModel, prompt_ids: Sequence[Sequence[int]],
+                             generation_config: GenerationConfig, pad_token_id: int,
+                             eos_token_ids: Sequence[int]
+                             ) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion per prompt from transformers' ``generate``. Its ``scores`` are the
+    logits after every processor and warper (temperature, top-k, top-p, min-p, repetition
+    penalty), so their log-softmax is the distribution each token was drawn from."""
+    device = next(model.parameters()).device
+    rows = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
+    ids = pad(rows, padding_value=pad_token_id, padding_side="left").to(device)
+    mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left")
+    out = model.generate(input_ids=ids, attention_mask=mask.to(device),
+                         generation_config=generation_config, output_scores=True,
+                         return_dict_in_generate=True)
+    tokens = out.sequences[:, ids.shape[1]:]
+    logp = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
+    logprobs = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    return _trim(tokens, logprobs, _lengths_through_eos(tokens, eos_token_ids))
+
+
+class FP4GRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` whose training and rollout policies are fp4rl's 4-bit ones.
+
+    ``model``, ``reward_funcs`` and ``args`` are GRPOTrainer's; its other arguments
+    (``train_dataset``, ``processing_class``, ...) go by keyword. ``fp4_recipe`` is a
+    preset name, a recipe string (``"hif4+resq-2:4"``) or a :class:`fp4rl.Recipe`;
+    ``fp4_rollout_engine`` picks fp4rl's KV-cache engine (temperature, top_p, top_k) or
+    transformers' ``generate`` (every generation option of GRPOConfig).
+
+    The precision policy is fp4rl's: master weights and AdamW stay FP32, and
+    ``bf16=True`` runs training and rollout under accelerate's bf16 autocast, which FP4
+    layers follow (their operands are exact in bf16). If ``beta > 0``, TRL's reference
+    model gets the same recipe, so the KL compares two training policies.
+    """
+
+    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any = None,
+                 args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
+                 fp4_rollout_engine: RolloutEngine = "fp4rl", **kwargs: Any) -> None:
+        recipe = resolve_recipe(fp4_recipe)
+        _check_engine(fp4_rollout_engine, args)
+        if args is not None:
+            _check_config(args)
+        _check_arguments(kwargs)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self.fp4_recipe = recipe
+        self.fp4_rollout_engine = fp4_rollout_engine
+        self._patch_policies(recipe)
+        # TRL applies its sampler-mismatch correction only under this flag (see the module
+        # docstring); args.use_vllm is False, so TRL built no vLLM engine.
+        self.use_vllm = True
+
+    def _patch_policies(self, recipe: Recipe) -> None:
+        policy = self.accelerator.unwrap_model(self.model)
+        _require_fp32_masters(policy)
+        quantize_model(policy, recipe)
+        if self.ref_model is not None:
+            quantize_model(self.accelerator.unwrap_model(self.ref_model), recipe)
+
+    @contextlib.contextmanager
+    def _rollout_policy(self) -> Iterator[nn.Module]:
+        """The unwrapped model as the rollout policy. The compute dtype is set here, as TRL
+        sets it for its own forwards, rather than left to the autocast wrapper accelerate
+        puts on a prepared model's forward (absent before ``train()``, e.g. for an
+        ``evaluate()`` first). TRL's unwrapping also pauses gradient checkpointing, which
+        would turn the KV cache off."""
+        with (unwrap_model_for_generation(
+                  self.model_wrapped, self.accelerator,
+                  gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                  gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+              as policy, torch.no_grad(), rollout_mode(policy), self.accelerator.autocast()):
+            begin_step(policy)  # one generation round is one RL step: recalibrate recovery
+            yield policy
+
+    def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any,
+                              multimodal_fields: dict[str, Any], num_generations: int,
+                              has_tool_images: bool = False
+                              ) -> tuple[list[list[int]], list[list[float]]]:
+        """TRL's generation hook: one completion per prompt row (TRL has already repeated
+        each prompt ``num_generations`` times) from the rollout policy, and each token's
+        log-prob under the distribution it was sampled from, which TRL keeps as
+        ``sampling_per_token_logps`` and compares with the training policy's pi_old."""
+        if images is not None or multimodal_fields:
+            raise UserError("FP4GRPOTrainer samples text-only prompts; this batch has images")
+        pad_token_id = self.generation_config.pad_token_id
+        with self._rollout_policy() as policy:
+            if self.fp4_rollout_engine == "transformers":
+                return sample_with_transformers(policy, prompt_ids, self.generation_config,
+                                                pad_token_id, self.eos_token_ids)
+            return sample_with_fp4rl(policy, prompt_ids, self._sampling_config(),
+                                     pad_token_id, self.eos_token_ids)
+
+    def _sampling_config(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k or 0, max_new_tokens=self.max_completion_length)
+
+
+__all__ = ["INSTALL", "ROLLOUT_ENGINES", "TRL_REQUIREMENT", "FP4GRPOTrainer", "RolloutEngine",
+           "TRLVersionError", "check_trl_version", "resolve_recipe", "sample_with_fp4rl",
+           "sample_with_transformers"]
