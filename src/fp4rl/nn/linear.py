@@ -108,7 +108,8 @@ class FP4Linear(nn.Linear):
         """Switch formats/recovery; drops cached rollout weights."""
         self.recipe = recipe
         self.recovery: RolloutRecovery = make_recovery(
-            recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed)
+            recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed,
+            weight_format=recipe.rollout.weights)
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
         self._received: tuple[tuple[int, int, int], Operand] | None = None
 

@@ -2,12 +2,13 @@
 
 Every method, built-in or not, is a plug-in registered by name with
 :func:`register`; importing this package registers the built-in ones (``none``,
-``smoothquant``, ``rht``, ``occ``, ``resq``, in the order of the paper's tables).
+``smoothquant``, ``rht``, ``occ``, ``resq``, in the order of the paper's tables, then
+``resqw``, ResQ on the weight too, a step beyond the paper).
 ``sparsify`` and ``resq_matmul`` are the functional forms.
 """
 
-# Registers the built-in methods; this order is the row order of the paper's tables.
-from fp4rl.recovery import smoothquant, rht, occ, resq  # noqa: F401, I001
+# Registers the built-in methods; this order is the row order of the recovery tables.
+from fp4rl.recovery import smoothquant, rht, occ, resq, resqw  # noqa: F401, I001
 from fp4rl.recovery.base import (
     RecoveryConfig,
     RolloutRecovery,

@@ -73,9 +73,11 @@ class RolloutRecovery(ABC):
     reads_weight: ClassVar[bool] = False
 
     def __init__(self, config: RecoveryConfig, act_format: str, in_features: int,
-                 seed: int) -> None:
+                 seed: int, weight_format: str | None = None) -> None:
         self.config = config
         self.act_format = act_format
+        #: the rollout weight format (methods that treat the weight as well need it)
+        self.weight_format = weight_format or act_format
         self.in_features = in_features
         self.seed = seed
         #: bumped whenever ``transform_weight`` would change: invalidates the weight cache

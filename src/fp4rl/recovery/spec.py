@@ -87,9 +87,11 @@ class Recovery:
 
 
 def make_recovery(recovery: Recovery, act_format: str, in_features: int,
-                  seed: int) -> RolloutRecovery:
-    """The configured method's instance for one layer."""
-    return get_method(recovery.method)(recovery.config, act_format, in_features, seed)
+                  seed: int, weight_format: str | None = None) -> RolloutRecovery:
+    """The configured method's instance for one layer (``weight_format``: the rollout
+    weight format, default ``act_format``)."""
+    return get_method(recovery.method)(recovery.config, act_format, in_features, seed,
+                                       weight_format=weight_format)
 
 
 __all__ = ["Recovery", "make_recovery"]
