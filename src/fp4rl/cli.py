@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "hif4+resq-2:4); default: unquantized, or the run's recipe with "
                     "--recipe run")
     ev.add_argument("--data", default="synthetic",
-                    help="synthetic, or LAYOUT:PATH (gsm8k, math500, aime24, aime25, amc23, "
+                    help="synthetic (arithmetic), synthetic-words (word problems), or "
+                    "LAYOUT:PATH (gsm8k, math500, aime24, aime25, amc23, "
                     "dapo-math-17k)")
     ev.add_argument("--field", action="append", metavar="ROLE=NAME",
                     help="field mapping, e.g. problem=Problem (repeatable)")

@@ -28,7 +28,9 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # synthetic, or a layout: gsm8k, math500, aime24, ... dapo
+    #: synthetic (arithmetic), synthetic-words (word problems), or a layout: gsm8k,
+    #: math500, aime24, ... dapo
+    source: str = "synthetic"
     train_path: str | None = None
     test_path: str | None = None
     levels: list[int] = Field(default_factory=lambda: [1, 2])  # synthetic task levels
