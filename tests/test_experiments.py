@@ -58,7 +58,7 @@ def test_eval_spec_and_preset_errors():
                                                                     "math500:/d/m.jsonl")
     with pytest.raises(ValueError, match="NAME=LAYOUT:PATH"):
         EvalSpec.parse("math500.jsonl")
-    with pytest.raises(ValueError, match="tiny, paper-3b, paper-7b"):
+    with pytest.raises(ValueError, match="tiny, tiny3, paper-3b, paper-7b"):
         get_preset("huge")
 
 

@@ -10,10 +10,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fp4rl.cli import main
-from fp4rl.data import Example
+from fp4rl.cli import EXPERIMENT_PRESETS, main
+from fp4rl.data import Example, synthetic_dataset
 from fp4rl.errors import UserError
 from fp4rl.experiments import (
+    PRESETS,
     Experiment,
     cell_config,
     check_seeds,
@@ -247,6 +248,16 @@ def test_cli_seeds_cells_and_report_only_rebuild_the_same_tables(tmp_path, fake_
         return [line for line in report.splitlines() if not line.startswith("Command:")]
 
     assert body((out / "recovery.md").read_text()) == body(text)
+    # the result files alone, as they are kept in the repository, give the same tables
+    stored = tmp_path / "stored"
+    for path in out.rglob("result.json"):
+        copy = stored / path.relative_to(out)
+        copy.parent.mkdir(parents=True)
+        copy.write_bytes(path.read_bytes())
+    assert sorted(p.name for p in stored.rglob("*") if p.is_file()) == ["result.json"] * 6
+    stored_args = [a if a != str(out) else str(stored) for a in args]
+    assert main([*stored_args, "--report-only"]) == 0
+    assert body((stored / "recovery.md").read_text()) == body(text)
 
 
 def test_cli_lists_seeds_and_refuses_bad_ones_in_one_line(tmp_path, capsys):
@@ -257,6 +268,22 @@ def test_cli_lists_seeds_and_refuses_bad_ones_in_one_line(tmp_path, capsys):
         code = main(["experiment", "precision", "--output", str(tmp_path), "--seeds", *seeds])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1 and "--seeds" in err
+
+
+def test_tiny3_is_a_multi_seed_word_problem_preset(tmp_path):
+    assert set(EXPERIMENT_PRESETS) == set(PRESETS)
+    preset = get_preset("tiny3")
+    assert len(preset.seeds) >= 3
+    exp = Experiment("precision", preset, tmp_path, preset.formats, seeds=preset.seeds)
+    cfg = cell_config(exp, grid_cells("precision", preset.formats)[0])
+    assert cfg.data.source == "synthetic-words" and cfg.data.test_size >= 300
+    assert cfg.run.steps > 16 and cfg.eval.prompt_seed is not None
+    test = {e.prompt for e in synthetic_dataset("test", cfg.data.test_size, cfg.data.levels,
+                                                cfg.eval.prompt_seed, cfg.data.source)}
+    for seed in preset.seeds:
+        train = synthetic_dataset("train", cfg.data.train_size, cfg.data.levels, seed,
+                                  cfg.data.source)
+        assert not test & {e.prompt for e in train}
 
 
 def test_reward_band_spans_the_seeds_over_their_common_steps():

@@ -337,7 +337,7 @@ def _add_device_args(parser: argparse.ArgumentParser, precision: str) -> None:
 
 #: fp4rl.experiments.PRESETS' names, spelled out so that building the parser imports no
 #: experiment code
-EXPERIMENT_PRESETS = ("tiny", "paper-3b", "paper-7b")
+EXPERIMENT_PRESETS = ("tiny", "tiny3", "paper-3b", "paper-7b")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -439,8 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(recovery) grid: a GRPO run + evaluation per cell, resumable")
     exp.add_argument("kind", choices=["precision", "recovery"])
     exp.add_argument("--preset", default="tiny", choices=EXPERIMENT_PRESETS,
-                     help="tiny: smollm2-135m + synthetic task on a CPU; paper-*: the paper's "
-                     "Qwen runs (local weights and data via --set)")
+                     help="tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
+                     "tiny3: smollm2-135m + synthetic word problems, 3 seeds, 300 test "
+                     "prompts; paper-*: the paper's Qwen runs (local weights and data via "
+                     "--set)")
     exp.add_argument("--output", required=True, help="directory for the cells and the report "
                      "(rerun the same command to resume)")
     exp.add_argument("--format", dest="formats", action="append",

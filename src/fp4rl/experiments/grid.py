@@ -153,6 +153,25 @@ TINY = ExperimentPreset(
     },
     evals=(EvalSpec("synthetic"),),
 )
+TINY3 = ExperimentPreset(
+    "tiny3",
+    "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2), 48 GRPO "
+    "steps of 4 prompts x 8 samples, seeds 0, 1 and 2, scored greedily on the same 300 "
+    "test prompts for every seed: about 30-60 CPU-minutes per cell and seed (estimated)",
+    changes={
+        "model": "smollm2-135m",
+        "mixed_precision": "auto",
+        "data": {"source": "synthetic-words", "levels": [1, 2], "train_size": 800,
+                 "test_size": 300},
+        "grpo": {"num_generations": 8, "batch_size": 4, "micro_batch_size": 16,
+                 "learning_rate": 1.0e-5, "temperature": 0.8, "max_prompt_length": 256,
+                 "max_response_length": 48},
+        "eval": {"mean_at_k": 1, "max_new_tokens": 48, "prompt_seed": 0},
+        "run": {"steps": 48, "seed": 0, "save_steps": 8, "keep_checkpoints": 1},
+    },
+    evals=(EvalSpec("synthetic-words"),),
+    seeds=(0, 1, 2),
+)
 PAPER_3B = ExperimentPreset(
     "paper-3b",
     "Qwen2.5-3B on GSM8K (config preset qwen2.5-3b-gsm8k); set model and data paths with "
@@ -167,7 +186,7 @@ PAPER_7B = ExperimentPreset(
     config="qwen2.5-math-7b-dapo",
     formats=("hif4",),
 )
-PRESETS = {p.name: p for p in (TINY, PAPER_3B, PAPER_7B)}
+PRESETS = {p.name: p for p in (TINY, TINY3, PAPER_3B, PAPER_7B)}
 
 
 def get_preset(name: str) -> ExperimentPreset:
