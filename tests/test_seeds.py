@@ -28,7 +28,7 @@ from fp4rl.experiments import (
     write_report,
 )
 from fp4rl.experiments.claims import grid_claims
-from fp4rl.experiments.report import claim_rows
+from fp4rl.experiments.report import claim_rows, gap, reward_band
 from fp4rl.models import tiny_model
 from fp4rl.paths import write_json
 from fp4rl.rl.evaluate import evaluate, prompt_digest
@@ -287,11 +287,31 @@ def test_tiny3_is_a_multi_seed_word_problem_preset(tmp_path):
 
 
 def test_reward_band_spans_the_seeds_over_their_common_steps():
-    from fp4rl.experiments.report import reward_band
-
     runs = {0: {"rewards": [0.0, 0.0, 0.0, 0.0, 0.0, 9.0]}, 1: {"rewards": [1.0] * 5},
             2: {"rewards": [0.5] * 5}}
     middle, low, high = reward_band(runs)
     assert len(middle) == 5  # seed 0's sixth step has no counterpart
     assert list(low) == [0.0] * 5 and list(high) == [1.0] * 5 and middle[0] == 0.5
     assert reward_band({}) is None and reward_band({0: {"rewards": []}}) is None
+
+
+def test_real_cells_with_two_seeds_pair_on_shared_prompts(tmp_path, tiny_llama_dir):
+    """Two seeds of two cells trained for real (a tiny model, two steps): each seed trains
+    with its own seed in its own directory, and all four runs are scored on the same
+    prompts, so the report pairs them."""
+    small = ("run.steps=2", "run.save_steps=1", "grpo.num_generations=4",
+             "grpo.batch_size=2", "grpo.max_response_length=4", "data.train_size=8",
+             "data.test_size=5", "eval.max_new_tokens=4", "eval.prompt_seed=0")
+    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",),
+                     (f"model={tiny_llama_dir}", *small), seeds=(0, 1))
+    cells = grid_cells("recovery", ("hif4",))[:2]
+    run_cells(exp, seeded_cells(cells, exp.run_seeds))
+    results = load_results(exp, cells, exp.run_seeds)
+    assert {(r["seed"], r["config"]["run"]["seed"]) for runs in results.values()
+            for r in runs.values()} == {(0, 0), (1, 1)}
+    assert (tmp_path / "seed-1/cells/hif4/run/metrics.jsonl").is_file()
+    digests = {r[p]["synthetic"]["prompts"] for runs in results.values()
+               for r in runs.values() for p in ("initial", "rollout", "bf16")}
+    assert len(digests) == 1
+    diff = gap(results["hif4"], results["bf16"], "rollout", "synthetic")
+    assert (diff.seeds, diff.prompts, diff.crossed) == (2, 5, True)
