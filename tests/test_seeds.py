@@ -27,7 +27,7 @@ from fp4rl.experiments import (
     seeded_cells,
     write_report,
 )
-from fp4rl.experiments.claims import grid_claims
+from fp4rl.experiments.claims import MATCHES_BF16, grid_claims
 from fp4rl.experiments.report import claim_rows, gap, reward_band
 from fp4rl.models import tiny_model
 from fp4rl.paths import write_json
@@ -315,3 +315,18 @@ def test_real_cells_with_two_seeds_pair_on_shared_prompts(tmp_path, tiny_llama_d
     assert len(digests) == 1
     diff = gap(results["hif4"], results["bf16"], "rollout", "synthetic")
     assert (diff.seeds, diff.prompts, diff.crossed) == (2, 5, True)
+
+
+def test_every_claim_points_the_paper_s_way():
+    """Each comparison names cells of the paper's tables, and the paper's own gap has the
+    claimed sign: positive, a tie where the paper ties, small for 'matches BF16'."""
+    both = ("hif4", "mxfp4")
+    claims = grid_claims("precision", both) + grid_claims("recovery", both)
+    assert len(claims) == 14 + 28 and all(c.paper_gap is not None for c in claims)
+    for c in claims:
+        if c.claim == MATCHES_BF16:
+            assert -1 < c.paper_gap < 0
+        else:
+            assert c.paper_gap >= 0 and (c.paper_gap > 0 or c.label == (
+                "MXFP4: ResQ (2:4) vs ResQ (dense)")), c
+    assert all(c.paper_gap is None for c in grid_claims("recovery", ("nvfp4",)))
