@@ -15,6 +15,7 @@ import pytest
 from fp4rl.data import (
     LAYOUTS,
     LEVELS,
+    VARIANTS,
     DataError,
     DataWarning,
     Example,
@@ -318,3 +319,55 @@ def test_synthetic_spreads_n_over_levels_and_indexes_examples() -> None:
 def test_synthetic_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         synthetic_dataset(**kwargs)
+
+
+# --------------------------------------------------------------------------- word problems
+
+
+def test_word_problems_are_sentences_with_exact_answers() -> None:
+    reward = get_reward_fn("gsm8k")
+    examples = synthetic_dataset("test", 80, levels=(1, 2, 4, 5), seed=2,
+                                 source="synthetic-words")
+    assert {(e.source, e.reward) for e in examples} == {("synthetic-words", "gsm8k")}
+    assert {e.meta["level"] for e in examples} == {1, 2, 4, 5}
+    for example in examples:
+        assert example.prompt.endswith("?") and len(example.prompt.split()) >= 10
+        value = eval(example.meta["expression"])  # built by the generator
+        assert value == int(example.answer.removeprefix("#### "))
+        assert reward(f"#### {int(value)}", example.answer) == 1.0
+
+
+def test_word_problem_splits_are_disjoint_and_hold_hundreds_of_test_questions() -> None:
+    test = synthetic_dataset("test", 400, levels=(1, 2), seed=0, source="synthetic-words")
+    for seed in (0, 1, 2):
+        train = synthetic_dataset("train", 800, levels=(1, 2), seed=seed,
+                                  source="synthetic-words")
+        assert {e.prompt for e in train}.isdisjoint(e.prompt for e in test)
+    synthetic_dataset("test", 206, levels=(2,), source="synthetic-words")
+    with pytest.raises(ValueError, match="level 2 has only 206 distinct test questions"):
+        synthetic_dataset("test", 207, levels=(2,), source="synthetic-words")
+
+
+def test_word_variant_keeps_the_multi_step_levels_and_their_split() -> None:
+    """Levels 4-5 are the same templates in both sources, and a question's split does not
+    depend on the source it was drawn from."""
+    assert VARIANTS["synthetic-words"][4] is LEVELS[4]
+    words = synthetic_dataset("test", 100, levels=(4,), seed=5, source="synthetic-words")
+    arithmetic = synthetic_dataset("train", 400, levels=(4,), seed=5)
+    assert {e.meta["expression"] for e in words}.isdisjoint(
+        e.meta["expression"] for e in arithmetic)
+    assert words != synthetic_dataset("test", 100, levels=(4,), seed=5)
+
+
+def test_word_variant_is_a_data_source() -> None:
+    from fp4rl.rl.config import DataConfig
+    from fp4rl.rl.datasets import load_split
+
+    cfg = DataConfig(source="synthetic-words", levels=[1, 2], train_size=6, test_size=4)
+    assert [e.source for e in load_split(cfg, "train", seed=1)] == ["synthetic-words"] * 6
+    assert load_split(cfg, "test", seed=1) == synthetic_dataset(
+        "test", 4, levels=(1, 2), seed=1, source="synthetic-words")
+    with pytest.raises(ValueError, match="levels must be a non-empty subset of \\[1, 2, 4, 5\\]"):
+        synthetic_dataset("test", 4, levels=(3,), source="synthetic-words")
+    with pytest.raises(ValueError, match="unknown synthetic source 'synthetic-poems'"):
+        synthetic_dataset("test", 4, source="synthetic-poems")

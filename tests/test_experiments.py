@@ -58,7 +58,7 @@ def test_eval_spec_and_preset_errors():
                                                                     "math500:/d/m.jsonl")
     with pytest.raises(ValueError, match="NAME=LAYOUT:PATH"):
         EvalSpec.parse("math500.jsonl")
-    with pytest.raises(ValueError, match="tiny, paper-3b, paper-7b"):
+    with pytest.raises(ValueError, match="tiny, tiny3, paper-3b, paper-7b"):
         get_preset("huge")
 
 
@@ -91,6 +91,12 @@ def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, tiny_llama
     assert [r["step"] for r in read_metrics(first_run / METRICS)] == [1, 2]
     result = load_result(exp, cells[2])
     assert len(result["rewards"]) == 2 and set(result) >= {"initial", "rollout", "bf16"}
+    for policy in ("initial", "rollout", "bf16"):  # per-prompt outcomes, for paired gaps
+        scores = result[policy]["synthetic"]
+        assert len(scores["correct"]) == scores["n"] == 3
+    assert result["rollout"]["synthetic"]["prompts"] == result["initial"]["synthetic"]["prompts"]
+    text = (exp.cell_dir(cells[2]) / runner.RESULT).read_text()
+    assert '"correct": [' in text and '"rewards": [' in text  # number lists on one line
     assert not list((exp.cell_dir(cells[2]) / "run").glob("checkpoints/*/optimizer.pt"))
     assert ckpt.latest_checkpoint(exp.cell_dir(cells[2]) / "run") is not None
 
@@ -124,15 +130,17 @@ def _fake(acc_rollout, acc_bf16=None):
 
 
 def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
-    results = {"bf16": _fake(0.80), "hif4": _fake(0.75), "hif4:bf16/fp4": _fake(0.70),
-               "mxfp4": _fake(0.60)}
+    """Result files without per-prompt outcomes (written before they were stored) give
+    means and plain gaps, as single-seed tables always did."""
+    results = {"bf16": {0: _fake(0.80)}, "hif4": {0: _fake(0.75)},
+               "hif4:bf16/fp4": {0: _fake(0.70)}, "mxfp4": {0: _fake(0.60)}}
     lines = precision_table(results, ("hif4", "mxfp4"), "synthetic", "rollout")
     assert lines[0] == "| Train | Rollout | FP4 = HiF4 | FP4 = MXFP4 |"
     assert lines[2] == "| BF16 | BF16 | 80.0 | 80.0 |"
     assert lines[7] == "| FP4 | FP4 | 75.0 (-5.0) | 60.0 (-20.0) |"
     assert lines[8] == "| BF16 | FP4 | 70.0 (-10.0) | -- |"
     cells = grid_cells("recovery", ("hif4",))
-    rec = recovery_table({"bf16": _fake(0.5), "hif4+resq-2:4": _fake(0.45)}, cells,
+    rec = recovery_table({"bf16": {0: _fake(0.5)}, "hif4+resq-2:4": {0: _fake(0.45)}}, cells,
                          ["synthetic"], "rollout")
     assert rec[2] == "| BF16 | -- | 50.0 |"
     assert rec[3] == "| HiF4 | -- | -- |"
@@ -149,7 +157,8 @@ def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):
     assert row.count("(") == 1  # accuracy (gap to BF16) for the one format
     assert (out / "precision_rewards.png").is_file()
     payload = json.loads((out / "precision.json").read_text())
-    assert len(payload["cells"]) == 7 and all("rollout" in c for c in payload["cells"])
+    assert len(payload["cells"]) == 7 and all(set(c["runs"]) == {"0"} and "rollout" in
+                                              c["runs"]["0"] for c in payload["cells"])
     assert main([*args, "--report-only"]) == 0
 
 

@@ -6,10 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from fp4rl.paths import write_json
+
+if TYPE_CHECKING:
+    from fp4rl.experiments import Cell, Experiment
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
@@ -256,41 +260,50 @@ def track(items: object, description: str, console: Console) -> object:
 
 def _experiment(args: argparse.Namespace, console: Console) -> int:
     from fp4rl import experiments as ex
-    from fp4rl.progress import progress_bar
 
     preset = ex.get_preset(args.preset)
     formats = tuple(args.formats or preset.formats)
+    seeds = ex.check_seeds(args.seeds) if args.seeds is not None else preset.seeds
     exp = ex.Experiment(args.kind, preset, Path(args.output), formats, tuple(args.overrides),
-                        tuple(ex.EvalSpec.parse(e) for e in args.evals or []))
+                        tuple(ex.EvalSpec.parse(e) for e in args.evals or []), seeds)
     cells = ex.grid_cells(args.kind, formats)
     for cell in cells:
         ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
     chosen = ex.select_cells(cells, args.cells) if args.cells else cells
+    runs = ex.seeded_cells(chosen, exp.run_seeds)
     exp.output.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         console.print(f"{args.kind} grid, {preset.name} preset: {len(chosen)} of {len(cells)} "
-                      f"cells in {exp.output / 'cells'} ({args.jobs} at a time)")
-        with progress_bar(console) as bar:
-            grid = bar.add_task("cells", total=len(chosen), info="")
-            steps = bar.add_task("GRPO", total=None, info="", visible=args.jobs <= 1)
-
-            def status(cell: ex.Cell, what: str) -> None:
-                if what in ("done", "finished earlier"):
-                    bar.advance(grid)
-                if what == "running":
-                    bar.reset(steps)
-                bar.update(grid, info=f"{cell.name}: {what}")
-
-            def step(s: int, total: int, m: dict) -> None:
-                bar.update(steps, total=total, completed=s,
-                           info=f"reward {m['reward_mean']:.3f}")
-
-            ex.run_cells(exp, chosen, jobs=args.jobs, on_status=status, progress=step)
-    results = {c.name: ex.load_result(exp, c) for c in cells}
+                      f"cells x seeds {', '.join(map(str, exp.run_seeds))} in {exp.output} "
+                      f"({args.jobs} at a time)")
+        _run_grid(exp, runs, args.jobs, console)
+    results = ex.load_results(exp, cells, exp.run_seeds)
     path = ex.write_report(exp, cells, results, command=["fp4rl", *args.argv])
     console.print(path.read_text(), markup=False, soft_wrap=True)
     console.print(f"report: {path}")
     return 0
+
+
+def _run_grid(exp: Experiment, runs: list[Cell], jobs: int, console: Console) -> None:
+    """Run the unfinished (cell, seed) runs with a progress bar."""
+    from fp4rl import experiments as ex
+    from fp4rl.progress import progress_bar
+
+    with progress_bar(console) as bar:
+        grid = bar.add_task("runs", total=len(runs), info="")
+        steps = bar.add_task("GRPO", total=None, info="", visible=jobs <= 1)
+
+        def status(cell: Cell, what: str) -> None:
+            if what in ("done", "finished earlier"):
+                bar.advance(grid)
+            if what == "running":
+                bar.reset(steps)
+            bar.update(grid, info=f"{cell.label}: {what}")
+
+        def step(s: int, total: int, m: dict) -> None:
+            bar.update(steps, total=total, completed=s, info=f"reward {m['reward_mean']:.3f}")
+
+        ex.run_cells(exp, runs, jobs=jobs, on_status=status, progress=step)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -320,6 +333,11 @@ def _add_device_args(parser: argparse.ArgumentParser, precision: str) -> None:
     parser.add_argument("--mixed-precision", default=precision, choices=["no", "bf16", "auto"],
                         help=f"compute dtype: no (fp32), bf16, auto (bf16 where native); "
                         f"default {precision}")
+
+
+#: fp4rl.experiments.PRESETS' names, spelled out so that building the parser imports no
+#: experiment code
+EXPERIMENT_PRESETS = ("tiny", "tiny3", "paper-3b", "paper-7b")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "hif4+resq-2:4); default: unquantized, or the run's recipe with "
                     "--recipe run")
     ev.add_argument("--data", default="synthetic",
-                    help="synthetic, or LAYOUT:PATH (gsm8k, math500, aime24, aime25, amc23, "
+                    help="synthetic (arithmetic), synthetic-words (word problems), or "
+                    "LAYOUT:PATH (gsm8k, math500, aime24, aime25, amc23, "
                     "dapo-math-17k)")
     ev.add_argument("--field", action="append", metavar="ROLE=NAME",
                     help="field mapping, e.g. problem=Problem (repeatable)")
@@ -419,9 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("experiment", help="the paper's Table 1 (precision) or Tables 2/4 "
                          "(recovery) grid: a GRPO run + evaluation per cell, resumable")
     exp.add_argument("kind", choices=["precision", "recovery"])
-    exp.add_argument("--preset", default="tiny", choices=["tiny", "paper-3b", "paper-7b"],
-                     help="tiny: smollm2-135m + synthetic task on a CPU; paper-*: the paper's "
-                     "Qwen runs (local weights and data via --set)")
+    exp.add_argument("--preset", default="tiny", choices=EXPERIMENT_PRESETS,
+                     help="tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
+                     "tiny3: smollm2-135m + synthetic word problems, 3 seeds, 300 test "
+                     "prompts; paper-*: the paper's Qwen runs (local weights and data via "
+                     "--set)")
     exp.add_argument("--output", required=True, help="directory for the cells and the report "
                      "(rerun the same command to resume)")
     exp.add_argument("--format", dest="formats", action="append",
@@ -436,8 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--cells", nargs="+", metavar="NAME",
                      help="run only these cells (preset names such as hif4+resq-2:4 or "
                      "mxfp4:bf16/fp4); the report still covers the whole grid")
+    exp.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                     help="run every cell once per seed (default: the preset's; tiny and "
+                     "paper-*: the config's run.seed only), with intervals over seeds and "
+                     "prompts in the report; run.seed keeps <output>/cells, seed S goes to "
+                     "<output>/seed-S/cells")
     exp.add_argument("--report-only", action="store_true",
-                     help="write the tables from the finished cells without running any")
+                     help="write the tables from the finished runs without running any")
     exp.set_defaults(func=_experiment)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,22 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "fp4rl"
 
 
-def write_json(path: str | Path, payload: Any) -> Path:
+#: a JSON list of numbers as ``json.dumps(indent=2)`` writes it, one number per line
+_NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
+
+
+def write_json(path: str | Path, payload: Any, inline_numbers: bool = False) -> Path:
     """Write ``payload`` as indented JSON, creating the parent directories; atomic (a
-    reader, or a rerun after a kill, sees the old file or the whole new one)."""
+    reader, or a rerun after a kill, sees the old file or the whole new one).
+    ``inline_numbers`` puts each list of numbers on one line, which keeps files with long
+    per-prompt or per-step lists a fraction of the size."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=2)
+    if inline_numbers:
+        text = _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m[1]) + "]", text)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.write_text(text)
     os.replace(tmp, target)
     return target
 

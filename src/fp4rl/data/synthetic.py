@@ -28,6 +28,22 @@ or ``test`` (about 20 %), so the splits never share a question whatever the seed
 only chooses which questions and in what order. Answers are integers and each Example's
 reference is ``"#### N"``, graded by the ``gsm8k`` reward; ``meta`` records the level and a
 Python expression whose value is the answer.
+
+The word-problem variant (data source ``synthetic-words``) asks the same kind of sums in
+GSM8K-style sentences, for a model small enough to learn from them:
+
+=====  ======================================================  =====================================
+level  questions                                               example
+=====  ======================================================  =====================================
+1      one-step stories: add or take away, numbers up to 50    Mia has 12 apples and gives 5 of ...
+2      one-step stories: a × b, a in 2..12 and b in 2..30      A hall has 7 rows of chairs with ...
+4, 5   the two- and three-step problems of levels 4 and 5
+=====  ======================================================  =====================================
+
+Levels 1 and 2 hold 4,815 and 957 distinct questions (three sentence templates each; the
+template is part of the key), 977 and 206 of them in the test split, so a test set of a
+few hundred prompts stays disjoint from training. Levels 4 and 5 keep their keys, hence
+their split.
 """
 
 from __future__ import annotations
@@ -214,6 +230,69 @@ LEVELS: dict[int, Level] = {
 }
 
 
+# --------------------------------------------------------------------------- one-step stories
+
+
+def _story_gain(rng: random.Random) -> _Problem:
+    name, friend, item = _cast(rng)
+    a, b = rng.randint(2, 50), rng.randint(2, 50)
+    question = (f"{name} has {a} {item}. {friend} gives {name} {b} more {item}. "
+                f"How many {item} does {name} have now?")
+    return _Problem(("story-gain", a, b), question, f"{a} + {b}", a + b)
+
+
+def _story_give(rng: random.Random) -> _Problem:
+    name, friend, item = _cast(rng)
+    a = rng.randint(10, 50)
+    b = rng.randint(1, a - 1)
+    question = (f"{name} has {a} {item} and gives {b} of them to {friend}. "
+                f"How many {item} does {name} have left?")
+    return _Problem(("story-give", a, b), question, f"{a} - {b}", a - b)
+
+
+def _story_together(rng: random.Random) -> _Problem:
+    name, friend, item = _cast(rng)
+    a, b = rng.randint(2, 50), rng.randint(2, 50)
+    question = (f"{name} has {a} {item} and {friend} has {b} {item}. "
+                f"How many {item} do they have altogether?")
+    return _Problem(("story-together", *sorted((a, b))), question, f"{a} + {b}", a + b)
+
+
+def _story_packs(rng: random.Random) -> _Problem:
+    name, _, item = _cast(rng)
+    a, b = rng.randint(2, 12), rng.randint(2, 30)
+    question = (f"{name} buys {a} packs of {item} with {b} {item} in each pack. "
+                f"How many {item} does {name} buy?")
+    return _Problem(("story-packs", a, b), question, f"{a} * {b}", a * b)
+
+
+def _story_rows(rng: random.Random) -> _Problem:
+    a, b = rng.randint(2, 12), rng.randint(2, 30)
+    question = (f"A hall has {a} rows of chairs with {b} chairs in each row. "
+                "How many chairs are in the hall?")
+    return _Problem(("story-rows", a, b), question, f"{a} * {b}", a * b)
+
+
+def _story_weekly(rng: random.Random) -> _Problem:
+    name, _, _ = _cast(rng)
+    a, b = rng.randint(2, 12), rng.randint(2, 30)
+    question = (f"{name} saves {b} dollars every week for {a} weeks. "
+                f"How many dollars does {name} save?")
+    return _Problem(("story-weekly", a, b), question, f"{a} * {b}", a * b)
+
+
+WORD_LEVELS: dict[int, Level] = {
+    1: Level("one-step stories adding or taking away, numbers up to 50",
+             _one_of(_story_gain, _story_give, _story_together)),
+    2: Level("one-step stories a × b, a in 2..12 and b in 2..30",
+             _one_of(_story_packs, _story_rows, _story_weekly)),
+    4: LEVELS[4],
+    5: LEVELS[5],
+}
+#: the synthetic data sources (``data.source``) and their levels
+VARIANTS: dict[str, dict[int, Level]] = {"synthetic": LEVELS, "synthetic-words": WORD_LEVELS}
+
+
 # --------------------------------------------------------------------------- dataset
 
 
@@ -223,14 +302,15 @@ def split_of(key: tuple[int | str, ...]) -> str:
     return "test" if int.from_bytes(digest[:4], "big") % 100 < _TEST_PERCENT else "train"
 
 
-def _sample_level(level: int, split: str, count: int, seed: int) -> list[_Problem]:
+def _sample_level(source: str, level: int, split: str, count: int,
+                  seed: int) -> list[_Problem]:
     """``count`` distinct questions of one level from one split, reproducible by seed."""
-    rng = random.Random(f"fp4rl-synthetic/{seed}/{split}/{level}")
+    rng = random.Random(f"{_stream(source)}/{seed}/{split}/{level}")
     found: dict[tuple[int | str, ...], _Problem] = {}
     for _ in range(max(_MIN_DRAWS, _DRAWS_PER_QUESTION * count)):
         if len(found) == count:
             break
-        problem = LEVELS[level].generate(rng)
+        problem = VARIANTS[source][level].generate(rng)
         key = (level, *problem.key)
         if key not in found and split_of(key) == split:
             found[key] = problem
@@ -241,15 +321,26 @@ def _sample_level(level: int, split: str, count: int, seed: int) -> list[_Proble
     return list(found.values())
 
 
-def _check(split: str, n: int, levels: Sequence[int]) -> tuple[int, ...]:
+def _stream(source: str) -> str:
+    """The random stream's name: the arithmetic task keeps its original one, so its
+    questions do not change with the variants added next to it."""
+    return "fp4rl-synthetic" if source == "synthetic" else f"fp4rl-{source}"
+
+
+def _check(split: str, n: int, levels: Sequence[int], source: str) -> tuple[int, ...]:
+    if source not in VARIANTS:
+        raise ValueError(f"unknown synthetic source {source!r}; choose one of: "
+                         f"{', '.join(VARIANTS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     chosen = tuple(sorted(set(levels)))
-    unknown = [level for level in chosen if level not in LEVELS]
+    known = sorted(VARIANTS[source])
+    unknown = [level for level in chosen if level not in known]
     if not chosen or unknown:
-        raise ValueError(f"levels must be a non-empty subset of {sorted(LEVELS)}, got {levels}")
+        raise ValueError(f"levels must be a non-empty subset of {known} for {source}, got "
+                         f"{levels}")
     return chosen
 
 
@@ -258,8 +349,10 @@ def synthetic_dataset(
     n: int = 1000,
     levels: Sequence[int] = (1, 2),
     seed: int = 0,
+    source: str = "synthetic",
 ) -> list[Example]:
-    """``n`` distinct arithmetic questions from ``levels``, shuffled, as Examples.
+    """``n`` distinct questions from ``levels`` of ``source`` (``synthetic``: arithmetic,
+    ``synthetic-words``: word problems), shuffled, as Examples.
 
     ``n`` is spread evenly over the levels (the lower levels take any remainder) so that
     per-level accuracy can be read off ``Example.meta["level"]``. The same arguments always
@@ -267,20 +360,20 @@ def synthetic_dataset(
     them. Raises ``ValueError`` if a level's split cannot supply its share of distinct
     questions (level 1 has 496 in all, level 2 has 264).
     """
-    chosen = _check(split, n, levels)
+    chosen = _check(split, n, levels, source)
     shares = [n // len(chosen) + (i < n % len(chosen)) for i in range(len(chosen))]
     drawn = [
         (level, problem)
         for level, share in zip(chosen, shares, strict=True)
-        for problem in _sample_level(level, split, share, seed)
+        for problem in _sample_level(source, level, split, share, seed)
     ]
-    random.Random(f"fp4rl-synthetic/{seed}/{split}/order").shuffle(drawn)
+    random.Random(f"{_stream(source)}/{seed}/{split}/order").shuffle(drawn)
     return [
         Example(
             prompt=problem.question,
             answer=f"#### {problem.answer}",
             reward="gsm8k",
-            source="synthetic",
+            source=source,
             index=index,
             meta={"level": level, "expression": problem.expression},
         )

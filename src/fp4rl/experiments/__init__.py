@@ -6,13 +6,23 @@ from fp4rl.experiments.grid import (
     Cell,
     EvalSpec,
     ExperimentPreset,
+    check_seeds,
     get_preset,
     grid_cells,
+    seeded_cells,
     select_cells,
 )
 from fp4rl.experiments.report import write_report
-from fp4rl.experiments.runner import Experiment, cell_config, load_result, run_cell, run_cells
+from fp4rl.experiments.runner import (
+    Experiment,
+    cell_config,
+    load_result,
+    load_results,
+    run_cell,
+    run_cells,
+)
 
 __all__ = ["KINDS", "PRESETS", "Cell", "EvalSpec", "Experiment", "ExperimentPreset",
-           "cell_config", "get_preset", "grid_cells", "load_result", "run_cell", "run_cells",
-           "select_cells", "write_report"]
+           "cell_config", "check_seeds", "get_preset", "grid_cells", "load_result",
+           "load_results", "run_cell", "run_cells", "seeded_cells", "select_cells",
+           "write_report"]

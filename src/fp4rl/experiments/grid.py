@@ -1,15 +1,16 @@
 """The paper's experiment grids as lists of cells, and the presets that size them.
 
 A cell is one GRPO run named by its recipe preset (``"hif4:bf16/fp4"``,
-``"mxfp4+resq-2:4"``, ``"bf16"``). Names are canonical, so the cells two grids have in
-common (BF16, and plain FP4 = "FP4 train / FP4 rollout" = "recovery: none") are run once
-when both grids write to the same directory.
+``"mxfp4+resq-2:4"``, ``"bf16"``) and, in a multi-seed grid, its seed. Names are
+canonical, so the cells two grids have in common (BF16, and plain FP4 = "FP4 train / FP4
+rollout" = "recovery: none") are run once when both grids write to the same directory.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +27,43 @@ PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "
 
 @dataclass(frozen=True)
 class Cell:
-    """One GRPO run of a grid: its recipe preset and where it sits in the table."""
+    """One GRPO run of a grid: its recipe preset, where it sits in the table and its seed
+    (None: the config's ``run.seed``, as in a single-seed grid)."""
 
     name: str  # canonical preset name
     fmt: str | None  # FP4 format of the column/row group; None for the BF16 baseline
     row: str  # row label in the table
+    seed: int | None = None
 
     @property
     def slug(self) -> str:
         """A directory name: the preset name with ``:``, ``/`` and ``+`` replaced."""
         return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
 
+    @property
+    def label(self) -> str:
+        """The name, and the seed where one was chosen: what progress messages show."""
+        return self.name if self.seed is None else f"{self.name} (seed {self.seed})"
+
     def recipe(self) -> Recipe:
         return preset(self.name)
+
+
+def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+    """The seeds of a multi-seed grid, refusing what would name no run or one run twice."""
+    bad = [s for s in seeds if s < 0]
+    if bad or not seeds:
+        raise UserError(f"--seeds takes one or more non-negative integers, got {list(seeds)}")
+    repeated = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if repeated:
+        raise UserError(f"--seeds names seed {repeated[0]} twice: each seed is one run per cell")
+    return tuple(seeds)
+
+
+def seeded_cells(cells: list[Cell], seeds: Sequence[int]) -> list[Cell]:
+    """Every cell once per seed, seed by seed: a partial run already holds whole grids of
+    its first seeds."""
+    return [replace(c, seed=s) for s in seeds for c in cells]
 
 
 def precision_name(fmt: str, train: str, rollout: str) -> str:
@@ -106,6 +131,7 @@ class ExperimentPreset:
     changes: dict[str, Any] = field(default_factory=dict)
     evals: tuple[EvalSpec, ...] = ()
     formats: tuple[str, ...] = ("hif4", "mxfp4")
+    seeds: tuple[int, ...] = ()  # default --seeds; () runs the config's run.seed only
 
     def config_path(self) -> Path | None:
         return None if self.config is None else preset_path(self.config)
@@ -127,6 +153,25 @@ TINY = ExperimentPreset(
     },
     evals=(EvalSpec("synthetic"),),
 )
+TINY3 = ExperimentPreset(
+    "tiny3",
+    "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2), 48 GRPO "
+    "steps of 4 prompts x 8 samples, seeds 0, 1 and 2, scored greedily on the same 300 "
+    "test prompts for every seed: about 30-60 CPU-minutes per cell and seed (estimated)",
+    changes={
+        "model": "smollm2-135m",
+        "mixed_precision": "auto",
+        "data": {"source": "synthetic-words", "levels": [1, 2], "train_size": 800,
+                 "test_size": 300},
+        "grpo": {"num_generations": 8, "batch_size": 4, "micro_batch_size": 16,
+                 "learning_rate": 1.0e-5, "temperature": 0.8, "max_prompt_length": 256,
+                 "max_response_length": 48},
+        "eval": {"mean_at_k": 1, "max_new_tokens": 48, "prompt_seed": 0},
+        "run": {"steps": 48, "seed": 0, "save_steps": 8, "keep_checkpoints": 1},
+    },
+    evals=(EvalSpec("synthetic-words"),),
+    seeds=(0, 1, 2),
+)
 PAPER_3B = ExperimentPreset(
     "paper-3b",
     "Qwen2.5-3B on GSM8K (config preset qwen2.5-3b-gsm8k); set model and data paths with "
@@ -141,7 +186,7 @@ PAPER_7B = ExperimentPreset(
     config="qwen2.5-math-7b-dapo",
     formats=("hif4",),
 )
-PRESETS = {p.name: p for p in (TINY, PAPER_3B, PAPER_7B)}
+PRESETS = {p.name: p for p in (TINY, TINY3, PAPER_3B, PAPER_7B)}
 
 
 def get_preset(name: str) -> ExperimentPreset:

@@ -6,6 +6,11 @@ cell is finished, ``result.json``. A finished cell is never run again; an interr
 resumes from its last checkpoint. A lock file with the owner's pid lets two runners
 (e.g. the precision and the recovery grid) share one output directory: each skips the
 cells the other is running and waits for them before it writes its report.
+
+A multi-seed grid runs every cell once per seed. The config's own ``run.seed`` keeps the
+single-seed layout above, so a grid run before seeds existed is that seed's; any other
+seed S lives in ``<output>/seed-S/cells/<cell>/``, laid out the same way (a directory run
+on its own with ``--set run.seed=S`` can be moved there as it is).
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from fp4rl.errors import UserError
 from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPreset
 from fp4rl.paths import write_json
 
@@ -45,9 +52,25 @@ class Experiment:
     formats: tuple[str, ...]
     overrides: tuple[str, ...] = ()
     evals: tuple[EvalSpec, ...] = ()
+    seeds: tuple[int, ...] = ()  # () runs the config's run.seed only
+
+    @cached_property
+    def base_seed(self) -> int:
+        """The config's ``run.seed`` (preset < ``--set``): the seed of the single-seed
+        layout."""
+        from fp4rl.rl.config import validate
+
+        return validate(_base_data(self)).run.seed
+
+    @property
+    def run_seeds(self) -> tuple[int, ...]:
+        """The seeds every cell runs with."""
+        return self.seeds or (self.base_seed,)
 
     def cell_dir(self, cell: Cell) -> Path:
-        return self.output / "cells" / cell.slug
+        if cell.seed is None or cell.seed == self.base_seed:
+            return self.output / "cells" / cell.slug
+        return self.output / f"seed-{cell.seed}" / "cells" / cell.slug
 
     def benchmarks(self) -> tuple[EvalSpec, ...]:
         """The preset's benchmarks followed by those added with ``--eval``."""
@@ -64,17 +87,28 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def cell_config(exp: Experiment, cell: Cell) -> Any:
-    """The cell's TrainConfig: preset config < ``--set`` overrides < the cell's recipe."""
-    from fp4rl.rl.config import ConfigError, apply_override, validate
+def _base_data(exp: Experiment) -> dict[str, Any]:
+    """The config every cell starts from: preset config < preset changes < ``--set``."""
+    from fp4rl.rl.config import apply_override
 
     path = exp.preset.config_path()
     data: dict[str, Any] = yaml.safe_load(path.read_text()) if path else {}
     data = _merge(data, exp.preset.changes)
     for item in exp.overrides:
         apply_override(data, item)
+    return data
+
+
+def cell_config(exp: Experiment, cell: Cell) -> Any:
+    """The cell's TrainConfig: preset config < ``--set`` overrides < the cell's recipe and
+    seed."""
+    from fp4rl.rl.config import ConfigError, validate
+
+    data = _base_data(exp)
     recipe = cell.recipe().to_dict()
     data["train"], data["rollout"] = recipe["train"], recipe["rollout"]
+    if cell.seed is not None:
+        data["run"] = {**data.get("run", {}), "seed": cell.seed}
     cfg = validate(data)
     paths = {"model": cfg.model, "data.train_path": cfg.data.train_path,
              "data.test_path": cfg.data.test_path}
@@ -136,13 +170,14 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, lis
         raise ValueError(f"preset {exp.preset.name!r} names no benchmark: add "
                          "--eval NAME=LAYOUT:PATH (repeatable)")
     n = cfg.eval.size or cfg.data.test_size
+    seed = cfg.run.seed if cfg.eval.prompt_seed is None else cfg.eval.prompt_seed
     sets = []
     for spec in evals:
         if spec.data is None:
-            examples, prompts = encode_examples(load_split(cfg.data, "test", cfg.run.seed, n),
+            examples, prompts = encode_examples(load_split(cfg.data, "test", seed, n),
                                                 tok, cfg.grpo.max_prompt_length, log=lambda m: None)
         else:
-            examples, prompts = eval_examples(spec.data, tok, n, cfg.data.levels, cfg.run.seed,
+            examples, prompts = eval_examples(spec.data, tok, n, cfg.data.levels, seed,
                                               max_prompt_length=cfg.grpo.max_prompt_length)
         sets.append((spec.name, examples, prompts))
     return sets
@@ -197,7 +232,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     initial = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
                else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
     result = {
-        "cell": cell.name, "format": cell.fmt, "row": cell.row,
+        "cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,
         "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
         "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
         "rewards": [r["reward_mean"] for r in history],
@@ -206,10 +241,10 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
         "eval_seconds": eval_seconds + initial["seconds"],
         "torch_threads": torch.get_num_threads(),
     }
-    write_json(directory / RESULT, result)
+    write_json(directory / RESULT, result, inline_numbers=True)
     for state in (run_dir / ckpt.CHECKPOINTS).glob("step-*/optimizer.pt"):
         state.unlink()  # a finished cell keeps its trained weights, not AdamW's moments
-    log(f"{cell.name}: done")
+    log(f"{cell.label}: done")
     return result
 
 
@@ -218,8 +253,27 @@ def _read_json(path: Path) -> Any:
 
 
 def load_result(exp: Experiment, cell: Cell) -> dict[str, Any] | None:
+    """The cell's result, None while it is unfinished; refuses a result of another seed
+    (a single-seed directory run with another ``--set run.seed``)."""
     path = exp.cell_dir(cell) / RESULT
-    return _read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    result = _read_json(path)
+    found = result.get("config", {}).get("run", {}).get("seed")
+    expected = exp.base_seed if cell.seed is None else cell.seed
+    if found is not None and found != expected:
+        raise UserError(f"{path} holds a run with seed {found}, not {expected}: pass "
+                        f"--set run.seed={found} as when it ran, or move its grid's cells "
+                        f"directory to {exp.output / f'seed-{found}'}")
+    return result
+
+
+def load_results(exp: Experiment, cells: list[Cell],
+                 seeds: Sequence[int]) -> dict[str, dict[int, dict[str, Any]]]:
+    """The finished runs of every cell: cell name -> seed -> result."""
+    return {c.name: {s: r for s in seeds
+                     if (r := load_result(exp, replace(c, seed=s))) is not None}
+            for c in cells}
 
 
 def _worker_init(threads: int) -> None:
@@ -239,7 +293,7 @@ def _run_in_worker(exp: Experiment, cell: Cell,
                 f.write(message + "\n")
                 f.flush()
 
-            log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {cell.name}: start (pid {os.getpid()})")
+            log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {cell.label}: start (pid {os.getpid()})")
             run_cell(exp, cell, log=log, progress=progress)
     return "done"
 

@@ -28,7 +28,9 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # synthetic, or a layout: gsm8k, math500, aime24, ... dapo
+    #: synthetic (arithmetic), synthetic-words (word problems), or a layout: gsm8k,
+    #: math500, aime24, ... dapo
+    source: str = "synthetic"
     train_path: str | None = None
     test_path: str | None = None
     levels: list[int] = Field(default_factory=lambda: [1, 2])  # synthetic task levels
@@ -94,6 +96,9 @@ class EvalConfig(_Section):
     mean_at_k: int = Field(1, ge=1)  # 1: greedy Mean@1; k > 1: Mean@k sampled
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int | None = Field(None, ge=1)  # default: grpo.max_response_length
+    #: seed that draws the synthetic test prompts (default: run.seed); fixing it scores
+    #: every seed of a multi-seed grid on the same prompts, so they can be paired
+    prompt_seed: int | None = Field(None, ge=0)
 
 
 class RunConfig(_Section):

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fp4rl.data import Example, build_prompt, load_examples, synthetic_dataset
+from fp4rl.data.synthetic import VARIANTS
 from fp4rl.rl.config import DataConfig
 
 
@@ -13,12 +14,13 @@ def load_split(cfg: DataConfig, split: str, seed: int = 0,
                size: int | None = None) -> list[Example]:
     """The ``train`` or ``test`` examples a data config names.
 
-    ``synthetic`` draws from the built-in arithmetic task (disjoint splits); any other
-    source is a dataset layout read from ``train_path`` / ``test_path``.
+    ``synthetic`` draws from the built-in arithmetic task and ``synthetic-words`` from its
+    word-problem variant (disjoint splits); any other source is a dataset layout read
+    from ``train_path`` / ``test_path``.
     """
     n = size or (cfg.train_size if split == "train" else cfg.test_size)
-    if cfg.source == "synthetic":
-        return synthetic_dataset(split, n=n, levels=cfg.levels, seed=seed)
+    if cfg.source in VARIANTS:
+        return synthetic_dataset(split, n=n, levels=cfg.levels, seed=seed, source=cfg.source)
     path = cfg.train_path if split == "train" else cfg.test_path
     if path is None:
         raise ValueError(f"data.source={cfg.source!r} needs data.{split}_path (a local .jsonl "

@@ -3,11 +3,16 @@
 Mean@k is the average accuracy over all k samples of every prompt; ``best@k`` (verl's
 name, pass@k) counts a prompt solved if any sample is correct. A patched model is
 evaluated as its rollout policy (FP4 + recovery), an unpatched one as it is.
+
+A result also keeps each prompt's number of correct samples (in prompt order) and a digest
+of the prompts: two policies scored on the same prompts can then be compared prompt by
+prompt (a paired comparison), which separates far smaller gaps than two means can.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +36,8 @@ class EvalResult:
     best: float  # best@k: share of prompts with at least one correct sample
     per_level: dict[str, float] = field(default_factory=dict)
     mean_length: float = 0.0
+    correct: list[int] = field(default_factory=list)  # correct samples (of k) per prompt
+    prompts: str = ""  # digest of the prompts, in order (see prompt_digest)
 
     @property
     def name(self) -> str:
@@ -38,7 +45,15 @@ class EvalResult:
 
     def as_dict(self) -> dict[str, Any]:
         return {f"mean@{self.k}": self.mean, f"best@{self.k}": self.best, "n": self.n,
-                "per_level": self.per_level, "mean_length": self.mean_length}
+                "per_level": self.per_level, "mean_length": self.mean_length,
+                "correct": self.correct, "prompts": self.prompts}
+
+
+def prompt_digest(examples: list[Example]) -> str:
+    """A short fingerprint of the prompts and answers, in order: equal digests mean two
+    evaluations asked the same questions."""
+    text = "\n".join(f"{e.prompt!r}\t{e.answer}" for e in examples)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -72,4 +87,5 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
     return EvalResult(k, len(examples), scores.mean().item(),
                       (scores.max(dim=1).values > 0).float().mean().item(),
                       {lv: sum(v) / len(v) for lv, v in sorted(levels.items())},
-                      batch.response_mask.sum(1).float().mean().item())
+                      batch.response_mask.sum(1).float().mean().item(),
+                      (scores > 0).sum(dim=1).tolist(), prompt_digest(examples))

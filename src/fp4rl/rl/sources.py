@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fp4rl.data import Example
+from fp4rl.data.synthetic import VARIANTS
 from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, preset
@@ -93,10 +94,11 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
 def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
                   fields: list[str] | None = None,
                   max_prompt_length: int = 4096) -> tuple[list[Example], list[list[int]]]:
-    """Test examples and their prompts: ``synthetic`` or ``LAYOUT:PATH``."""
+    """Test examples and their prompts: ``synthetic``, ``synthetic-words`` or
+    ``LAYOUT:PATH``."""
     source, _, path = spec.partition(":")
     mapping = dict(f.split("=", 1) for f in fields or [])
-    if source != "synthetic" and not path:
+    if source not in VARIANTS and not path:
         raise ValueError(f"--data {spec!r}: give LAYOUT:PATH, e.g. gsm8k:data/test.jsonl")
     cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
                      fields=mapping or None)
