@@ -38,7 +38,10 @@ def _experiment(tmp_path, tiny_llama_dir, kind="recovery", formats=("hif4",)):
 def test_grids_have_the_paper_rows_and_share_cells():
     precision = grid_cells("precision", ("hif4", "mxfp4"))
     recovery = grid_cells("recovery", ("hif4", "mxfp4"))
-    assert len(precision) == 1 + 6 * 2 and len(recovery) == 1 + 8 * 2
+    # the paper's 8 recovery rows per format, then ResQ-W (beyond the paper)
+    assert len(precision) == 1 + 6 * 2 and len(recovery) == 1 + 9 * 2
+    assert [c.name for c in recovery if c.fmt == "hif4"][-2:] == ["hif4+resq-2:4",
+                                                                    "hif4+resqw-2:4"]
     assert {c.name for c in precision} & {c.name for c in recovery} == {"bf16", "hif4", "mxfp4"}
     assert [c.name for c in precision if c.fmt == "mxfp4"] == [
         "mxfp4:fp4/bf16", "mxfp4:fp4/w4a16", "mxfp4:fp4/w4a8", "mxfp4:fp4/w16a4", "mxfp4",
@@ -144,7 +147,8 @@ def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
                          ["synthetic"], "rollout")
     assert rec[2] == "| BF16 | -- | 50.0 |"
     assert rec[3] == "| HiF4 | -- | -- |"
-    assert rec[-1] == "|  | ResQ (2:4) | 45.0 (-5.0) |"
+    assert rec[-2] == "|  | ResQ (2:4) | 45.0 (-5.0) |"
+    assert rec[-1] == "|  | ResQ-W (2:4, weights too) | -- |"  # beyond the paper, not run
 
 
 def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):

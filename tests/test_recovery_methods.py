@@ -143,3 +143,28 @@ def test_fused_resq_kernel_matches_composed_steps(fmt, pattern, length):
     fused = resq_activation(x, fmt, pattern)
     assert torch.equal(fused.view(torch.int32), composed.view(torch.int32)) or \
         torch.equal(torch.nan_to_num(fused, 7.0), torch.nan_to_num(composed, 7.0))
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4"])
+def test_resqw_repairs_the_weight_as_resq_repairs_the_activation(fmt):
+    """ResQ-W's rollout output is X_eff W_eff^T with W_eff = Q(W) + S(Q(W - Q(W))),
+    computed here independently in float64; in bf16 compute it stays within bf16
+    rounding of that, and the weight residual brings the output closer to X W^T."""
+    torch.manual_seed(0)
+    x, linear = outlier_activations(tokens=16, d=128), nn.Linear(128, 64, bias=True)
+    layer = FP4Linear.from_linear(linear, preset(f"{fmt}+resqw-2:4"))
+    layer.mode = Mode.ROLLOUT
+    w = linear.weight.detach()
+    qw = quantize(w, fmt)
+    w_eff = qw + sparsify(quantize(w - qw, fmt), "2:4")
+    x_eff = resq_activation(x, fmt, "2:4")
+    ref = x_eff.double() @ w_eff.double().t() + linear.bias.detach().double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_bf16 = layer(x)
+    assert y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y_bf16.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max())
+    exact = x.double() @ w.double().t() + linear.bias.detach().double()
+    resq_only = x_eff.double() @ qw.double().t() + linear.bias.detach().double()
+    assert rel_err(ref, exact) < rel_err(resq_only, exact)
+    assert layer.recovery.reads_weight  # a rollout engine needs more than Q(W)

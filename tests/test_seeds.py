@@ -27,7 +27,7 @@ from fp4rl.experiments import (
     seeded_cells,
     write_report,
 )
-from fp4rl.experiments.claims import MATCHES_BF16, grid_claims
+from fp4rl.experiments.claims import BEYOND_PAPER, MATCHES_BF16, grid_claims
 from fp4rl.experiments.report import claim_rows, gap, reward_band
 from fp4rl.models import tiny_model
 from fp4rl.paths import write_json
@@ -237,7 +237,7 @@ def test_cli_seeds_cells_and_report_only_rebuild_the_same_tables(tmp_path, fake_
     assert main(args) == 0
     assert sorted(fake_runs) == [(n, s) for n in ("bf16", "hif4", "mxfp4") for s in (0, 1)]
     text = (out / "recovery.md").read_text()
-    assert "Runs finished: 6 of 34 (17 cells x 2 seeds)" in text
+    assert "Runs finished: 6 of 38 (19 cells x 2 seeds)" in text
     assert "| HiF4 beats MXFP4 | no recovery | synthetic | +8.72 | +90.0 [" in text
     assert "not run" in text  # the cells left out
     fake_runs.clear()
@@ -321,8 +321,11 @@ def test_every_claim_points_the_paper_s_way():
     """Each comparison names cells of the paper's tables, and the paper's own gap has the
     claimed sign: positive, a tie where the paper ties, small for 'matches BF16'."""
     both = ("hif4", "mxfp4")
-    claims = grid_claims("precision", both) + grid_claims("recovery", both)
+    everything = grid_claims("precision", both) + grid_claims("recovery", both)
+    claims = [c for c in everything if c.claim != BEYOND_PAPER]
     assert len(claims) == 14 + 28 and all(c.paper_gap is not None for c in claims)
+    beyond = [(c.better, c.worse, c.paper_gap) for c in everything if c.claim == BEYOND_PAPER]
+    assert beyond == [(f"{f}+resqw-2:4", f"{f}+resq-2:4", None) for f in both]
     for c in claims:
         if c.claim == MATCHES_BF16:
             assert -1 < c.paper_gap < 0
