@@ -137,6 +137,15 @@ def test_batch_keeps_the_sequences_with_advantage(monkeypatch):
     assert batch.attention[:, 0].any() and batch.mask[:, -1].any()  # no all-padding column
 
 
+def test_batch_keeps_at_most_max_sequences_whole_groups():
+    torch.manual_seed(0)
+    model, tok = tiny_model("llama")
+    batch = G.sample_batch(model, tok, "hif4", prompts=3, group=2, max_new_tokens=6,
+                           max_sequences=5)
+    assert batch.advantage_source.startswith("random")  # a random model answers nothing
+    assert batch.ids.shape[0] == 4 and batch.scale == pytest.approx(4 / 6)
+
+
 def test_rows_drop_padding_only():
     ids = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [0, 0, 0, 4]])
     pmask = (ids != 0).long()
@@ -198,7 +207,9 @@ def test_diagnose_gradients_cli(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--gradients", "--prompts", "p.txt"], "--prompts chooses the prompts"),
-    (["--n", "3"], "--n only apply with --gradients"),
+    (["--n", "3"], "only with --gradients: --n"),
+    (["--gradients", "--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--gradients", "--levels", "9"], "--levels: choose among [1, 2, 3"),
 ])
 def test_diagnose_refuses_options_of_the_other_diagnosis(argv, message, capsys):
     assert main(["diagnose", *argv]) == 2

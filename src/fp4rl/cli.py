@@ -118,7 +118,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
 
 #: ``fp4rl diagnose`` options of the gradient diagnosis, and their defaults
 GRADIENT_OPTIONS = {"n": 8, "num_generations": 4, "max_new_tokens": 64, "temperature": 0.8,
-                    "seed": 0, "levels": [1, 2]}
+                    "seed": 0, "levels": [1, 2], "max_sequences": 16}
 
 
 def _check_diagnose_args(args: argparse.Namespace) -> None:
@@ -131,10 +131,26 @@ def _check_diagnose_args(args: argparse.Namespace) -> None:
                         "--gradients samples the built-in arithmetic task (use --n, --levels)")
     if not args.gradients and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise UserError(f"{flags} only apply with --gradients")
+        raise UserError(f"only with --gradients: {flags}")
     for key, default in GRADIENT_OPTIONS.items():
         if getattr(args, key) is None:
             setattr(args, key, default)
+    _check_gradient_values(args)
+
+
+def _check_gradient_values(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a value the gradient diagnosis cannot sample with."""
+    from fp4rl.data.synthetic import LEVELS
+    from fp4rl.errors import UserError
+
+    least = {"n": 1, "num_generations": 2, "max_new_tokens": 1, "max_sequences": 1}
+    for key, low in least.items():
+        if getattr(args, key) < low:
+            raise UserError(f"--{key.replace('_', '-')} must be at least {low}")
+    if not args.temperature > 0:
+        raise UserError("--temperature must be > 0")
+    if not args.levels or set(args.levels) - set(LEVELS):
+        raise UserError(f"--levels: choose among {sorted(LEVELS)}")
 
 
 def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
@@ -153,12 +169,13 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
         batch = gradients.sample_batch(
             model, tok, formats[0], prompts=args.n, group=args.num_generations,
             max_new_tokens=args.max_new_tokens, levels=args.levels,
-            temperature=args.temperature, seed=args.seed)
+            temperature=args.temperature, seed=args.seed, max_sequences=args.max_sequences)
     facts = {**batch.describe(args.n, args.num_generations), "levels": args.levels,
              "max_new_tokens": args.max_new_tokens, "seed": args.seed,
              "rollout_policy": formats[0]}
     console.print(f"batch: {facts['sequences']} of {facts['responses']} responses kept "
-                  f"(non-zero advantage), {facts['tokens']} tokens ({facts['response_tokens']} "
+                  f"(non-zero advantage, at most {args.max_sequences}), {facts['tokens']} "
+                  f"tokens ({facts['response_tokens']} "
                   f"response tokens); mean reward {facts['reward_mean']:.3f}; advantages: "
                   f"{facts['advantages']}")
     with console.status("differentiating") as status:
@@ -545,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="--gradients: synthetic task levels (default 1 2)")
     diag.add_argument("--seed", type=int, help="--gradients: seed of prompts and samples "
                       "(default 0)")
+    diag.add_argument("--max-sequences", type=int,
+                      help="--gradients: responses differentiated at most, whole groups "
+                      "first (default 16; memory grows with them)")
     diag.set_defaults(func=_diagnose)
 
     fid = sub.add_parser("fidelity", help="how far each rollout configuration strays")

@@ -18,18 +18,21 @@ then the model is differentiated once per *variant* of the training policy:
 ==================  =========================================================
 
 and reports, per patched layer and per GEMM (``Y``, ``dX``, ``dW``), the SQNR of the FP4
-GEMM against the unquantized GEMM of the *same* operands (what one GEMM loses), the share
-of zeros in ``Q(dY)``, and the cosine (and SQNR) of every variant's weight gradient with
-the two references, ``bf16`` and ``fp4_forward`` (what the whole update loses), per layer
-and over all gradients concatenated.
+GEMM against the unquantized GEMM of the *same* operands (what one GEMM loses), the zero
+shares of ``dY``, of ``Q(dY)`` and of the non-zero ``dY`` entries ``Q`` flushes to zero,
+and the cosine (and SQNR) of every variant's weight gradient with the two references,
+``bf16`` and ``fp4_forward`` (what the whole update loses), per layer and over all
+gradients concatenated.
 
 Every variant differentiates the same objective: GRPO's loss on its first mini-batch
 step, where the policy is its own ``pi_old`` (ratio 1, so no clipping), which is the
 policy-gradient surrogate ``-agg(w_t A_i log pi(y_t))``; the truncated importance
 weights ``w_t = min(pi_old / mu, C)`` are computed once, from the FP4 training policy,
-and held fixed, so a difference between variants is a difference of numerics only.
-Where no group's rewards differ (no signal), the advantages fall back to random +/-1
-per response, and the report says so. Everything runs in fp32 compute, with
+and held fixed, so a difference between variants is a difference of numerics only. As
+in the trainer, responses with zero advantage are left out of the forward and backward
+(the loss keeps its denominator), and at most ``max_sequences`` are kept, whole groups
+first. Where no group's rewards differ (no signal), the advantages fall back to random
++/-1 per response, and the report says so. Everything runs in fp32 compute, with
 round-to-nearest gradients, so the figures isolate the 4-bit quantization.
 """
 
@@ -195,8 +198,8 @@ class GradientBatch:
     temperature: float
     advantage_source: str
     agg_mode: str
-    #: the loss's share of the whole step: sequences with zero advantage are left out
-    #: (they add no gradient), and the aggregation's denominator kept, as the trainer does
+    #: the kept sequences' share of the step's loss: the aggregation's denominator is the
+    #: whole step's, as in the trainer, which leaves out zero-advantage sequences too
     scale: float
 
     def describe(self, prompts: int, group: int) -> dict[str, Any]:
@@ -211,12 +214,15 @@ class GradientBatch:
 
 def sample_batch(model: nn.Module, tokenizer: Any, fmt: str, *, prompts: int = 4,
                  group: int = 4, max_new_tokens: int = 64, levels: Sequence[int] = (1, 2),
-                 temperature: float = 0.8, seed: int = 0,
+                 temperature: float = 0.8, seed: int = 0, max_sequences: int = 16,
                  loss: LossConfig | None = None) -> GradientBatch:
     """Sample ``group`` responses to each of ``prompts`` arithmetic prompts from the FP4
     rollout policy of ``fmt`` (``model`` is patched in place), score them, and keep and
     weight them as the trainer's first update step would: the sequences with non-zero
-    advantage, with the truncated importance weights of the FP4 training policy."""
+    advantage, with the truncated importance weights of the FP4 training policy.
+
+    At most ``max_sequences`` are kept (whole groups, in prompt order; at least one
+    group): the passes hold every layer's activations, so memory grows with them."""
     loss = loss or LossConfig()
     examples, encoded = encode_examples(synthetic_dataset("train", n=prompts, levels=levels,
                                                           seed=seed), tokenizer, 4096,
@@ -236,17 +242,17 @@ def sample_batch(model: nn.Module, tokenizer: Any, fmt: str, *, prompts: int = 4
     rewards = torch.tensor([get_reward_fn(examples[i].reward)(t, examples[i].answer)
                             for (i, _), t in zip(rows, texts, strict=True)])
     advantages, source = _advantages(rewards, group, seed)
-    active = advantages != 0
-    scale = (active.float().mean() if loss.loss_agg_mode == "seq-mean-token-mean" else
-             rollout.response_mask[active].sum() / rollout.response_mask.sum()).item()
-    kept = _rows(rollout, active.nonzero().squeeze(-1).to(device))
+    chosen = (advantages != 0).nonzero().squeeze(-1)[:max(group, max_sequences // group * group)]
+    scale = (len(chosen) / len(rows) if loss.loss_agg_mode == "seq-mean-token-mean" else
+             (rollout.response_mask[chosen].sum() / rollout.response_mask.sum()).item())
+    kept = _rows(rollout, chosen.to(device))
     ids, attention = kept.sequences()
     width = ids.shape[1] - kept.response_ids.shape[1]
     with torch.no_grad(), train_mode(model):
         old_logp = response_logprobs(model, ids, attention, width, temperature)[0]
     weights = tis_weights(old_logp, kept.logprobs, loss.tis_imp_ratio_cap)
     return GradientBatch(ids, attention, width, kept.response_mask.bool(),
-                         advantages[active].to(device), weights, rewards, temperature,
+                         advantages[chosen].to(device), weights, rewards, temperature,
                          source, loss.loss_agg_mode, scale)
 
 
