@@ -1,7 +1,7 @@
 """What one linear layer keeps for backward, per token: FP4Linear against nn.Linear.
 
 Counts the bytes of every tensor autograd saves during one forward (parameters excluded:
-both layers keep a reference to the same FP32 master weight), under bf16 autocast and in
+every layer keeps a reference to the same FP32 master weight), under bf16 autocast and in
 fp32. Run: ``python benchmarks/linear_memory.py [--in 2048 --out 2048 --tokens 512]``.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import torch
 from torch import nn
 
-from fp4rl.nn import FP4Linear, preset
+from fp4rl.nn import FP4Linear, Recipe, TrainPrecision
 
 
 def saved_bytes(layer: nn.Module, x: torch.Tensor, precision: str) -> tuple[int, int]:
@@ -44,11 +44,14 @@ def main() -> None:
     args = parser.parse_args()
     x = torch.randn(args.tokens, args.d, requires_grad=True)
     print(f"saved for backward by one {args.d} -> {args.n} linear, {args.tokens} tokens "
-          "(the FP32 master weight, referenced by both, excluded)")
+          "(the FP32 master weight, referenced by all, excluded)")
     for precision in ("bf16", "no"):
-        plain = nn.Linear(args.d, args.n, bias=False)
-        fp4 = FP4Linear.from_linear(nn.Linear(args.d, args.n, bias=False), preset("hif4"))
-        for name, layer in (("nn.Linear", plain), ("HiF4 FP4Linear", fp4)):
+        layers = {"nn.Linear": nn.Linear(args.d, args.n, bias=False)}
+        for scheme in ("requantize", "reuse_forward"):
+            train = TrainPrecision("hif4", "hif4", "hif4", backward_operands=scheme)
+            layers[f"HiF4 FP4Linear ({scheme})"] = FP4Linear.from_linear(
+                nn.Linear(args.d, args.n, bias=False), Recipe(train=train))
+        for name, layer in layers.items():
             tokens, fixed = saved_bytes(layer, x, precision)
             print(f"mixed_precision={precision}: {name}: {tokens / args.tokens:.0f} B per "
                   f"token + {fixed / 2**20:.1f} MiB weight copy")

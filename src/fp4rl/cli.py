@@ -13,6 +13,9 @@ from rich.console import Console
 from fp4rl.paths import write_json
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
+    from fp4rl.analysis.gradients import FormatGradients
     from fp4rl.experiments import Cell, Experiment
 
 
@@ -63,6 +66,9 @@ def torch_gpu_name() -> str:
 def _diagnose(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
+    _check_diagnose_args(args)
+    if args.gradients:
+        return _diagnose_gradients(args, console)
     from fp4rl.analysis import diagnose, plots
     from fp4rl.analysis.activations import capture_linear_inputs
     from fp4rl.analysis.prompts import encode_prompts, load_prompts
@@ -109,6 +115,154 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     write_json(json_path, diagnose.report(args.model, formats, layers))
     console.print(f"plots in {out}/, data in {json_path}")
     return 0
+
+
+#: ``fp4rl diagnose`` options of the gradient diagnosis, and their defaults
+GRADIENT_OPTIONS = {"n": 8, "num_generations": 4, "max_new_tokens": 64, "temperature": 0.8,
+                    "seed": 0, "levels": [1, 2], "max_sequences": 16}
+
+
+def _check_diagnose_args(args: argparse.Namespace) -> None:
+    """Each of the two diagnoses takes only its own options; fill in the defaults."""
+    from fp4rl.errors import UserError
+
+    given = [k for k in GRADIENT_OPTIONS if getattr(args, k) is not None]
+    if args.gradients and args.prompts:
+        raise UserError("--prompts chooses the prompts of the activation diagnosis; "
+                        "--gradients samples the built-in arithmetic task (use --n, --levels)")
+    if not args.gradients and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UserError(f"only with --gradients: {flags}")
+    for key, default in GRADIENT_OPTIONS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    _check_gradient_values(args)
+
+
+def _check_gradient_values(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a value the gradient diagnosis cannot sample with."""
+    from fp4rl.data.synthetic import LEVELS
+    from fp4rl.errors import UserError
+
+    least = {"n": 1, "num_generations": 2, "max_new_tokens": 1, "max_sequences": 1}
+    for key, low in least.items():
+        if getattr(args, key) < low:
+            raise UserError(f"--{key.replace('_', '-')} must be at least {low}")
+    if not args.temperature > 0:
+        raise UserError("--temperature must be > 0")
+    if not args.levels or set(args.levels) - set(LEVELS):
+        raise UserError(f"--levels: choose among {sorted(LEVELS)}")
+
+
+def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.analysis import gradients, plots
+    from fp4rl.formats import get_format
+    from fp4rl.models import load_model
+    from fp4rl.precision import resolve_device
+
+    formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with console.status(f"loading {args.model}"):
+        model, tok = load_model(args.model, device=resolve_device(args.device))
+    with console.status(f"sampling {args.n} x {args.num_generations} responses ({formats[0]} "
+                        "rollout policy)"):
+        batch = gradients.sample_batch(
+            model, tok, formats[0], prompts=args.n, group=args.num_generations,
+            max_new_tokens=args.max_new_tokens, levels=args.levels,
+            temperature=args.temperature, seed=args.seed, max_sequences=args.max_sequences)
+    facts = {**batch.describe(args.n, args.num_generations), "levels": args.levels,
+             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+             "rollout_policy": formats[0]}
+    console.print(f"batch: {facts['sequences']} of {facts['responses']} responses kept "
+                  f"(non-zero advantage, at most {args.max_sequences}), {facts['tokens']} "
+                  f"tokens ({facts['response_tokens']} "
+                  f"response tokens); mean reward {facts['reward_mean']:.3f}; advantages: "
+                  f"{facts['advantages']}")
+    with console.status("differentiating") as status:
+        results = gradients.diagnose_gradients(
+            model, batch, formats, progress=lambda v: status.update(f"differentiating: {v}"))
+    for result in results:
+        plots.plot_gemm_sqnr(result.layers, gradients.SCHEMES,
+                             f"{args.model}, {result.format}: training GEMMs against the "
+                             "unquantized GEMM of the same operands",
+                             out / f"gradient_sqnr_{result.format}.png")
+        console.print(_gemm_table(result), _layer_cosine_table(result), _update_table(result))
+    json_path = Path(args.json) if args.json else out / "gradients.json"
+    write_json(json_path, gradients.report(args.model, facts, results))
+    console.print(f"plots in {out}/, data in {json_path}")
+    return 0
+
+
+def _gemm_table(result: FormatGradients) -> Table:
+    """Per projection type, medians over layers: GEMM SQNR per scheme; zero shares of dY,
+    of Q(dY) and of the non-zero dY entries flushed to zero (the requantize pass)."""
+    return _kind_table(f"{result.format}: GEMM SQNR vs the unquantized GEMM of the same "
+                       "operands (dB), zeros of dY and Q(dY) (median over layers)", result, {
+        "Y": "gemm_sqnr/requantize/Y", "dX req": "gemm_sqnr/requantize/dX",
+        "dX reuse": "gemm_sqnr/reuse_forward/dX", "dW req": "gemm_sqnr/requantize/dW",
+        "dW reuse": "gemm_sqnr/reuse_forward/dW", "0s dY": "zeros/requantize/dY",
+        "0s Q(dY) dX": "zeros/requantize/QdY_dX", "0s Q(dY) dW": "zeros/requantize/QdY_dW",
+        "flushed dX": "zeros/requantize/flushed_dX",
+        "flushed dW": "zeros/requantize/flushed_dW"})
+
+
+def _layer_cosine_table(result: FormatGradients) -> Table:
+    """Per projection type: median cosine of each layer's weight gradient with the
+    unquantized one and with the exact gradient of the FP4 forward."""
+    short = {"fp4_forward": "fwd", "requantize": "req", "reuse_forward": "reuse",
+             "weights_only": "W only", "activations_only": "X only"}
+    columns = {f"{short[v]} | bf16": f"grad_cosine/{v}/bf16" for v in short}
+    columns.update({f"{short[v]} | fwd": f"grad_cosine/{v}/fp4_forward"
+                    for v in ("requantize", "reuse_forward")})
+    return _kind_table(f"{result.format}: per-layer cosine of dW, variant | reference "
+                       "(fwd: fp4_forward; median over layers)", result, columns)
+
+
+def _kind_table(title: str, result: FormatGradients, columns: dict[str, str]) -> Table:
+    from rich.table import Table
+
+    from fp4rl.analysis.gradients import summarize
+
+    table = Table(title=title)
+    table.add_column("layers")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for kind in ("", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                 "down_proj"):
+        m = summarize(result, kind)
+        table.add_row(kind.removesuffix("_proj") or "all",
+                      *(f"{m[k]:.1%}" if k.startswith("zeros") else
+                        f"{m[k]:.3f}" if "cosine" in k else f"{m[k]:.1f}"
+                        for k in columns.values()))
+    return table
+
+
+def _update_table(result: FormatGradients) -> Table:
+    """Per variant: cosine of the whole update with each reference, and the median
+    per-layer SQNR of the weight gradients against each."""
+    from rich.table import Table
+
+    from fp4rl.analysis.gradients import REFERENCES, summarize
+
+    table = Table(title=f"{result.format}: the update direction (all gradients "
+                        "concatenated; linears: the patched layers' weights only)")
+    table.add_column("variant")
+    for ref in REFERENCES:
+        for col in (f"cos vs {ref}", f"cos linears vs {ref}", f"median SQNR vs {ref}"):
+            table.add_column(col, justify="right")
+    m = summarize(result)
+    for variant, cos in result.update_cosine.items():
+        cells = []
+        for ref in REFERENCES:
+            if ref not in cos:
+                cells += ["", "", ""]
+                continue
+            cells += [f"{cos[ref]:.3f}",
+                      f"{result.linear_cosine[variant][ref]:.3f}",
+                      f"{m[f'grad_sqnr/{variant}/{ref}']:.1f} dB"]
+        table.add_row(variant, *cells)
+    return table
 
 
 def _fidelity(args: argparse.Namespace, console: Console) -> int:
@@ -410,6 +564,23 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--out", default="runs/diagnose", help="directory for the plots")
     diag.add_argument("--json", help="where to write the data (default OUT/diagnose.json)")
     diag.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    diag.add_argument("--gradients", action="store_true",
+                      help="diagnose the training GEMMs and the update on one GRPO batch "
+                      "instead (docs/diagnostics.md)")
+    diag.add_argument("--n", type=int, help="--gradients: arithmetic prompts (default 8)")
+    diag.add_argument("--num-generations", type=int,
+                      help="--gradients: responses per prompt (default 4)")
+    diag.add_argument("--max-new-tokens", type=int,
+                      help="--gradients: response length limit (default 64)")
+    diag.add_argument("--temperature", type=float,
+                      help="--gradients: sampling temperature (default 0.8)")
+    diag.add_argument("--levels", type=int, nargs="+",
+                      help="--gradients: synthetic task levels (default 1 2)")
+    diag.add_argument("--seed", type=int, help="--gradients: seed of prompts and samples "
+                      "(default 0)")
+    diag.add_argument("--max-sequences", type=int,
+                      help="--gradients: responses differentiated at most, whole groups "
+                      "first (default 16; memory grows with them)")
     diag.set_defaults(func=_diagnose)
 
     fid = sub.add_parser("fidelity", help="how far each rollout configuration strays")

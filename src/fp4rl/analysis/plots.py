@@ -10,9 +10,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
 from fp4rl.analysis.diagnose import LayerDiagnosis
+from fp4rl.analysis.gradients import GEMMS, LayerGradients
 from fp4rl.formats import quantize
 
 COLORS = {"bf16": "#555555", "hif4": "#1f77b4", "mxfp4": "#d62728", "nvfp4": "#2ca02c",
@@ -53,6 +55,41 @@ def per_layer_type(layers: list[LayerDiagnosis], series: Sequence[str],
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gemm_sqnr(layers: Sequence[LayerGradients], schemes: Sequence[str], title: str,
+                   path: Path) -> None:
+    """SQNR (dB) of every training GEMM against its unquantized result: one heatmap per
+    backward scheme and GEMM, projection type x transformer block, one colour scale (an
+    exact GEMM, infinite SQNR, takes the top colour)."""
+    kinds = list(dict.fromkeys(_parse(d.name)[1] for d in layers))
+    blocks = sorted({_parse(d.name)[0] for d in layers})
+    grids = {(s, g): np.full((len(kinds), len(blocks)), np.nan) for s in schemes for g in GEMMS}
+    for d in layers:
+        block, kind = _parse(d.name)
+        for s in schemes:
+            for g in GEMMS:
+                grids[s, g][kinds.index(kind), blocks.index(block)] = d.gemm_sqnr[s][g]
+    finite = np.concatenate([v[np.isfinite(v)] for v in grids.values()])
+    low, high = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+    panel = max(3.0, 0.16 * len(blocks))
+    fig, axes = plt.subplots(len(schemes), len(GEMMS), squeeze=False, sharex=True, sharey=True,
+                             figsize=(1.5 + panel * len(GEMMS),
+                                      1.2 + (0.5 + 0.22 * len(kinds)) * len(schemes)))
+    for (s, g), ax in zip(grids, axes.flat, strict=True):
+        grid = np.where(np.isposinf(grids[s, g]), high, grids[s, g])
+        img = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=low, vmax=high,
+                        interpolation="nearest")
+        ax.set_title(f"{g}, {s}: median {np.nanmedian(grids[s, g]):.1f} dB", fontsize=9)
+        ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
+    ticks = range(0, len(blocks), max(1, len(blocks) // 8))
+    for ax in axes[-1, :]:
+        ax.set_xticks(ticks, [str(blocks[i]) for i in ticks])
+        ax.set_xlabel("transformer block")
+    fig.colorbar(img, ax=axes, label="SQNR vs unquantized GEMM (dB)", shrink=0.9)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -7,6 +7,11 @@ operand re-quantized from high precision (master weights stay FP32)::
     input gradient   dX = Q_g(dY) Q_w(W)           (along out_features)
     weight gradient  dW = Q_g(dY)^T Q_a(X)         (along tokens)
 
+That is ``train.backward_operands: requantize``, what block-scaled hardware needs.
+``reuse_forward`` instead multiplies the new ``Q_g(dY)`` with the forward's ``Q_w(W)`` and
+``Q_a(X)``, both blocked along in_features, as the HiFloat4 authors' simulation does
+(:func:`backward_axes`).
+
 In **rollout** mode the forward runs the rollout recipe: the weight quantized once per
 weight version (cached; an optimizer step bumps the parameter's version and so
 invalidates it) and the activations through the configured recovery method.
@@ -15,8 +20,11 @@ The GEMMs run in the compute dtype in force, as ``nn.Linear`` under autocast doe
 under ``torch.autocast(dtype=torch.bfloat16)`` (quantized operands cast to bf16 exactly,
 fp32 accumulation), else the input's dtype. Quantization itself always reads the
 high-precision tensors, with autocast off, so no operand is rounded to bf16 before it is
-quantized. For backward the layer keeps only ``Q_a(X)`` along tokens, in the compute
-dtype: what the weight gradient needs, no more than ``nn.Linear`` keeps under autocast.
+quantized. For backward the layer keeps only ``Q_a(X)`` (along tokens, or under
+``reuse_forward`` the forward's own, along in_features), in the compute dtype: what the
+weight gradient needs, no more than ``nn.Linear`` keeps under autocast. ``Q_w(W)`` is
+quantized again from the master in backward (under ``reuse_forward`` along in_features,
+which reproduces the forward's operand bit for bit) rather than kept as a second copy.
 """
 
 from __future__ import annotations
@@ -38,6 +46,14 @@ class Mode(StrEnum):
     ROLLOUT = "rollout"
 
 
+def backward_axes(precision: TrainPrecision) -> tuple[int, int]:
+    """The axes ``(W, X)`` along which the backward GEMMs quantize the weight (for the
+    input gradient) and the activation (for the weight gradient): their own reduction
+    axes (out_features, tokens) under ``requantize``, the forward's (in_features) under
+    ``reuse_forward``. ``dY`` is always blocked along the reduction axis."""
+    return (-1, -1) if precision.backward_operands == "reuse_forward" else (0, 0)
+
+
 class _FP4LinearFn(torch.autograd.Function):
     """Autograd of ``Y = Q(X) Q(W)^T + b`` with quantized backward GEMMs."""
 
@@ -47,10 +63,13 @@ class _FP4LinearFn(torch.autograd.Function):
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
         qw = quantize_operand(weight, p.weights, -1)
-        y = mm(quantize_operand(x2, p.activations, -1), qw.t(), dtype, bias)
+        qx = quantize_operand(x2, p.activations, -1)
+        y = mm(qx, qw.t(), dtype, bias)
         saved_x = None
-        if ctx.needs_input_grad[1]:  # Q(X) along tokens, in the compute dtype (exact)
-            saved_x = quantize_operand(x2, p.activations, 0).to(dtype)
+        if ctx.needs_input_grad[1]:  # Q(X) for the weight gradient, in the compute dtype
+            x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
+            saved_x = qx if x_axis == -1 else quantize_operand(x2, p.activations, x_axis)
+            saved_x = saved_x.to(dtype)
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
         ctx.precision, ctx.dtype, ctx.x_shape = p, dtype, x.shape
@@ -66,7 +85,7 @@ class _FP4LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = mm(quantize_operand(g, p.gradients, -1, sr),
-                        quantize_operand(weight, p.weights, 0), ctx.dtype)
+                        quantize_operand(weight, p.weights, backward_axes(p)[0]), ctx.dtype)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
@@ -170,5 +189,6 @@ class FP4Linear(nn.Linear):
         r, t = self.recipe.rollout, self.recipe.train
         rec = f"+{r.recovery.label}" if r.recovery.label else ""
         return (f"{super().extra_repr()}, mode={self.mode.value}, "
-                f"train=W:{t.weights}/A:{t.activations}/G:{t.gradients}, "
+                f"train=W:{t.weights}/A:{t.activations}/G:{t.gradients}"
+                f"{'' if t.backward_operands == 'requantize' else '/' + t.backward_operands}, "
                 f"rollout=W:{r.weights}/A:{r.activations}{rec}")

@@ -38,6 +38,8 @@ ROLLOUT_PRESETS = {
     "fp4": ("{f}", "{f}"),
 }
 TRAIN_PRESETS = ("bf16", "fp4")
+#: how the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`)
+BACKWARD_OPERANDS = ("requantize", "reuse_forward")
 
 
 def quantized_formats() -> list[str]:
@@ -55,16 +57,32 @@ def _check_format(value: Any, where: str) -> str:
 
 @dataclass(frozen=True)
 class TrainPrecision:
-    """Formats of the training policy's three GEMM operands."""
+    """Formats of the training policy's three GEMM operands, and where the backward GEMMs
+    take W and X from.
+
+    ``backward_operands``: ``requantize`` (default) quantizes W and X afresh along each
+    backward GEMM's own reduction axis (W along out_features for the input gradient, X
+    along tokens for the weight gradient), as block-scaled FP4 hardware needs;
+    ``reuse_forward`` multiplies the new ``Q(dY)`` with the forward's ``Q(W)`` and ``Q(X)``
+    (blocked along in_features), as the HiFloat4 authors' simulation (``QLinear.py``)
+    does. With ``gradients: bf16``, ``reuse_forward`` is the exact gradient of the
+    quantized forward (straight-through quantizers).
+    """
 
     weights: str = "bf16"
     activations: str = "bf16"
     gradients: str = "bf16"
     stochastic_gradients: bool = False
+    backward_operands: str = "requantize"
 
     def __post_init__(self) -> None:
         for name in ("weights", "activations", "gradients"):
             object.__setattr__(self, name, _check_format(getattr(self, name), f"train.{name}"))
+        if self.backward_operands not in BACKWARD_OPERANDS:
+            hint = did_you_mean(self.backward_operands, BACKWARD_OPERANDS)
+            raise RecipeError(f"train.backward_operands: {self.backward_operands!r} is not a "
+                              f"backward scheme{hint}; choose one of "
+                              f"{', '.join(BACKWARD_OPERANDS)}")
 
 
 @dataclass(frozen=True)
