@@ -74,9 +74,10 @@ def test_batch_scores_only_completions():
 
 def test_default_methods_cover_the_paper():
     methods = default_methods()
-    assert methods[0] == "bf16" and len(methods) == 17
+    assert methods[0] == "bf16" and len(methods) == 1 + 2 * 9  # the paper's 8 rows + ResQ-W
     assert {"hif4", "hif4+resq-2:4", "hif4+resq-channel:0.5", "hif4+resq-block:32x64:0.5",
-            "hif4+smoothquant", "hif4+rht", "hif4+occ", "mxfp4+resq-dense"} <= set(methods)
+            "hif4+smoothquant", "hif4+rht", "hif4+occ", "mxfp4+resq-dense",
+            "hif4+resqw-2:4"} <= set(methods)
 
 
 def test_fidelity_cli_on_tiny_model(tiny_llama_dir, tmp_path):
