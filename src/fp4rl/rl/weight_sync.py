@@ -16,12 +16,13 @@ and every other parameter (embeddings, norms, lm_head) travel at full precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from fp4rl.formats import get_format
+from fp4rl.formats.base import NumberFormat
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.gemm import UNQUANTIZED, Operand
 from fp4rl.nn import FP4Linear, fp4_layers
@@ -82,18 +83,17 @@ def _gather_packed(weight: torch.Tensor, fmt_name: str, world_size: int
     this rank received."""
     fmt = get_format(fmt_name)
     local = weight.to_local().detach().float()
-    rows, cols = weight.shape
+    rows = weight.shape[0]
     per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))
     scale = _tensor_scale(fmt, local)
     packed = fmt.encode(padded if scale is None else padded / scale, dim=-1,
                         **({"per_tensor_scale": False} if scale is not None else {}))
-    parts = [_gather_fields(packed, name, world_size) for name in sorted(packed.fields)]
-    decoded = [fmt.decode(PackedTensor(packed.format, packed.shape, packed.dim, packed.dtype,
-                                       dict(zip(sorted(packed.fields), buffers, strict=True)),
-                                       options=packed.options))
-               for buffers in zip(*parts, strict=True)]
-    values = torch.cat(decoded)[:rows].reshape(rows, cols)
+    names = sorted(packed.fields)
+    gathered = {name: _gather_fields(packed, name, world_size) for name in names}
+    decoded = [fmt.decode(replace(packed, fields={n: gathered[n][r] for n in names}))
+               for r in range(world_size)]
+    values = torch.cat(decoded)[:rows]
     return Operand(values, scale), _received(packed.nbytes * world_size, world_size)
 
 
@@ -104,13 +104,13 @@ def _gather_fields(packed: PackedTensor, name: str, world_size: int) -> list[tor
     return out
 
 
-def _tensor_scale(fmt: object, local: torch.Tensor) -> torch.Tensor | None:
+def _tensor_scale(fmt: NumberFormat, local: torch.Tensor) -> torch.Tensor | None:
     """The format's per-tensor scale of the whole weight (None for formats without one):
     the scale depends on the tensor's amax alone, which the ranks agree on here."""
     finite = local[torch.isfinite(local)]
     amax = finite.abs().amax() if finite.numel() else local.new_zeros(())
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    return fmt.tensor_scale(amax.reshape(1))  # type: ignore[attr-defined]
+    return fmt.tensor_scale(amax.reshape(1))
 
 
 __all__ = ["SyncBytes", "packable", "sync_rollout_weights"]
