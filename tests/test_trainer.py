@@ -161,7 +161,8 @@ def test_smoke_config_trains_the_embedded_model(tmp_path):
     from fp4rl.cli import main
 
     out = tmp_path / "smoke"
-    assert main(["train", "--config", "smoke", "--output", str(out)]) == 0
+    # two epochs: a separate old-log-prob pass measures the mismatch on every row
+    assert main(["train", "--config", "smoke", "--output", str(out), "grpo.ppo_epochs=2"]) == 0
     (row,) = read_metrics(out / METRICS)
     assert row["step"] == 1 and 0.0 <= row["reward_mean"] <= 1.0
     assert row["completions/mean_length"] > 0
@@ -200,6 +201,41 @@ def test_several_updates_per_rollout_batch(tmp_path):
     assert all("kl" in r for r in rows if r["active_fraction"] > 0)
     assert trainer.optimizer.state and max(
         s["step"].item() for s in trainer.optimizer.state.values()) == 4 * 3
+
+
+def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
+    """One epoch, one optimizer step: no separate old-log-prob pass; the rollout-mismatch
+    metrics over the rows that train equal an independent no-grad pass over them."""
+    from fp4rl.nn import train_mode
+    from fp4rl.rl import rewards
+    from fp4rl.rl.grpo import group_advantages, mismatch_stats
+    from fp4rl.rl.logprobs import response_logprobs
+
+    # mixed rewards on prompts with an odd answer, none on the others (rows that don't train)
+    rewards.register_reward("odd_parity", lambda c, r: float(len(c) % 2) * (int(r[-1]) % 2))
+    model, tok = tiny_model("llama")
+    cfg = load_config(None, [*OVERRIDES, "data.reward=odd_parity", "grpo.batch_size=4"])
+    trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
+    trainer.step = 1
+    chunks = trainer.chunks(trainer.next_batch())
+    parts = trainer.rollout(chunks)
+    scores = {c: trainer.rewards([trainer.train_examples[i] for i, _, _ in chunks[c]], b)
+              for c, b in parts.items()}
+    batch, reward = trainer._gather(parts, scores)
+    advantages = group_advantages(reward, cfg.grpo.num_generations)
+    trains = advantages != 0
+    assert 0 < trains.sum() < len(trains), "the check needs rows that train and rows that not"
+    ids, attention = batch.sequences()
+    with torch.no_grad(), train_mode(model):
+        old, _ = response_logprobs(model, ids, attention, ids.shape[1] -
+                                   batch.response_ids.shape[1])
+    mask = batch.response_mask.bool() & trains[:, None]
+    expected = mismatch_stats(old, batch.logprobs, mask, cfg.grpo.tis_imp_ratio_cap)
+    result = trainer.update(batch, advantages)
+    assert result.logprob_seconds < 0.05  # no pass of its own
+    for key, value in expected.items():
+        assert result.stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert result.stats["clip_ratio/region_mean"] == 0  # ratio exactly 1
 
 
 def test_mean_at_k_and_best_at_k():

@@ -46,6 +46,8 @@ PROMPT_TEMPLATES: Mapping[str, PromptTemplate] = {
         "{problem}\n\nSolve the problem step by step, then write the final answer "
         "as a number after '####', for example: #### 42"
     ),
+    # A short answer: a small model earns reward (hence a GRPO signal) in a few tokens.
+    "direct": PromptTemplate("{problem}\n\nGive only the final answer as a number."),
 }
 
 _TEMPLATE_FOR_REWARD = {"gsm8k": "gsm8k"}

@@ -183,10 +183,15 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                     config: SamplingConfig, pad_token_id: int, eos: torch.Tensor,
                     generator: torch.Generator | list[torch.Generator] | None,
                     on_step: ProgressFn | None) -> RolloutBatch:
-    """One micro-batch: prefill the prompts, then decode one token per running row."""
+    """One micro-batch: prefill the prompts, then decode one token per running row.
+
+    A prompt repeated in the batch (the G samples of a GRPO group) is prefilled once and
+    its KV cache copied to every row that asks it: each row's activations, hence its
+    quantization blocks (and NVFP4's per-tensor amax), are the same either way."""
     device = eos.device
     prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id, device)
     n, width, steps = len(prompts), prompt_ids.shape[1], config.max_new_tokens
+    unique, inverse = _distinct(prompts, device)
     response_ids = torch.full((n, steps), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((n, steps), dtype=torch.float32, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
@@ -197,8 +202,11 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     rows = torch.arange(n, device=device)
     next_position = prompt_mask.sum(dim=1, keepdim=True)
     extra = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                position_ids=position_ids(prompt_mask), use_cache=True, **extra)
+    out = model(input_ids=prompt_ids[unique], attention_mask=prompt_mask[unique],
+                position_ids=position_ids(prompt_mask[unique]), use_cache=True, **extra)
+    if len(unique) < n:
+        out.past_key_values.batch_select_indices(inverse)
+        out.logits = out.logits[inverse]
     for step in range(steps):
         gen = [generator[i] for i in rows.tolist()] if isinstance(generator, list) else generator
         tokens, token_logprobs = sample_next(out.logits[:, -1], config, gen)
@@ -227,6 +235,23 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     response_mask = (torch.arange(used, device=device) < lengths[:, None]).long()
     return RolloutBatch(prompt_ids, prompt_mask, response_ids[:, :used], response_mask,
                         logprobs[:, :used], finished)
+
+
+def _distinct(prompts: Sequence[Sequence[int]], device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the first occurrence of each distinct prompt, and for every row the
+    position of its prompt among those."""
+    index: dict[tuple[int, ...], int] = {}
+    unique: list[int] = []
+    inverse = []
+    for row, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(row)
+        inverse.append(index[key])
+    return (torch.tensor(unique, dtype=torch.long, device=device),
+            torch.tensor(inverse, dtype=torch.long, device=device))
 
 
 def _pad_to(tensor: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:

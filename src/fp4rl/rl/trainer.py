@@ -7,6 +7,7 @@ One RL step (:meth:`Trainer.train_step` reads as this list)::
     rollout_mode: sample G responses/prompt  log-probs mu of the sampled tokens
     rewards -> group-normalized advantages
     train_mode: log-probs pi_old, pi_theta   all three GEMMs in the training format
+                                             (on-policy, pi_old is pi_theta detached)
     GRPO loss with token-level TIS, step     the rollout re-quantizes the new weights once
 
 The model, its tokenizer, the optimizer and the training examples are built outside and
@@ -326,11 +327,15 @@ class Trainer:
         mask = batch.response_mask.bool()
         ids, attention = batch.sequences()
         seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
+        seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
         start = time.perf_counter()
-        old_logp = self._no_grad_logprobs(self.model, seqs)  # under FSDP: the shards
+        # On-policy (one epoch, one optimizer step) the old policy is the current one: its
+        # log-probs are the update's own, detached, and need no pass of their own.
+        on_policy = g.ppo_epochs == 1 and seq_per_mini >= n
+        old_logp = None if on_policy else self._no_grad_logprobs(self.model, seqs)
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
-        seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
+        seen = _OldLogprobs(mask) if old_logp is None else _OldLogprobs(mask, old_logp)
         stats: dict[str, list[float]] = {}
         tokens = 0
         for epoch in range(g.ppo_epochs):
@@ -340,10 +345,10 @@ class Trainer:
             rows_all = (perm[:, None] * g.num_generations
                         + torch.arange(g.num_generations)).reshape(-1)
             for mini in rows_all.split(seq_per_mini):
-                tokens += self._mini_step(batch, seqs, mini, advantages, old_logp, ref_logp,
+                tokens += self._mini_step(batch, seqs, mini, advantages, seen, ref_logp,
                                           mask, stats)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
-        out.update(mismatch_stats(old_logp, batch.logprobs, mask, g.tis_imp_ratio_cap))
+        out.update(mismatch_stats(seen.logp, batch.logprobs, seen.mask, g.tis_imp_ratio_cap))
         return UpdateResult(out, tokens, logprob_time)
 
     @torch.no_grad()
@@ -364,7 +369,7 @@ class Trainer:
         return torch.cat([parts[i].to(self.device) for i in range(len(micros))])
 
     def _mini_step(self, batch: RolloutBatch, seqs: _Sequences, rows: torch.Tensor,
-                   advantages: torch.Tensor, old_logp: torch.Tensor,
+                   advantages: torch.Tensor, old: _OldLogprobs,
                    ref_logp: torch.Tensor | None, mask: torch.Tensor,
                    stats: dict[str, list[float]]) -> int:
         """One optimizer step over ``rows``, accumulating gradients over micro-batches.
@@ -394,7 +399,7 @@ class Trainer:
                 logp, entropy = self._logprobs(self.train_model, seqs, micro,
                                                with_entropy=True)
                 m = mask[micro]
-                loss, st = grpo_loss(logp, old_logp[micro], batch.logprobs[micro],
+                loss, st = grpo_loss(logp, old.take(micro, logp), batch.logprobs[micro],
                                      advantages[micro].to(logp.device), m, loss_cfg,
                                      None if ref_logp is None else ref_logp[micro])
                 share = weight * d.world_size * (
@@ -519,6 +524,28 @@ class Trainer:
             if progress:
                 progress(self.step, total, metrics)
         return history
+
+
+class _OldLogprobs:
+    """The old policy's log-probs of a step's tokens, and which tokens they cover.
+
+    Given (a separate pass, off-policy), they cover every token. On-policy they are
+    taken from the update's own forward as it reaches each row, so they cover the rows
+    that train: the rollout-mismatch metrics are then measured on those rows."""
+
+    def __init__(self, mask: torch.Tensor, logp: torch.Tensor | None = None) -> None:
+        self.given = logp is not None
+        self.logp = logp if logp is not None else torch.zeros(mask.shape, device=mask.device)
+        self.response = mask
+        self.mask = mask if self.given else torch.zeros_like(mask)
+
+    def take(self, rows: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """The old log-probs of ``rows``, whose current ones are ``logp``."""
+        if self.given:
+            return self.logp[rows]
+        self.logp[rows] = logp.detach().to(self.logp.dtype)
+        self.mask[rows] = self.response[rows]
+        return self.logp[rows]
 
 
 def _fp32_masters(model: torch.nn.Module, log: Callable[[str], None]) -> torch.nn.Module:
