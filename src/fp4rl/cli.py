@@ -368,7 +368,8 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
     device = resolve_device(args.device)
     model, tok, label = load_policy(args.model, args.checkpoint, args.recipe, device)
     examples, prompts = eval_examples(args.data, tok, n=args.n, levels=args.levels,
-                                      seed=args.seed, fields=args.field)
+                                      seed=args.seed, fields=args.field,
+                                      template=args.template)
     with progress_bar(console) as bar:
         task = bar.add_task("eval", total=None, info=label)
         result = evaluate(model, tok, examples, prompts, k=args.mean_at, seed=args.seed,
@@ -421,6 +422,8 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
     exp = ex.Experiment(args.kind, preset, Path(args.output), formats, tuple(args.overrides),
                         tuple(ex.EvalSpec.parse(e) for e in args.evals or []), seeds)
     cells = ex.grid_cells(args.kind, formats)
+    if args.kind in preset.cells:  # the preset's own cut of the grid
+        cells = ex.select_cells(cells, list(preset.cells[args.kind]))
     for cell in cells:
         ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
     chosen = ex.select_cells(cells, args.cells) if args.cells else cells
@@ -534,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "dapo-math-17k)")
     ev.add_argument("--field", action="append", metavar="ROLE=NAME",
                     help="field mapping, e.g. problem=Problem (repeatable)")
+    ev.add_argument("--template", help="prompt template (boxed, gsm8k, direct; default: the "
+                    "data's own): score a trained policy with the prompt it was trained on")
     ev.add_argument("--n", type=int, default=200, help="number of prompts")
     ev.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="synthetic levels")
     ev.add_argument("--mean-at", type=int, default=1, help="1: greedy Mean@1; k: Mean@k")

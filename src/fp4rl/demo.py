@@ -40,7 +40,6 @@ class DemoSize:
 
     steps: int = 12
     eval_prompts: int = 60
-    max_new_tokens: int = 48
 
 
 def _config(config: str, model: str | None, size: DemoSize, seed: int, device: str,
@@ -49,24 +48,24 @@ def _config(config: str, model: str | None, size: DemoSize, seed: int, device: s
     model."""
     changes = {"run.steps": size.steps, "run.seed": seed, "device": device,
                "mixed_precision": mixed_precision,
-               "run.save_steps": size.steps, "grpo.max_response_length": size.max_new_tokens}
+               "run.save_steps": size.steps}
     return load_config(config, None, changes | ({"model": model} if model else {}))
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
-              size: DemoSize, precision: str) -> EvalResult:
-    return evaluate(net, tok, examples, prompts, k=1, max_new_tokens=size.max_new_tokens,
-                    batch_size=32, mixed_precision=precision)
+              cfg: TrainConfig, precision: str) -> EvalResult:
+    return evaluate(net, tok, examples, prompts, k=1, batch_size=50, mixed_precision=precision,
+                    max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
 def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: list,
-                   prompts: list, size: DemoSize, precision: str) -> dict[str, EvalResult]:
+                   prompts: list, cfg: TrainConfig, precision: str) -> dict[str, EvalResult]:
     """Accuracy of the master weights unquantized and as the FP4 rollout policy."""
     quantize_model(net, "bf16")
-    unquantized = _evaluate(net, tok, examples, prompts, size, precision)
+    unquantized = _evaluate(net, tok, examples, prompts, cfg, precision)
     quantize_model(net, recipe)
     return {"bf16": unquantized,
-            "fp4": _evaluate(net, tok, examples, prompts, size, precision)}
+            "fp4": _evaluate(net, tok, examples, prompts, cfg, precision)}
 
 
 def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
@@ -95,9 +94,10 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     console.rule("2. starting accuracy (synthetic arithmetic, greedy Mean@1)")
     examples, prompts = encode_examples(
-        load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length)
+        load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length,
+        cfg.data.template)
     with console.status(f"evaluating {len(examples)} test prompts, unquantized and FP4"):
-        before = _evaluate_both(net, tok, recipe, examples, prompts, size, precision)
+        before = _evaluate_both(net, tok, recipe, examples, prompts, cfg, precision)
     console.print(f"  bf16 (unquantized) {before['bf16'].mean:.1%}   HiF4+ResQ-2:4 rollout "
                   f"{before['fp4'].mean:.1%}")
 
@@ -112,7 +112,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     console.rule("4. accuracy after training")
     with console.status("evaluating again"):
-        after = _evaluate_both(net, tok, recipe, examples, prompts, size, precision)
+        after = _evaluate_both(net, tok, recipe, examples, prompts, cfg, precision)
     minutes = (time.perf_counter() - started) / 60
     _summary(console, before, after, history, minutes)
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp4rl.data.example import Example, Message
+from fp4rl.errors import UserError, did_you_mean
 
 _PLACEHOLDER = "{problem}"
 
@@ -62,7 +63,9 @@ def _pick_template(example: Example, template: PromptTemplate | str | None) -> P
         return PROMPT_TEMPLATES[name]
     except KeyError:
         choices = ", ".join(PROMPT_TEMPLATES)
-        raise ValueError(f"unknown prompt template {name!r}; choose one of: {choices}") from None
+        raise UserError(f"unknown prompt template {name!r}"
+                        f"{did_you_mean(name, list(PROMPT_TEMPLATES))}; choose one of: "
+                        f"{choices}") from None
 
 
 def prompt_messages(

@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fp4rl.data.example import Example
+from fp4rl.errors import UserError
 
 SPLITS = ("train", "test")
 _TEST_PERCENT = 20
@@ -315,8 +316,9 @@ def _sample_level(source: str, level: int, split: str, count: int,
         if key not in found and split_of(key) == split:
             found[key] = problem
     if len(found) < count:
-        raise ValueError(
-            f"level {level} has only {len(found)} distinct {split} questions; asked for {count}"
+        raise UserError(
+            f"level {level} has only {len(found)} distinct {split} questions; asked for "
+            f"{count}: ask for fewer prompts or add levels"
         )
     return list(found.values())
 

@@ -132,6 +132,9 @@ class ExperimentPreset:
     evals: tuple[EvalSpec, ...] = ()
     formats: tuple[str, ...] = ("hif4", "mxfp4")
     seeds: tuple[int, ...] = ()  # default --seeds; () runs the config's run.seed only
+    #: per grid kind, the cells run when --cells names none (absent: the whole grid); the
+    #: report then checks the claims these cells can settle
+    cells: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def config_path(self) -> Path | None:
         return None if self.config is None else preset_path(self.config)
@@ -155,22 +158,26 @@ TINY = ExperimentPreset(
 )
 TINY3 = ExperimentPreset(
     "tiny3",
-    "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2), 48 GRPO "
-    "steps of 4 prompts x 8 samples, seeds 0, 1 and 2, scored greedily on the same 300 "
-    "test prompts for every seed: about 30-60 CPU-minutes per cell and seed (estimated)",
+    "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2) with the "
+    "direct-answer prompt, 32 GRPO steps of 4 prompts x 8 samples, seeds 0, 1 and 2, scored "
+    "greedily on the same 300 test prompts for every seed: about 12 CPU-minutes per cell "
+    "and seed on one core",
     changes={
         "model": "smollm2-135m",
         "mixed_precision": "auto",
         "data": {"source": "synthetic-words", "levels": [1, 2], "train_size": 800,
-                 "test_size": 300},
+                 "test_size": 300, "template": "direct"},
         "grpo": {"num_generations": 8, "batch_size": 4, "micro_batch_size": 16,
-                 "learning_rate": 1.0e-5, "temperature": 0.8, "max_prompt_length": 256,
-                 "max_response_length": 48},
-        "eval": {"mean_at_k": 1, "max_new_tokens": 48, "prompt_seed": 0},
-        "run": {"steps": 48, "seed": 0, "save_steps": 8, "keep_checkpoints": 1},
+                 "learning_rate": 2.0e-5, "temperature": 1.0, "max_prompt_length": 256,
+                 "max_response_length": 16},
+        "eval": {"mean_at_k": 1, "max_new_tokens": 16, "prompt_seed": 0},
+        "run": {"steps": 32, "seed": 0, "save_steps": 8, "keep_checkpoints": 1},
     },
     evals=(EvalSpec("synthetic-words"),),
+    formats=("hif4",),
     seeds=(0, 1, 2),
+    cells={"precision": ("bf16", "hif4"),
+           "recovery": ("bf16", "hif4", "hif4+resq-2:4", "hif4+resqw-2:4")},
 )
 PAPER_3B = ExperimentPreset(
     "paper-3b",

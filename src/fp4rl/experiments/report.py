@@ -345,7 +345,10 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
                   f"{cfg['grpo']['batch_size']} prompts per step, Mean@"
                   f"{cfg['eval']['mean_at_k']}.", ""]
     lines += method_lines(results, seeds)
-    rows = claim_rows(results, grid_claims(exp.kind, exp.formats), benches)
+    names = {c.name for c in cells}  # a preset's cut of the grid settles its own claims
+    claims = [c for c in grid_claims(exp.kind, exp.formats)
+              if c.better in names and c.worse in names]
+    rows = claim_rows(results, claims, benches)
     lines += ["## The paper's claims (paired, as the rollout policy)", "",
               *claims_table(rows), ""]
     for policy, label in POLICIES:

@@ -175,10 +175,12 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, lis
     for spec in evals:
         if spec.data is None:
             examples, prompts = encode_examples(load_split(cfg.data, "test", seed, n),
-                                                tok, cfg.grpo.max_prompt_length, log=lambda m: None)
+                                                tok, cfg.grpo.max_prompt_length,
+                                                cfg.data.template, log=lambda m: None)
         else:
             examples, prompts = eval_examples(spec.data, tok, n, cfg.data.levels, seed,
-                                              max_prompt_length=cfg.grpo.max_prompt_length)
+                                              max_prompt_length=cfg.grpo.max_prompt_length,
+                                              template=cfg.data.template)
         sets.append((spec.name, examples, prompts))
     return sets
 

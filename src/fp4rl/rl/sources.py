@@ -93,13 +93,15 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
 
 def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
                   fields: list[str] | None = None,
-                  max_prompt_length: int = 4096) -> tuple[list[Example], list[list[int]]]:
-    """Test examples and their prompts: ``synthetic``, ``synthetic-words`` or
-    ``LAYOUT:PATH``."""
+                  max_prompt_length: int = 4096, template: str | None = None
+                  ) -> tuple[list[Example], list[list[int]]]:
+    """Test examples and their prompts (``template``: a prompt template name, default the
+    layout's): ``synthetic``, ``synthetic-words`` or ``LAYOUT:PATH``."""
     source, _, path = spec.partition(":")
     mapping = dict(f.split("=", 1) for f in fields or [])
     if source not in VARIANTS and not path:
         raise ValueError(f"--data {spec!r}: give LAYOUT:PATH, e.g. gsm8k:data/test.jsonl")
     cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
                      fields=mapping or None)
-    return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length)
+    return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length,
+                           template)
