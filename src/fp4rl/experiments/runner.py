@@ -200,6 +200,19 @@ def _score(model: torch.nn.Module, tok: Any, cfg: Any,
     return out
 
 
+def _initial_of_another_seed(exp: Experiment, cell: Cell, cfg: Any) -> dict[str, Any] | None:
+    """The starting model's scores as this cell's rollout policy, from a seed that has them,
+    where they cannot depend on the seed: greedy decoding of the same test prompts
+    (``eval.prompt_seed`` fixed) by the same untrained weights."""
+    if cfg.eval.mean_at_k != 1 or cfg.eval.prompt_seed is None:
+        return None
+    for seed in exp.run_seeds:
+        path = exp.cell_dir(replace(cell, seed=seed)) / INITIAL
+        if seed != cell.seed and path.is_file():
+            return _read_json(path)["rollout"]
+    return None
+
+
 def run_cell(exp: Experiment, cell: Cell, log: Log = print,
              progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
     """Train and score one cell (resuming it if it was interrupted); returns its result."""
@@ -215,8 +228,10 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     sets = _eval_sets(exp, cfg, trainer.tok)
     if not (directory / INITIAL).is_file() and ckpt.latest_checkpoint(run_dir) is None:
         start = time.perf_counter()
-        scores = _score(trainer.model, trainer.tok, cfg, sets)
-        write_json(directory / INITIAL, {"rollout": scores, "seconds": time.perf_counter() - start})
+        shared = _initial_of_another_seed(exp, cell, cfg)
+        scores = shared or _score(trainer.model, trainer.tok, cfg, sets)
+        write_json(directory / INITIAL, {"rollout": scores, "seconds": time.perf_counter() - start,
+                                         **({"shared": True} if shared else {})})
 
     def step(s: int, total: int, m: dict) -> None:
         log(f"step {s}/{total}: reward {m['reward_mean']:.3f}, "

@@ -122,6 +122,23 @@ def bootstrap(outcomes: np.ndarray | Sequence[Sequence[float]], crossed: bool = 
                     values.shape[1], crossed)
 
 
+def difference_of_means(a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES,
+                        seed: int = RNG_SEED, level: float = LEVEL) -> Estimate:
+    """``mean(a) - mean(b)`` of two independent samples (the training reward of the last
+    and of the first steps of a run) with a bootstrap interval that redraws each sample
+    with replacement; ``prompts`` counts the values of both."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if not (x.size and y.size):
+        raise ValueError("difference_of_means needs two non-empty samples")
+    rng = np.random.default_rng(seed)
+    means = (x[rng.integers(0, x.size, size=(resamples, x.size))].mean(1)
+             - y[rng.integers(0, y.size, size=(resamples, y.size))].mean(1))
+    tail = 100 * (1 - level) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return Estimate(float(x.mean() - y.mean()), float(lo), float(hi), 1, x.size + y.size,
+                    False)
+
+
 def _design(runs: Sequence[Outcomes]) -> tuple[np.ndarray, bool] | str:
     """The seeds x prompts matrix of ``runs`` and whether its prompts are crossed, or why
     there is none."""

@@ -1,0 +1,53 @@
+"""The demo's before/after statistics: paired accuracy changes, the reward change, and
+the one line that says what the user is looking at."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fp4rl.demo import Outcome, _rows
+from fp4rl.rl.evaluate import EvalResult
+
+
+def _result(correct: list[int]) -> EvalResult:
+    return EvalResult(k=1, n=len(correct), mean=float(np.mean(correct)),
+                      best=float(np.mean(correct)), correct=correct, prompts="p")
+
+
+def _outcome(before: list[int], after: list[int], rewards: list[float]) -> Outcome:
+    history = [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
+    history[0]["sampling/sampling_logp_difference/mean"] = 0.5
+    return Outcome({"fp4": _result(before), "bf16": _result(before)},
+                   {"fp4": _result(after), "bf16": _result(before)}, history)
+
+
+def test_accuracy_change_is_paired_over_prompts():
+    before = [0] * 80 + [1] * 20
+    after = [1] * 30 + [0] * 50 + [1] * 20  # 30 prompts newly right, none lost
+    change = _outcome(before, after, [0.1] * 6).change("fp4")
+    assert change.mean == pytest.approx(30.0)
+    assert 0 < change.lo < 30 < change.hi
+    # a slow path: the same bootstrap over the per-prompt differences, by hand
+    diffs = np.subtract(after, before)
+    rng = np.random.default_rng(20260)
+    rng.integers(0, 1, size=(4000, 1))  # the seed draw comes first (one seed)
+    draws = rng.integers(0, 100, size=(4000, 100))
+    slow = 100 * diffs[draws].mean(1)
+    assert (change.lo, change.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
+    assert _outcome(before, before, [0.1] * 6).change("fp4").mean == 0
+
+
+def test_headline_says_what_moved_and_rows_tolerate_missing_mismatch():
+    before = [0] * 90 + [1] * 10
+    up = _outcome(before, [1] * 40 + [0] * 50 + [1] * 10, [0.0, 0.1, 0.1, 0.3, 0.4, 0.5])
+    line = up.headline("HiF4+resq-2:4", 100)
+    assert "HiF4+resq-2:4 rollout policy" in line and "rose beyond the noise" in line
+    assert "6 steps" in line
+    flat = _outcome(before, before, [0.1] * 6)
+    assert "moved within the noise" in flat.headline("HiF4", 100)
+    reward = up.reward_change()
+    assert reward.mean == pytest.approx(0.45 - 0.05) and reward.lo > 0
+    rows = _rows(up, "HiF4+resq-2:4")
+    assert rows[0][0].startswith("accuracy, HiF4+resq-2:4 rollout policy")
+    assert rows[-1][1:3] == ("0.500", "0.500")  # first and last step that measured it
