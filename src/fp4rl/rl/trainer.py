@@ -335,7 +335,7 @@ class Trainer:
         old_logp = None if on_policy else self._no_grad_logprobs(self.model, seqs)
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
-        seen = _OldLogprobs(mask) if old_logp is None else _OldLogprobs(mask, old_logp)
+        seen = _OldLogprobs(mask, old_logp)
         stats: dict[str, list[float]] = {}
         tokens = 0
         for epoch in range(g.ppo_epochs):
