@@ -346,3 +346,17 @@ def test_every_claim_points_the_paper_s_way():
             assert c.paper_gap >= 0 and (c.paper_gap > 0 or c.label == (
                 "MXFP4: ResQ (2:4) vs ResQ (dense)")), c
     assert all(c.paper_gap is None for c in grid_claims("recovery", ("nvfp4",)))
+
+
+def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(tmp_path):
+    tiny3 = get_preset("tiny3")
+    assert [c.name for c in tiny3.grid("recovery", ("mxfp4",))] == [
+        "bf16", "mxfp4", "mxfp4+resq-2:4", "mxfp4+resqw-2:4"]
+    assert [c.name for c in tiny3.grid("precision", ("hif4",))] == [
+        "bf16", "hif4:fp4/bf16", "hif4"]
+    assert get_preset("tiny").grid("recovery", ("hif4",)) == grid_cells("recovery", ("hif4",))
+    exp = Experiment("recovery", tiny3, tmp_path, ("hif4",), seeds=(0,))
+    cells = tiny3.grid("recovery", ("hif4",))
+    report = write_report(exp, cells, {}, command=["fp4rl"]).read_text()
+    claims = [line for line in report.splitlines() if "not run |" in line]
+    assert len(claims) == 4 and "occ" not in report.lower()

@@ -421,12 +421,12 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
     seeds = ex.check_seeds(args.seeds) if args.seeds is not None else preset.seeds
     exp = ex.Experiment(args.kind, preset, Path(args.output), formats, tuple(args.overrides),
                         tuple(ex.EvalSpec.parse(e) for e in args.evals or []), seeds)
-    cells = ex.grid_cells(args.kind, formats)
-    if args.kind in preset.cells:  # the preset's own cut of the grid
-        cells = ex.select_cells(cells, list(preset.cells[args.kind]))
-    for cell in cells:
+    grid = ex.grid_cells(args.kind, formats)
+    for cell in grid:
         ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
-    chosen = ex.select_cells(cells, args.cells) if args.cells else cells
+    cut = preset.grid(args.kind, formats)
+    chosen = ex.select_cells(grid, args.cells) if args.cells else cut
+    cells = cut + [c for c in chosen if c not in cut]  # what the report covers
     runs = ex.seeded_cells(chosen, exp.run_seeds)
     exp.output.mkdir(parents=True, exist_ok=True)
     if not args.report_only:

@@ -132,9 +132,17 @@ class ExperimentPreset:
     evals: tuple[EvalSpec, ...] = ()
     formats: tuple[str, ...] = ("hif4", "mxfp4")
     seeds: tuple[int, ...] = ()  # default --seeds; () runs the config's run.seed only
-    #: per grid kind, the cells run when --cells names none (absent: the whole grid); the
-    #: report then checks the claims these cells can settle
+    #: per grid kind, the cells run when --cells names none (absent: the whole grid), with
+    #: ``{f}`` standing for each format; the report checks the claims these cells settle
     cells: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def grid(self, kind: str, formats: tuple[str, ...]) -> list[Cell]:
+        """The cells of this preset's grid: its own cut of the paper's grid, or all of it."""
+        cells = grid_cells(kind, formats)
+        if kind not in self.cells:
+            return cells
+        names = {n.format(f=f) for n in self.cells[kind] for f in formats}
+        return [c for c in cells if c.name in names]
 
     def config_path(self) -> Path | None:
         return None if self.config is None else preset_path(self.config)
@@ -176,8 +184,8 @@ TINY3 = ExperimentPreset(
     evals=(EvalSpec("synthetic-words"),),
     formats=("hif4",),
     seeds=(0, 1, 2),
-    cells={"precision": ("bf16", "hif4"),
-           "recovery": ("bf16", "hif4", "hif4+resq-2:4", "hif4+resqw-2:4")},
+    cells={"precision": ("bf16", "{f}:fp4/bf16", "{f}"),
+           "recovery": ("bf16", "{f}", "{f}+resq-2:4", "{f}+resqw-2:4")},
 )
 PAPER_3B = ExperimentPreset(
     "paper-3b",
