@@ -25,6 +25,7 @@ from fp4rl.data import (
     load_examples,
     synthetic_dataset,
 )
+from fp4rl.errors import UserError
 from fp4rl.rl.rewards import get_reward_fn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
@@ -254,6 +255,14 @@ def test_template_errors_are_explicit() -> None:
         build_prompt(_text_example("math"), template="fancy")
     with pytest.raises(ValueError, match="placeholder"):
         PromptTemplate("no slot for the problem")
+    with pytest.raises(UserError, match="'direkt' \\(did you mean 'direct'\\?\\)"):
+        build_prompt(_text_example("math"), template="direkt")
+
+
+def test_direct_template_asks_for_the_number_only() -> None:
+    text = build_prompt(_text_example("math"), template="direct")
+    assert text.rstrip().endswith("?\n\nGive only the final answer as a number.")
+    assert "boxed" not in text and "####" not in text
 
 
 # --------------------------------------------------------------------------- synthetic
