@@ -5,7 +5,8 @@ compute, FP32 masters): the BF16 recipe (the paper's baseline) and full FP4 (HiF
 three training GEMMs, HiF4 + ResQ-2:4 rollout). Their steps are interleaved, so both see the
 same machine load; each phase's time is the median over the repeats. The phases are the
 trainer's own timers: rollout (KV-cache sampling in the rollout policy), reward, old-log-
-prob recomputation (teacher forcing in the training policy) and update (loss, backward,
+prob recomputation (teacher forcing in the training policy; on-policy, the default, the
+update's own forward gives them and this phase has no row) and update (loss, backward,
 optimizer step).
 
 Both trainers do the same work, so that the ratios compare precisions and not luck: every
@@ -74,10 +75,13 @@ def run(model_name: str = "smollm2-135m", repeats: int = 3,
                 for phase in PHASES:
                     times[key][phase].append(m[f"time/{phase}"])
                 times[key]["step"].append(sum(m[f"time/{p}"] for p in PHASES))
+        # an on-policy step (the default) runs no old-log-prob pass: no row for it
+        done = [p for p in (*PHASES, "step")
+                if p != "old_logprob" or not trainers["fp4"].on_policy]
     return [Comparison(f"train.{phase}.fp4_vs_bf16", "fp4", "bf16", times["fp4"][phase],
                        times["bf16"][phase], median(times["fp4"][phase]) /
                        max(median(times["bf16"][phase]), 1e-9))
-            for phase in (*PHASES, "step")]
+            for phase in done]
 
 
 def render(results: list[Comparison], console: Console) -> None:

@@ -329,10 +329,7 @@ class Trainer:
         seqs = _Sequences(ids, attention, ids.shape[1] - batch.response_ids.shape[1])
         seq_per_mini = (g.mini_batch_size or g.batch_size) * g.num_generations
         start = time.perf_counter()
-        # On-policy (one epoch, one optimizer step) the old policy is the current one: its
-        # log-probs are the update's own, detached, and need no pass of their own.
-        on_policy = g.ppo_epochs == 1 and seq_per_mini >= n
-        old_logp = None if on_policy else self._no_grad_logprobs(self.model, seqs)
+        old_logp = None if self.on_policy else self._no_grad_logprobs(self.model, seqs)
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
         seen = _OldLogprobs(mask, old_logp)
@@ -350,6 +347,14 @@ class Trainer:
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(seen.logp, batch.logprobs, seen.mask, g.tis_imp_ratio_cap))
         return UpdateResult(out, tokens, logprob_time)
+
+    @property
+    def on_policy(self) -> bool:
+        """One epoch of one optimizer step per rollout batch: the old policy is the current
+        one, so the update takes its log-probs from its own forward, detached, and runs no
+        pass of their own."""
+        g = self.cfg.grpo
+        return g.ppo_epochs == 1 and (g.mini_batch_size or g.batch_size) >= g.batch_size
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
