@@ -51,3 +51,18 @@ def test_headline_says_what_moved_and_rows_tolerate_missing_mismatch():
     rows = _rows(up, "HiF4+resq-2:4")
     assert rows[0][0].startswith("accuracy, HiF4+resq-2:4 rollout policy")
     assert rows[-1][1:3] == ("0.500", "0.500")  # first and last step that measured it
+
+
+def test_report_escapes_the_pipes_of_its_table_cells(tmp_path):
+    from fp4rl.demo import _report
+    from fp4rl.rl.config import load_config
+
+    before = [0] * 90 + [1] * 10
+    result = _outcome(before, [1] * 40 + [0] * 50 + [1] * 10, [0.0, 0.1, 0.2])
+    _report(tmp_path, load_config("demo", None, {}), "demo", "HiF4+resq-2:4",
+            {"layer": {"bf16": 0.0, "hif4": 0.3, "mxfp4": 0.3}}, result, 1.0, 100, "cpu")
+    text = (tmp_path / "report.md").read_text()
+    rows = [line for line in text.splitlines() if (line.startswith("| ") and "pt |" in line)
+            or "log pi_old" in line]
+    assert rows and all(line.replace("\\|", "").count("|") == 5 for line in rows)
+    assert text.splitlines()[2].startswith("You are looking at the HiF4+resq-2:4 rollout")

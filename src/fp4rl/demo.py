@@ -161,8 +161,8 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
                   f"{before['bf16'].mean:.1%}")
 
-    console.rule(f"3. GRPO, {size.steps} steps: {cfg.recipe().train.weights} training GEMMs, "
-                 f"{label} rollout")
+    train = FORMAT_NAMES.get(cfg.recipe().train.weights, cfg.recipe().train.weights)
+    console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
     trainer = Trainer(cfg, out / "run", net, tok, log=console.print)
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=size.steps, info="")
@@ -235,7 +235,8 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
         *(f"| {f} | {mean(z[f] for z in zeros.values()):.1%} |" for f in ZERO_FORMATS), "",
         "## Before and after", "",
         "| | before | after | change [95% interval] |", "|---|---|---|---|",
-        *(f"| {' | '.join(row)} |" for row in _rows(result, label)), "",
+        *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
+          for row in _rows(result, label)), "",
         "Accuracy changes are paired (the same prompts before and after; a bootstrap over "
         "the prompts); the reward change compares the last third of the steps with the "
         "first (a bootstrap over steps). An interval that excludes 0 is beyond the noise "
