@@ -105,10 +105,14 @@ def _config(config: str, model: str | None, size: DemoSize, seed: int, device: s
     return load_config(config, None, changes | ({"model": model} if model else {}))
 
 
+def _format_name(fmt: str) -> str:
+    return FORMAT_NAMES.get(fmt, fmt)
+
+
 def _recipe_label(cfg: TrainConfig) -> str:
     """The rollout recipe as the paper writes it: "HiF4+resq-2:4", "W HiF4 / A BF16"."""
     r = cfg.recipe().rollout
-    w, a = (FORMAT_NAMES.get(f, f) for f in (r.weights, r.activations))
+    w, a = _format_name(r.weights), _format_name(r.activations)
     label = w if w == a else f"W {w} / A {a}"
     return f"{label}+{r.recovery.label}" if r.recovery.label else label
 
@@ -161,7 +165,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
                   f"{before['bf16'].mean:.1%}")
 
-    train = FORMAT_NAMES.get(cfg.recipe().train.weights, cfg.recipe().train.weights)
+    train = _format_name(cfg.recipe().train.weights)
     console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
     trainer = Trainer(cfg, out / "run", net, tok, log=console.print)
     with progress_bar(console) as bar:
@@ -222,7 +226,8 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
             zeros: dict[str, dict[str, float]], result: Outcome, minutes: float, n_eval: int,
             setting: str) -> None:
     plot_curves(result.history, out / "curves.png",
-                title=f"{cfg.model}: {cfg.recipe().train.weights} GRPO, {label} rollout")
+                title=f"{cfg.model}: {_format_name(cfg.recipe().train.weights)} GRPO, "
+                      f"{label} rollout")
     lines = [
         f"# fp4rl demo: {cfg.model}", "",
         result.headline(label, n_eval), "",
