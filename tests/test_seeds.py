@@ -28,6 +28,7 @@ from fp4rl.experiments import (
     write_report,
 )
 from fp4rl.experiments.claims import (
+    BEYOND_MATCHES_BF16,
     BEYOND_PAPER,
     MATCHES_BF16,
     RESQ_MATCHES_BF16,
@@ -333,10 +334,12 @@ def test_every_claim_points_the_paper_s_way():
     claimed sign: positive, a tie where the paper ties, small for 'matches BF16'."""
     both = ("hif4", "mxfp4")
     everything = grid_claims("precision", both) + grid_claims("recovery", both)
-    claims = [c for c in everything if c.claim != BEYOND_PAPER]
+    claims = [c for c in everything if not c.claim.startswith("beyond the paper")]
     assert len(claims) == 14 + 28 + 6 and all(c.paper_gap is not None for c in claims)
     beyond = [(c.better, c.worse, c.paper_gap) for c in everything if c.claim == BEYOND_PAPER]
     assert beyond == [(f"{f}+resqw-2:4", f"{f}+resq-2:4", None) for f in both]
+    matches = [(c.better, c.worse) for c in everything if c.claim == BEYOND_MATCHES_BF16]
+    assert matches == [(f"{f}+resqw-2:4", "bf16") for f in both]
     for c in claims:
         if c.claim == MATCHES_BF16:
             assert -1 < c.paper_gap < 0
@@ -359,4 +362,4 @@ def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(t
     cells = tiny3.grid("recovery", ("hif4",))
     report = write_report(exp, cells, {}, command=["fp4rl"]).read_text()
     claims = [line for line in report.splitlines() if "not run |" in line]
-    assert len(claims) == 4 and "occ" not in report.lower()
+    assert len(claims) == 5 and "occ" not in report.lower()
