@@ -194,7 +194,7 @@ def claims_table(rows: list[dict[str, Any]]) -> list[str]:
                                            (*stats.VERDICTS, "no interval", "not run")
                                            if tally[v]) + "."]
     notes = [NOTES[c] for c in dict.fromkeys(r["claim"] for r in rows) if c in NOTES]
-    return [*lines, "", *notes] if notes else lines
+    return [*lines, *(part for note in notes for part in ("", note))]
 
 
 def method_lines(results: Results, seeds: tuple[int, ...]) -> list[str]:
