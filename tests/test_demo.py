@@ -6,20 +6,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fp4rl.demo import Outcome, _rows
+from fp4rl.demo import REWARD, Outcome, _rows
 from fp4rl.rl.evaluate import EvalResult
 
 
-def _result(correct: list[int]) -> EvalResult:
-    return EvalResult(k=1, n=len(correct), mean=float(np.mean(correct)),
-                      best=float(np.mean(correct)), correct=correct, prompts="p")
+def _result(correct: list[int], k: int = 1) -> EvalResult:
+    return EvalResult(k=k, n=len(correct), mean=float(np.mean(correct)) / k,
+                      best=float(np.mean(np.greater(correct, 0))), correct=correct,
+                      prompts="p")
 
 
-def _outcome(before: list[int], after: list[int], rewards: list[float]) -> Outcome:
+def _outcome(before: list[int], after: list[int], rewards: list[float],
+             sampled: tuple[list[int], list[int]] | None = None) -> Outcome:
     history = [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
     history[0]["sampling/sampling_logp_difference/mean"] = 0.5
-    return Outcome({"fp4": _result(before), "bf16": _result(before)},
-                   {"fp4": _result(after), "bf16": _result(before)}, history)
+    s_before, s_after = sampled or ([0] * len(before), [0] * len(before))
+    return Outcome({"fp4": _result(before), "bf16": _result(before),
+                    REWARD: _result(s_before, 4)},
+                   {"fp4": _result(after), "bf16": _result(before),
+                    REWARD: _result(s_after, 4)}, history)
 
 
 def test_accuracy_change_is_paired_over_prompts():
@@ -46,7 +51,7 @@ def test_headline_says_what_moved_and_rows_tolerate_missing_mismatch():
     assert "6 steps" in line
     flat = _outcome(before, before, [0.1] * 6)
     assert "moved within the noise" in flat.headline("HiF4", 100)
-    reward = up.reward_change()
+    reward = up.training_reward_change()
     assert reward.mean == pytest.approx(0.45 - 0.05) and reward.lo > 0
     rows = _rows(up, "HiF4+resq-2:4")
     assert rows[0][0].startswith("accuracy, HiF4+resq-2:4 rollout policy")
@@ -66,3 +71,26 @@ def test_report_escapes_the_pipes_of_its_table_cells(tmp_path):
             or "log pi_old" in line]
     assert rows and all(line.replace("\\|", "").count("|") == 5 for line in rows)
     assert text.splitlines()[2].startswith("You are looking at the HiF4+resq-2:4 rollout")
+
+
+def test_held_out_reward_change_is_paired_and_in_reward_units():
+    """Per prompt, the share of its 4 samples that were right, after minus before,
+    bootstrapped over the prompts; checked against a hand-written bootstrap."""
+    rng = np.random.default_rng(3)
+    s_before = rng.integers(0, 3, size=100).tolist()
+    s_after = [min(4, c + int(i % 3 == 0)) for i, c in enumerate(s_before)]
+    out = _outcome([0] * 100, [0] * 100, [0.1] * 6, (s_before, s_after))
+    change = out.reward_change()
+    diffs = np.subtract(s_after, s_before) / 4
+    assert change.mean == pytest.approx(diffs.mean())
+    draws = np.random.default_rng(20260)
+    draws.integers(0, 1, size=(4000, 1))
+    slow = diffs[draws.integers(0, 100, size=(4000, 100))].mean(1)
+    assert (change.lo, change.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
+    assert change.lo > 0
+    line = out.headline("HiF4", 100)
+    assert "greedy accuracy moved within the noise" in line
+    assert "reward, sampled as in training, rose beyond the noise" in line
+    row = next(r for r in _rows(out, "HiF4") if r[0].startswith("mean reward"))
+    assert "4 samples per held-out prompt" in row[0]
+    assert row[1:3] == (f"{np.mean(s_before) / 4:.3f}", f"{np.mean(s_after) / 4:.3f}")

@@ -6,7 +6,10 @@
    (HiF4 + ResQ-2:4) and as the unquantized bf16 view of its master weights;
 4. train with GRPO, both policies in HiF4 (all three training GEMMs quantized), ResQ-2:4
    on the rollout (the ``demo`` config preset);
-5. score again, and report each change with its 95% interval (markdown + PNG curves).
+5. score again, and report each change with its 95% interval (markdown + PNG curves):
+   greedy accuracy of both views, and the FP4 policy's reward on the held-out prompts
+   sampled as in training (paired over the prompts, so it shows a rise that the noisier
+   per-step training reward may not).
 
 The task is chosen so that the FP4 policy earns some reward from the start (a policy
 that earns none gives GRPO no signal): arithmetic asked with the direct-answer prompt,
@@ -43,6 +46,7 @@ MISMATCH = "sampling/sampling_logp_difference/mean"
 #: the two views of the policy the demo scores, in the order they are reported
 POLICIES = (("fp4", "FP4 rollout policy (what GRPO samples and trains)"),
             ("bf16", "bf16 view of the FP32 master weights (not trained as such)"))
+REWARD = "fp4_sampled"  # the FP4 policy sampled as in training, k samples per prompt
 MEANING = {"holds": "rose beyond the noise", "reversed": "fell beyond the noise",
            "within noise": "moved within the noise"}
 
@@ -53,6 +57,8 @@ class DemoSize:
 
     steps: int = 40
     eval_prompts: int = 100
+    #: samples per held-out prompt at the training temperature, for the policy's reward
+    reward_samples: int = 4
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,17 @@ class Outcome:
 
     def change(self, policy: str) -> Estimate:
         """After minus before on the same prompts, in points, with its paired interval."""
-        b, a = self.before[policy], self.after[policy]
-        return bootstrap([np.subtract(a.correct, b.correct) / a.k]).scaled(100)
+        return self._paired(policy).scaled(100)
+
+    def reward_change(self) -> Estimate:
+        """The FP4 policy's mean reward on the held-out prompts, sampled as in training:
+        after minus before, paired over the prompts (rewards are 0/1, so a prompt's
+        reward is its share of correct samples)."""
+        return self._paired(REWARD)
+
+    def _paired(self, key: str) -> Estimate:
+        b, a = self.before[key], self.after[key]
+        return bootstrap([np.subtract(a.correct, b.correct) / a.k])
 
     def reward_thirds(self) -> tuple[list[float], list[float]]:
         """The per-step mean training reward of the first and of the last third."""
@@ -74,7 +89,9 @@ class Outcome:
         third = max(1, len(rewards) // 3)
         return rewards[:third], rewards[-third:]
 
-    def reward_change(self) -> Estimate:
+    def training_reward_change(self) -> Estimate:
+        """Last third minus first third of the per-step training rewards (a bootstrap over
+        steps): other prompts in each third, so a noisier measure than the paired one."""
         first, last = self.reward_thirds()
         return difference_of_means(last, first)
 
@@ -86,11 +103,13 @@ class Outcome:
 
     def headline(self, label: str, n: int) -> str:
         """One line: what the user is looking at, and whether it moved."""
-        change = self.change("fp4")
+        change, reward = self.change("fp4"), self.reward_change()
         return (f"You are looking at the {label} rollout policy, the policy GRPO samples "
-                f"and trains, scored greedily on {n} held-out prompts before and after "
-                f"{len(self.history)} steps: its accuracy {MEANING[verdict(change)]} "
-                f"({_signed(change)} points, 95% interval over the prompts).")
+                f"and trains, scored on {n} held-out prompts before and after "
+                f"{len(self.history)} steps: its greedy accuracy "
+                f"{MEANING[verdict(change)]} ({_signed(change)} points) and its reward, "
+                f"sampled as in training, {MEANING[verdict(reward)]} ({_signed(reward, 3)}); "
+                f"95% intervals over the prompts.")
 
 
 def _signed(e: Estimate, digits: int = 1) -> str:
@@ -123,14 +142,19 @@ def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
-def _evaluate_both(net: torch.nn.Module, tok: object, cfg: TrainConfig, examples: list,
-                   prompts: list, precision: str) -> dict[str, EvalResult]:
-    """Accuracy of the master weights as the FP4 rollout policy and unquantized."""
+def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, examples: list,
+                  prompts: list, precision: str, samples: int) -> dict[str, EvalResult]:
+    """Greedy accuracy of the master weights as the FP4 rollout policy and unquantized,
+    and the FP4 policy's reward sampled as in training (the same sampling seed before and
+    after training, so the two draws share their random numbers)."""
     quantize_model(net, "bf16")
     unquantized = _evaluate(net, tok, examples, prompts, cfg, precision)
     quantize_model(net, cfg.recipe())
+    sampled = evaluate(net, tok, examples, prompts, k=samples, batch_size=100,
+                       temperature=cfg.grpo.temperature, mixed_precision=precision,
+                       max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
     return {"fp4": _evaluate(net, tok, examples, prompts, cfg, precision),
-            "bf16": unquantized}
+            "bf16": unquantized, REWARD: sampled}
 
 
 def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
@@ -161,9 +185,11 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
         load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length,
         cfg.data.template)
     with console.status(f"evaluating {len(examples)} test prompts, FP4 and unquantized"):
-        before = _evaluate_both(net, tok, cfg, examples, prompts, precision)
+        before = _evaluate_all(net, tok, cfg, examples, prompts, precision,
+                               size.reward_samples)
     console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
-                  f"{before['bf16'].mean:.1%}")
+                  f"{before['bf16'].mean:.1%}   {label} reward, sampled "
+                  f"{before[REWARD].mean:.3f}")
 
     train = _format_name(cfg.recipe().train.weights)
     console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
@@ -177,7 +203,8 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     console.rule("4. accuracy after training")
     with console.status("evaluating again"):
-        after = _evaluate_both(net, tok, cfg, examples, prompts, precision)
+        after = _evaluate_all(net, tok, cfg, examples, prompts, precision,
+                              size.reward_samples)
     result = Outcome(before, after, history)
     minutes = (time.perf_counter() - started) / 60
     console.print(_summary(result, label, minutes))
@@ -202,10 +229,14 @@ def _rows(result: Outcome, label: str) -> list[tuple[str, str, str, str]]:
         b, a = result.before[key].mean, result.after[key].mean
         rows.append((f"accuracy, {what}", f"{b:.1%}", f"{a:.1%}",
                      f"{_signed(result.change(key))} pt"))
+    b, a = result.before[REWARD], result.after[REWARD]
+    rows.append((f"mean reward, {label} rollout policy, {a.k} samples per held-out prompt "
+                 f"as in training", f"{b.mean:.3f}", f"{a.mean:.3f}",
+                 _signed(result.reward_change(), 3)))
     first, last = result.reward_thirds()
     rows.append(("mean training reward, first / last third of the steps",
                  f"{mean(first):.3f}", f"{mean(last):.3f}",
-                 _signed(result.reward_change(), 3)))
+                 _signed(result.training_reward_change(), 3)))
     start, end = result.mismatch()
     if start is not None:
         rows.append(("|log pi_old - log mu| per token, first / last step",
@@ -234,7 +265,9 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
         f"Wall clock: {minutes:.1f} min ({setting}). Config: {config} "
         f"({len(result.history)} steps, lr {cfg.grpo.learning_rate:g}). Evaluation: {n_eval} "
         f"{cfg.data.source} test prompts (levels {cfg.data.levels}, template "
-        f"{cfg.data.template or 'default'}), greedy.", "",
+        f"{cfg.data.template or 'default'}), greedy for accuracy; "
+        f"{result.after[REWARD].k} samples per prompt at temperature "
+        f"{cfg.grpo.temperature:g} for the reward.", "",
         "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
         "| format | share exactly zero |", "|---|---|",
         *(f"| {f} | {mean(z[f] for z in zeros.values()):.1%} |" for f in ZERO_FORMATS), "",
@@ -242,10 +275,10 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
         "| | before | after | change [95% interval] |", "|---|---|---|---|",
         *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
           for row in _rows(result, label)), "",
-        "Accuracy changes are paired (the same prompts before and after; a bootstrap over "
-        "the prompts); the reward change compares the last third of the steps with the "
-        "first (a bootstrap over steps). An interval that excludes 0 is beyond the noise "
-        "of this evaluation.", "",
+        "Accuracy and held-out reward changes are paired (the same prompts before and "
+        "after; a bootstrap over the prompts); the training-reward change compares the "
+        "last third of the steps with the first (other prompts in each; a bootstrap over "
+        "steps). An interval that excludes 0 is beyond the noise of this evaluation.", "",
         "## Training curves", "", "![curves](curves.png)", "",
         "Per-step metrics: `run/metrics.jsonl`.", "",
     ]
