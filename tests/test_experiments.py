@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fp4rl.cli import main
+from fp4rl.errors import UserError
 from fp4rl.experiments import (
     EvalSpec,
     Experiment,
@@ -39,13 +40,18 @@ def test_grids_have_the_paper_rows_and_share_cells():
     precision = grid_cells("precision", ("hif4", "mxfp4"))
     recovery = grid_cells("recovery", ("hif4", "mxfp4"))
     # the paper's 8 recovery rows per format, then ResQ-W (beyond the paper)
-    assert len(precision) == 1 + 6 * 2 and len(recovery) == 1 + 9 * 2
+    # Table 1's 6 rows per format, then the authors' simulated backward (beyond the paper)
+    assert len(precision) == 1 + 7 * 2 and len(recovery) == 1 + 9 * 2
     assert [c.name for c in recovery if c.fmt == "hif4"][-2:] == ["hif4+resq-2:4",
                                                                     "hif4+resqw-2:4"]
     assert {c.name for c in precision} & {c.name for c in recovery} == {"bf16", "hif4", "mxfp4"}
     assert [c.name for c in precision if c.fmt == "mxfp4"] == [
         "mxfp4:fp4/bf16", "mxfp4:fp4/w4a16", "mxfp4:fp4/w4a8", "mxfp4:fp4/w16a4", "mxfp4",
-        "mxfp4:bf16/fp4"]
+        "mxfp4:bf16/fp4", "mxfp4:fp4-reuse/bf16"]
+    reuse = precision[-1]
+    assert reuse.row == "FP4 (reuse_forward) / BF16" and reuse.slug == "mxfp4_fp4-reuse_bf16"
+    assert reuse.recipe().train.backward_operands == "reuse_forward"
+    assert {c.recipe().train.backward_operands for c in precision[:-2]} == {"requantize"}
     rec = {c.name: c.recipe() for c in recovery}
     assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.config.sparsity == "block:32x64:0.5"
     assert rec["mxfp4+smoothquant"].rollout.recovery.method == "smoothquant"
@@ -67,11 +73,23 @@ def test_eval_spec_and_preset_errors():
 
 def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
     exp = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",),
-                     ("grpo.learning_rate=3e-5", "train.weights=bf16"))
-    cell = next(c for c in grid_cells("precision", ("hif4",)) if c.name == "hif4:bf16/fp4")
-    cfg = cell_config(exp, cell)
+                     ("grpo.learning_rate=3e-5", "train.stochastic_gradients=true"))
+    cells = {c.name: c for c in grid_cells("precision", ("hif4",))}
+    cfg = cell_config(exp, cells["hif4:bf16/fp4"])
     assert cfg.grpo.learning_rate == 3e-5 and cfg.grpo.num_generations == 8
     assert cfg.train["weights"] == "bf16" and cfg.rollout["activations"] == "hif4"
+    # a training option the cell's name does not fix comes through --set
+    assert cfg.train["stochastic_gradients"] is True
+    assert cfg.train["backward_operands"] == "requantize"
+    reuse = cell_config(exp, cells["hif4:fp4-reuse/bf16"])
+    assert (reuse.train["weights"], reuse.train["backward_operands"]) == ("hif4",
+                                                                          "reuse_forward")
+    # what every cell sets from its name cannot be --set: it would be silently ignored
+    for item in ("train.weights=bf16", "train.backward_operands=reuse_forward",
+                 "rollout.recovery.method=resq"):
+        bad = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",), (item,))
+        with pytest.raises(UserError, match=f"--set {item.split('=')[0]}: each cell's recipe"):
+            cell_config(bad, cells["hif4"])
     paper = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",))
     with pytest.raises(ConfigError, match="--set model="):
         cell_config(paper, grid_cells("recovery", ("hif4",))[1])
@@ -142,6 +160,11 @@ def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
     assert lines[2] == "| BF16 | BF16 | 80.0 | 80.0 |"
     assert lines[7] == "| FP4 | FP4 | 75.0 (-5.0) | 60.0 (-20.0) |"
     assert lines[8] == "| BF16 | FP4 | 70.0 (-10.0) | -- |"
+    assert lines[9] == "| FP4 (reuse_forward) | BF16 | -- | -- |"
+    cut = precision_table(results, ("hif4",), "synthetic", "rollout",
+                          cells={"bf16", "hif4", "hif4:fp4-reuse/bf16"})
+    assert [line.split(" | ")[:2] for line in cut[2:]] == [
+        ["| BF16", "BF16"], ["| FP4", "FP4"], ["| FP4 (reuse_forward)", "BF16"]]
     cells = grid_cells("recovery", ("hif4",))
     rec = recovery_table({"bf16": {0: _fake(0.5)}, "hif4+resq-2:4": {0: _fake(0.45)}}, cells,
                          ["synthetic"], "rollout")
@@ -161,7 +184,7 @@ def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):
     assert row.count("(") == 1  # accuracy (gap to BF16) for the one format
     assert (out / "precision_rewards.png").is_file()
     payload = json.loads((out / "precision.json").read_text())
-    assert len(payload["cells"]) == 7 and all(set(c["runs"]) == {"0"} and "rollout" in
+    assert len(payload["cells"]) == 8 and all(set(c["runs"]) == {"0"} and "rollout" in
                                               c["runs"]["0"] for c in payload["cells"])
     assert main([*args, "--report-only"]) == 0
 

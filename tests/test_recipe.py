@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fp4rl.nn.recipe import Recipe, RecipeError, preset, table1_presets
@@ -64,6 +66,14 @@ def test_table1_presets(fmt):
     assert cells[f"{fmt}:bf16/fp4"].train.activations == "bf16"
     assert cells[f"{fmt}:bf16/fp4"].rollout.activations == fmt
     assert preset(fmt) == cells[f"{fmt}:fp4/fp4"]
+    assert {r.train.backward_operands for r in cells.values()} == {"requantize"}
+    # beyond Table 1: FP4 training with the HiFloat4 authors' simulated backward
+    reuse = preset(f"{fmt}:fp4-reuse/bf16+resq-2:4")
+    assert reuse.train == dataclasses.replace(cells[f"{fmt}:fp4/bf16"].train,
+                                              backward_operands="reuse_forward")
+    assert reuse.rollout.weights == "bf16" and reuse.rollout.recovery.method == "resq"
+    with pytest.raises(RecipeError, match="fp4-reuse"):
+        preset(f"{fmt}:fp4-reused/bf16")
 
 
 @pytest.mark.parametrize(("name", "label"), [

@@ -28,6 +28,7 @@ from fp4rl.experiments import (
     write_report,
 )
 from fp4rl.experiments.claims import (
+    BACKWARD_MATCHES,
     BEYOND_MATCHES_BF16,
     BEYOND_PAPER,
     MATCHES_BF16,
@@ -356,7 +357,12 @@ def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(t
     assert [c.name for c in tiny3.grid("recovery", ("mxfp4",))] == [
         "bf16", "mxfp4", "mxfp4+resq-2:4", "mxfp4+resqw-2:4"]
     assert [c.name for c in tiny3.grid("precision", ("hif4",))] == [
-        "bf16", "hif4:fp4/bf16", "hif4"]
+        "bf16", "hif4:fp4/bf16", "hif4", "hif4:fp4-reuse/bf16"]
+    precision = tiny3.grid("precision", ("hif4",))
+    backward = [c for c in grid_claims("precision", ("hif4",)) if c.claim == BACKWARD_MATCHES]
+    assert [(c.better, c.worse) for c in backward] == [("hif4:fp4-reuse/bf16",
+                                                         "hif4:fp4/bf16")]
+    assert {backward[0].better, backward[0].worse} <= {c.name for c in precision}
     assert get_preset("tiny").grid("recovery", ("hif4",)) == grid_cells("recovery", ("hif4",))
     exp = Experiment("recovery", tiny3, tmp_path, ("hif4",), seeds=(0,))
     cells = tiny3.grid("recovery", ("hif4",))

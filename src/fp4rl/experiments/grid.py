@@ -23,6 +23,20 @@ KINDS = ("precision", "recovery")
 #: rows of the paper's Table 1: (train, rollout)
 PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "w4a8"),
                   ("fp4", "w16a4"), ("fp4", "fp4"), ("bf16", "fp4"))
+#: rows this toolkit adds: FP4 training with the HiFloat4 authors' simulated backward
+#: (the forward's Q(W), Q(X) reused in both backward GEMMs) under a BF16 rollout
+BEYOND_PRECISION_ROWS = (("fp4-reuse", "bf16"),)
+TRAIN_LABELS = {"fp4-reuse": "FP4 (reuse_forward)"}
+
+
+def precision_rows() -> tuple[tuple[str, str], ...]:
+    """Every row of the precision grid: the paper's, then this toolkit's."""
+    return PRECISION_ROWS + BEYOND_PRECISION_ROWS
+
+
+def precision_label(train: str, rollout: str) -> str:
+    """A row's label, "FP4 / BF16"."""
+    return f"{TRAIN_LABELS.get(train, train.upper())} / {rollout.upper()}"
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,9 @@ def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
                          f"{list(formats)}")
     cells = [Cell("bf16", None, "BF16")]
     if kind == "precision":
-        for train, rollout in PRECISION_ROWS[1:]:
-            row = f"{train.upper()} / {rollout.upper()}"
-            cells += [Cell(precision_name(f, train, rollout), f, row) for f in formats]
+        for train, rollout in precision_rows()[1:]:
+            cells += [Cell(precision_name(f, train, rollout), f, precision_label(train, rollout))
+                      for f in formats]
     else:
         for suffix, label in recovery_variants():  # the rows of the paper's Tables 2 and 4
             cells += [Cell(f"{f}+{suffix}" if suffix else f, f, label) for f in formats]
@@ -184,7 +198,7 @@ TINY3 = ExperimentPreset(
     evals=(EvalSpec("synthetic-words"),),
     formats=("hif4",),
     seeds=(0, 1, 2),
-    cells={"precision": ("bf16", "{f}:fp4/bf16", "{f}"),
+    cells={"precision": ("bf16", "{f}:fp4/bf16", "{f}", "{f}:fp4-reuse/bf16"),
            "recovery": ("bf16", "{f}", "{f}+resq-2:4", "{f}+resqw-2:4")},
 )
 PAPER_3B = ExperimentPreset(

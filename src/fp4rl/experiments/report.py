@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 
 from fp4rl.experiments import stats
 from fp4rl.experiments.claims import FORMAT_LABELS, NOTES, Comparison, grid_claims
-from fp4rl.experiments.grid import PRECISION_ROWS, Cell, precision_name
+from fp4rl.experiments.grid import Cell, precision_label, precision_name, precision_rows
 from fp4rl.experiments.runner import Experiment
 from fp4rl.paths import write_json
 from fp4rl.rl.report import moving_average
@@ -117,16 +117,21 @@ def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
 
 
 def precision_table(results: Results, formats: tuple[str, ...], bench: str, policy: str,
-                    seeds: int = 1) -> list[str]:
-    """Table 1: rows train x rollout precision, one column per FP4 format."""
+                    seeds: int = 1, cells: set[str] | None = None) -> list[str]:
+    """Table 1: rows train x rollout precision, one column per FP4 format; with ``cells``,
+    only the rows that hold one of them (a preset's cut of the grid)."""
     base = results.get("bf16")
     head = "| Train | Rollout | " + " | ".join(f"FP4 = {FORMAT_LABELS[f]}" for f in formats) + " |"
     lines = [head, "|---|---|" + "---|" * len(formats)]
-    for train, rollout in PRECISION_ROWS:
+    for train, rollout in precision_rows():
         is_base = (train, rollout) == ("bf16", "bf16")
+        if cells is not None and not any(precision_name(f, train, rollout) in cells
+                                         for f in formats):
+            continue
         values = [_table_cell(results.get(precision_name(f, train, rollout)), base, policy,
                               bench, seeds, is_base) for f in formats]
-        lines.append(f"| {train.upper()} | {rollout.upper()} | " + " | ".join(values) + " |")
+        train_label, rollout_label = precision_label(train, rollout).split(" / ")
+        lines.append(f"| {train_label} | {rollout_label} | " + " | ".join(values) + " |")
     return lines
 
 
@@ -356,7 +361,8 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
         if exp.kind == "precision":
             for bench in benches:
                 lines += [f"{bench}:", "",
-                          *precision_table(results, exp.formats, bench, policy, len(seeds)), ""]
+                          *precision_table(results, exp.formats, bench, policy, len(seeds),
+                                           names), ""]
         else:
             lines += [*recovery_table(results, cells, benches, policy, len(seeds)), ""]
     band = "; the band spans the lowest to the highest seed" if len(seeds) > 1 else ""

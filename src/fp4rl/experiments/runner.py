@@ -99,14 +99,34 @@ def _base_data(exp: Experiment) -> dict[str, Any]:
     return data
 
 
+#: the training-precision fields a cell's recipe name sets (all of ``rollout`` too)
+CELL_TRAIN_KEYS = ("weights", "activations", "gradients", "backward_operands")
+
+
+def _check_overrides(exp: Experiment) -> None:
+    """Refuse ``--set`` of what every cell sets from its own name: it would be ignored."""
+    fixed = {f"train.{k}" for k in CELL_TRAIN_KEYS}
+    for item in exp.overrides:
+        key = item.partition("=")[0].strip()
+        if key in fixed or key == "rollout" or key.startswith("rollout."):
+            raise UserError(f"--set {key}: each cell's recipe name sets the train formats, "
+                            "the backward scheme and the whole rollout; choose other cells "
+                            "with --cells (e.g. hif4:fp4-reuse/bf16, mxfp4+resq-2:4)")
+
+
 def cell_config(exp: Experiment, cell: Cell) -> Any:
     """The cell's TrainConfig: preset config < ``--set`` overrides < the cell's recipe and
     seed."""
     from fp4rl.rl.config import ConfigError, validate
 
+    _check_overrides(exp)
     data = _base_data(exp)
     recipe = cell.recipe().to_dict()
-    data["train"], data["rollout"] = recipe["train"], recipe["rollout"]
+    # the recipe name fixes the formats and the backward scheme; other training options
+    # (stochastic_gradients) come from the config and --set
+    data["train"] = {**(data.get("train") or {}),
+                     **{k: recipe["train"][k] for k in CELL_TRAIN_KEYS}}
+    data["rollout"] = recipe["rollout"]
     if cell.seed is not None:
         data["run"] = {**data.get("run", {}), "seed": cell.seed}
     cfg = validate(data)

@@ -37,7 +37,11 @@ ROLLOUT_PRESETS = {
     "w16a4": ("bf16", "{f}"),
     "fp4": ("{f}", "{f}"),
 }
-TRAIN_PRESETS = ("bf16", "fp4")
+#: training precision names -> how the backward GEMMs take W and X (None: not quantized);
+#: ``fp4-reuse`` is the HiFloat4 authors' simulated backward (see :class:`TrainPrecision`)
+TRAIN_PRESETS = {"bf16": None, "fp4": "requantize", "fp4-reuse": "reuse_forward"}
+#: the training precisions of the paper's Table 1
+PAPER_TRAIN_PRESETS = ("bf16", "fp4")
 #: how the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`)
 BACKWARD_OPERANDS = ("requantize", "reuse_forward")
 
@@ -181,8 +185,10 @@ def preset(name: str) -> Recipe:
 
     ``"bf16"``; ``"<fmt>"`` (full FP4 training and rollout); ``"<fmt>:<train>/<rollout>"``
     with train in {bf16, fp4} and rollout in {bf16, w4a16, w4a8, w16a4, fp4} (the paper's
-    Table 1); any of them with a recovery suffix ``"+<method>[-<argument>]"`` naming a
-    registered method (``"+resq-2:4"``).
+    Table 1), or train ``fp4-reuse``: FP4 training whose backward GEMMs reuse the
+    forward's Q(W) and Q(X) (``backward_operands: reuse_forward``); any of them with a
+    recovery suffix ``"+<method>[-<argument>]"`` naming a registered method
+    (``"+resq-2:4"``).
     """
     if not isinstance(name, str):
         raise RecipeError(f"a recipe name must be a string, got {type(name).__name__}")
@@ -200,12 +206,13 @@ def preset(name: str) -> Recipe:
                 f"{', '.join(quantized_formats())}, train in {', '.join(TRAIN_PRESETS)}, "
                 f"rollout in {', '.join(ROLLOUT_PRESETS)}, optionally '+<recovery method>' "
                 f"(e.g. '+resq-2:4')")
-    t = fmt if train == "fp4" else "bf16"
+    t = "bf16" if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRESETS[rollout])
-    return Recipe(TrainPrecision(t, t, t), RolloutPrecision(w, a, Recovery.parse(recovery)))
+    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRESETS[train] or "requantize"),
+                  RolloutPrecision(w, a, Recovery.parse(recovery)))
 
 
 def table1_presets(fmt: str) -> list[str]:
     """Preset names of every row of the paper's Table 1 for one FP4 format."""
-    return ["bf16"] + [f"{fmt}:{t}/{r}" for t in TRAIN_PRESETS for r in ROLLOUT_PRESETS
+    return ["bf16"] + [f"{fmt}:{t}/{r}" for t in PAPER_TRAIN_PRESETS for r in ROLLOUT_PRESETS
                        if (t, r) != ("bf16", "bf16")]
