@@ -137,8 +137,10 @@ def _recipe_label(cfg: TrainConfig) -> str:
 
 
 def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
-              cfg: TrainConfig, precision: str) -> EvalResult:
-    return evaluate(net, tok, examples, prompts, k=1, batch_size=50, mixed_precision=precision,
+              cfg: TrainConfig, precision: str, k: int = 1, batch_size: int = 50) -> EvalResult:
+    """Greedy Mean@1 (``k`` 1) or ``k`` samples per prompt at the training temperature."""
+    return evaluate(net, tok, examples, prompts, k=k, batch_size=batch_size,
+                    temperature=cfg.grpo.temperature, mixed_precision=precision,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
@@ -150,9 +152,7 @@ def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, examples:
     quantize_model(net, "bf16")
     unquantized = _evaluate(net, tok, examples, prompts, cfg, precision)
     quantize_model(net, cfg.recipe())
-    sampled = evaluate(net, tok, examples, prompts, k=samples, batch_size=100,
-                       temperature=cfg.grpo.temperature, mixed_precision=precision,
-                       max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
+    sampled = _evaluate(net, tok, examples, prompts, cfg, precision, k=samples, batch_size=100)
     return {"fp4": _evaluate(net, tok, examples, prompts, cfg, precision),
             "bf16": unquantized, REWARD: sampled}
 

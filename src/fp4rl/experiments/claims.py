@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fp4rl.experiments.grid import PRECISION_ROWS, precision_name
+from fp4rl.experiments.grid import PRECISION_ROWS, precision_label, precision_name
 from fp4rl.recovery import recovery_variants
 
 #: the paper's GSM8K-test accuracy (%) of Qwen2.5-3B per cell: Table 1 and Table 2
@@ -85,7 +85,7 @@ def precision_claims(formats: tuple[str, ...]) -> list[Comparison]:
     training, are where the accuracy goes."""
     out = []
     if {"hif4", "mxfp4"} <= set(formats):
-        out += [Comparison("HiF4 beats MXFP4", f"{train.upper()} / {rollout.upper()}",
+        out += [Comparison("HiF4 beats MXFP4", precision_label(train, rollout),
                            precision_name("hif4", train, rollout),
                            precision_name("mxfp4", train, rollout))
                 for train, rollout in PRECISION_ROWS[1:]]

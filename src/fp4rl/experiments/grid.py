@@ -34,9 +34,14 @@ def precision_rows() -> tuple[tuple[str, str], ...]:
     return PRECISION_ROWS + BEYOND_PRECISION_ROWS
 
 
+def train_label(train: str) -> str:
+    """How a table names a training precision: "FP4", "FP4 (reuse_forward)"."""
+    return TRAIN_LABELS.get(train, train.upper())
+
+
 def precision_label(train: str, rollout: str) -> str:
     """A row's label, "FP4 / BF16"."""
-    return f"{TRAIN_LABELS.get(train, train.upper())} / {rollout.upper()}"
+    return f"{train_label(train)} / {rollout.upper()}"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 
 from fp4rl.experiments import stats
 from fp4rl.experiments.claims import FORMAT_LABELS, NOTES, Comparison, grid_claims
-from fp4rl.experiments.grid import Cell, precision_label, precision_name, precision_rows
+from fp4rl.experiments.grid import Cell, precision_name, precision_rows, train_label
 from fp4rl.experiments.runner import Experiment
 from fp4rl.paths import write_json
 from fp4rl.rl.report import moving_average
@@ -130,8 +130,7 @@ def precision_table(results: Results, formats: tuple[str, ...], bench: str, poli
             continue
         values = [_table_cell(results.get(precision_name(f, train, rollout)), base, policy,
                               bench, seeds, is_base) for f in formats]
-        train_label, rollout_label = precision_label(train, rollout).split(" / ")
-        lines.append(f"| {train_label} | {rollout_label} | " + " | ".join(values) + " |")
+        lines.append(f"| {train_label(train)} | {rollout.upper()} | " + " | ".join(values) + " |")
     return lines
 
 

@@ -37,9 +37,10 @@ ROLLOUT_PRESETS = {
     "w16a4": ("bf16", "{f}"),
     "fp4": ("{f}", "{f}"),
 }
-#: training precision names -> how the backward GEMMs take W and X (None: not quantized);
-#: ``fp4-reuse`` is the HiFloat4 authors' simulated backward (see :class:`TrainPrecision`)
-TRAIN_PRESETS = {"bf16": None, "fp4": "requantize", "fp4-reuse": "reuse_forward"}
+#: training precision names -> how the backward GEMMs take W and X (moot for bf16, where
+#: nothing is quantized); ``fp4-reuse`` is the HiFloat4 authors' simulated backward (see
+#: :class:`TrainPrecision`)
+TRAIN_PRESETS = {"bf16": "requantize", "fp4": "requantize", "fp4-reuse": "reuse_forward"}
 #: the training precisions of the paper's Table 1
 PAPER_TRAIN_PRESETS = ("bf16", "fp4")
 #: how the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`)
@@ -208,7 +209,7 @@ def preset(name: str) -> Recipe:
                 f"(e.g. '+resq-2:4')")
     t = "bf16" if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRESETS[rollout])
-    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRESETS[train] or "requantize"),
+    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRESETS[train]),
                   RolloutPrecision(w, a, Recovery.parse(recovery)))
 
 
