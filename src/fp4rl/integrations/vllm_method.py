@@ -1,0 +1,154 @@
+"""The vLLM classes of the ``fp4rl`` quantization method (imported only where vLLM is).
+
+:class:`FP4RLConfig` decides per layer: a linear inside a transformer block that the
+recipe does not ignore gets :class:`FP4RLLinearMethod`; other linears run vLLM's own
+unquantized method; embeddings and the LM head are left to vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from fp4rl.gemm import Operand, quantize_operand
+from fp4rl.integrations.vllm import QUANT_METHOD, VLLMError, hf_layer_names, recipe_from_config
+from fp4rl.nn.patch import BLOCK_PREFIX
+from fp4rl.nn.recipe import Recipe
+from fp4rl.recovery import RolloutRecovery, make_recovery
+
+
+class FP4RLConfig(QuantizationConfig):
+    """fp4rl's rollout recipe as a vLLM quantization config."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self._layers = 0  # a per-layer seed, as fp4rl's patching numbers its layers
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # simulated formats run on any device, CPUs included
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FP4RLConfig:
+        return cls(recipe_from_config(config))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+        if not isinstance(layer, LinearBase):
+            return None
+        names = hf_layer_names(prefix)
+        if BLOCK_PREFIX.search(prefix) is None:
+            return UnquantizedLinearMethod()
+        ignored = [self.recipe.ignores(n) for n in names]
+        if all(ignored):
+            return UnquantizedLinearMethod()
+        if any(ignored):
+            raise VLLMError(f"ignore leaves part of vLLM's merged linear {prefix} "
+                            f"({', '.join(n for n, i in zip(names, ignored, strict=True) if i)})"
+                            " unquantized; vLLM runs it as one layer: ignore all of "
+                            f"{', '.join(names)} or none")
+        self._layers += 1
+        return FP4RLLinearMethod(self.recipe, seed=self._layers - 1)
+
+
+class FP4RLLinearMethod(LinearMethodBase):
+    """fp4rl's rollout-mode forward for one vLLM linear (merged or not)."""
+
+    def __init__(self, recipe: Recipe, seed: int) -> None:
+        self.recipe = recipe
+        self.seed = seed
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        """An unquantized weight, but in float32 (the trainer's master precision)."""
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        data = torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                           dtype=torch.float32)
+        weight = ModelWeightParameter(data=data, input_dim=1, output_dim=0,
+                                      weight_loader=weight_loader)
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+        r = self.recipe.rollout
+        layer.fp4rl_shards = list(output_partition_sizes)
+        layer.fp4rl_recovery = make_recovery(r.recovery, r.activations,
+                                             input_size_per_partition, self.seed,
+                                             weight_format=r.weights)
+        layer.fp4rl_weight = None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        requantize(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        recovery: RolloutRecovery = layer.fp4rl_recovery
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        w = layer.weight.detach()
+        parts = _weight_in(layer, x.dtype)
+        if len(parts) == 1:
+            y = recovery.forward(x2, parts[0][1], w, x.dtype, bias)
+        else:  # per-shard scales (NVFP4): one GEMM per logical layer, as fp4rl runs them
+            ys, start = [], 0
+            for rows, qw in parts:
+                b = None if bias is None else bias[start:start + rows]
+                ys.append(recovery.forward(x2, qw, w[start:start + rows], x.dtype, b))
+                start += rows
+            y = torch.cat(ys, dim=-1)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def requantize(layer: torch.nn.Module) -> None:
+    """``Q(W)`` of every logical layer in ``layer`` (along in_features), cached in the
+    compute-ready form; shards without a per-tensor scale are joined into one operand."""
+    recovery: RolloutRecovery = layer.fp4rl_recovery
+    fmt = recovery.weight_format
+    w = layer.weight.detach()
+    parts, start = [], 0
+    with torch.no_grad():
+        for rows in layer.fp4rl_shards:
+            shard = recovery.transform_weight(w[start:start + rows])
+            parts.append((rows, quantize_operand(shard, fmt, -1)))
+            start += rows
+    if all(q.scale is None for _, q in parts):
+        parts = [(start, Operand(torch.cat([q.values for _, q in parts])))]
+    layer.fp4rl_weight = parts
+    layer.fp4rl_weight_cast = {}
+
+
+def _weight_in(layer: torch.nn.Module, dtype: torch.dtype) -> list[tuple[int, Operand]]:
+    """The cached ``Q(W)`` parts in the compute dtype (cast once per weight version;
+    FP4 values are exact in bf16)."""
+    cast = layer.fp4rl_weight_cast
+    if dtype not in cast:
+        cast[dtype] = [(rows, q.to(dtype)) for rows, q in layer.fp4rl_weight]
+    return cast[dtype]
+
+
+def requantize_model(model: torch.nn.Module) -> int:
+    """Re-quantize every fp4rl layer of an engine's model (after new weights were
+    loaded); returns how many."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "fp4rl_shards", None) is not None:
+            requantize(module)
+            count += 1
+    return count
