@@ -147,10 +147,17 @@ def make_llm(spec: EngineSpec) -> Any:
     if spec.recipe is not None:
         kwargs = {"quantization": QUANT_METHOD,
                   "hf_overrides": {"quantization_config": quantization_config(spec.recipe)}}
-    return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
-                    enforce_eager=True, max_model_len=spec.max_model_len,
-                    kv_cache_memory_bytes=spec.kv_cache_bytes,
-                    logprobs_mode="processed_logprobs", **kwargs)
+    # vLLM's CPU worker drops torch to one thread unless OMP_NUM_THREADS is set, and then
+    # turns torch.set_num_threads into a no-op: a trainer sharing the process keeps both
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    set_num_threads = torch.set_num_threads
+    try:
+        return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
+                        enforce_eager=True, max_model_len=spec.max_model_len,
+                        kv_cache_memory_bytes=spec.kv_cache_bytes,
+                        logprobs_mode="processed_logprobs", **kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads
 
 
 def engine_model(llm: Any) -> torch.nn.Module:

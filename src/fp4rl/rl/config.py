@@ -22,6 +22,9 @@ from fp4rl.nn.recipe import Recipe
 from fp4rl.presets import preset_path
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 
+#: the rollout engines ``rollout.engine`` names
+ROLLOUT_ENGINES = ("hf", "vllm")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -132,10 +135,20 @@ class TrainConfig(_Section):
             self.recipe()
         except RecipeError as err:
             raise ValueError(str(err)) from None
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got "
+                             f"{self.rollout_engine!r}")
         return self
 
+    @property
+    def rollout_engine(self) -> str:
+        """Where the rollout runs: ``hf`` (fp4rl's KV-cache engine on the trainer's model)
+        or ``vllm`` (a colocated vLLM engine with the fp4rl quantization method)."""
+        return self.rollout.get("engine", "hf")
+
     def recipe(self) -> Recipe:
-        return Recipe.from_dict({"train": self.train, "rollout": self.rollout,
+        rollout = {k: v for k, v in self.rollout.items() if k != "engine"}
+        return Recipe.from_dict({"train": self.train, "rollout": rollout,
                                  "ignore": self.ignore})
 
 

@@ -85,13 +85,21 @@ def setup(strategy: str, backend: str, device: str, timeout_s: float) -> tuple[D
                           "(or distributed.backend=auto)")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(chosen_backend, timeout=timedelta(seconds=timeout_s))
+        _JOINED.append(True)
     return Dist(rank, world, local_rank, chosen), dev
 
 
+#: whether :func:`setup` created the default process group (a colocated vLLM engine
+#: creates its own, which vLLM itself destroys at exit)
+_JOINED: list[bool] = []
+
+
 def teardown() -> None:
-    """Leave the process group (every launched process must, or the launcher hangs)."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group :func:`setup` joined (every launched process must, or the
+    launcher hangs); a group someone else created is theirs to destroy."""
+    if _JOINED and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _JOINED.clear()
 
 
 def all_gather(obj: Any, d: Dist) -> list[Any]:

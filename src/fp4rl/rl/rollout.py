@@ -108,7 +108,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -189,7 +189,7 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     its KV cache copied to every row that asks it: each row's activations, hence its
     quantization blocks (and NVFP4's per-tensor amax), are the same either way."""
     device = eos.device
-    prompt_ids, prompt_mask = _left_pad(prompts, pad_token_id, device)
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
     n, width, steps = len(prompts), prompt_ids.shape[1], config.max_new_tokens
     unique, inverse = _distinct(prompts, device)
     response_ids = torch.full((n, steps), pad_token_id, dtype=torch.long, device=device)

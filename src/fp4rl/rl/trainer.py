@@ -175,6 +175,8 @@ class Trainer:
         self.step = 0
         self.eos_ids = stop_token_ids(tokenizer)
         self.last_timings = StepTimings()
+        #: the colocated vLLM engine under ``rollout.engine: vllm`` (None: the hf engine)
+        self.vllm = self._vllm_engine()
 
     @classmethod
     def from_config(cls, config: TrainConfig, output_dir: str | Path,
@@ -215,6 +217,26 @@ class Trainer:
         size = g.micro_batch_size * 4
         return [rows[k:k + size] for k in range(0, len(rows), size)]
 
+    def _vllm_engine(self) -> Any:
+        """The vLLM rollout engine the config asks for, or None; what vLLM cannot run is
+        refused now, in one line, before any step."""
+        cfg = self.cfg
+        if cfg.rollout_engine != "vllm":
+            return None
+        from fp4rl.integrations.vllm import require_vllm, rollout_recipe
+        from fp4rl.rl.vllm_rollout import VLLMRollout
+
+        rollout_recipe(self.recipe)
+        require_vllm()
+        if self.dist.active:
+            raise ConfigError("rollout.engine=vllm runs one colocated engine in one process; "
+                              "with several processes use rollout.engine=hf")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"rollout.engine=vllm: vLLM cannot run on {self.device}")
+        return VLLMRollout(cfg.model, self.recipe, compute_dtype(self.mixed_precision),
+                           cfg.run.seed, cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
+                           self.tok.pad_token_id)
+
     def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
         """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:
         G responses per prompt from the rollout policy, with their log-probs mu.
@@ -226,6 +248,13 @@ class Trainer:
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         out = {}
+        if self.vllm is not None:
+            for c, chunk in enumerate(chunks):
+                seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunk]
+                out[c] = _to_device(self.vllm.generate(
+                    [self.train_prompts[i] for i, _, _ in chunk], seeds, sampling, self.eos_ids),
+                    self.device)
+            return out
         with self.compute(), rollout_mode(self.policy):
             for c in range(self.dist.rank, len(chunks), self.dist.world_size):
                 seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
@@ -433,9 +462,12 @@ class Trainer:
         return autocast(self.device, self.mixed_precision)
 
     def _sync_policy(self) -> dict[str, float]:
-        """Under FSDP: refresh the rollout copy from the shards, once per step, the FP4
-        rollout weights as packed 4-bit codes (:mod:`fp4rl.rl.weight_sync`); returns the
-        bytes this rank received, as metrics."""
+        """Bring the rollout side up to the current weights, once per step: under
+        ``rollout.engine: vllm`` refit the engine (``time/refit``, ``sync/*``); under FSDP
+        refresh the rollout copy from the shards, the FP4 rollout weights as packed 4-bit
+        codes (:mod:`fp4rl.rl.weight_sync`). Returns the bytes moved, as metrics."""
+        if self.vllm is not None:
+            return self.vllm.refit(self.model).metrics()
         if self.policy is self.model:
             return {}
         start = time.perf_counter()

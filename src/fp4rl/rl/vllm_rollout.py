@@ -1,0 +1,72 @@
+"""The rollout in vLLM (``rollout.engine: vllm``): a colocated engine refit every step.
+
+The engine lives in the trainer's process and serves the rollout policy through the
+``fp4rl`` quantization method (:mod:`fp4rl.integrations.vllm`). Before each step's
+rollout the trainer's current FP32 weights are loaded into it and re-quantized once, with
+no restart. Every response is sampled by vLLM's sampler under its own seed (the run's seed,
+the step, the prompt's position and the sample's index, as the ``hf`` engine seeds its
+rows), and each sampled token's log-probability comes from vLLM's processed log-probs:
+the distribution actually sampled (temperature, top-k, top-p applied). Those are the
+rollout log-probs mu that truncated importance sampling divides by, so TIS corrects the
+real vLLM/trainer mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp4rl.integrations.vllm import EngineSpec, RefitStats, make_llm, model_dir, refit
+from fp4rl.nn.recipe import Recipe
+from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, left_pad
+
+
+class VLLMRollout:
+    """A vLLM engine running ``recipe``'s rollout policy for a trainer."""
+
+    def __init__(self, model: str, recipe: Recipe, dtype: torch.dtype, seed: int,
+                 max_model_len: int, pad_token_id: int) -> None:
+        self.spec = EngineSpec(model_dir(model), recipe, dtype=dtype, seed=seed,
+                               max_model_len=max_model_len)
+        self.pad_token_id = pad_token_id
+        #: the engine, built now (seconds) so that no step's timings include its start
+        self.llm = make_llm(self.spec)
+
+    def refit(self, model: torch.nn.Module) -> RefitStats:
+        """Load ``model``'s current weights into the engine and re-quantize once."""
+        return refit(self.llm, model.named_parameters())
+
+    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                 config: SamplingConfig, eos_token_ids: Sequence[int]) -> RolloutBatch:
+        """One response per prompt, row ``i`` sampled under ``seeds[i]``, laid out as the
+        ``hf`` engine lays out its batches."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = [SamplingParams(
+            n=1, temperature=0.0 if config.greedy else config.temperature,
+            top_p=config.top_p, top_k=config.top_k or -1, max_tokens=config.max_new_tokens,
+            seed=seed, logprobs=0, stop_token_ids=list(eos_token_ids), detokenize=False)
+            for seed in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 params, use_tqdm=False)
+        return self._batch(prompts, [o.outputs[0] for o in outs], set(eos_token_ids))
+
+    def _batch(self, prompts: Sequence[Sequence[int]], outputs: list[Any],
+               eos: set[int]) -> RolloutBatch:
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        width = max(1, max(len(o.token_ids) for o in outputs))
+        n = len(outputs)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        finished = torch.zeros(n, dtype=torch.bool)
+        for row, out in enumerate(outputs):
+            tokens = list(out.token_ids)
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, :len(tokens)] = 1
+            logprobs[row, :len(tokens)] = torch.tensor(
+                [step[t].logprob for t, step in zip(tokens, out.logprobs, strict=True)])
+            finished[row] = bool(tokens) and tokens[-1] in eos
+        return RolloutBatch(prompt_ids, prompt_mask, ids, mask, logprobs, finished)
