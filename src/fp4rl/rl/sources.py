@@ -80,7 +80,7 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
         label = model or "smollm2-135m"
     if recipe == "run":
         if run_recipe is None:
-            raise ValueError("--recipe run needs --checkpoint")
+            raise UserError("--recipe run needs --checkpoint")
         quantize_model(net, run_recipe)
         label += " (run recipe)"
     elif recipe:
@@ -91,6 +91,19 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
     return net, tok, label
 
 
+def field_mapping(fields: list[str]) -> dict[str, str]:
+    """``["problem=Problem"]`` as ``{"problem": "Problem"}``; a malformed entry or an
+    unknown role is refused (an ignored mapping would read the wrong field)."""
+    mapping = {}
+    for item in fields:
+        role, sep, name = item.partition("=")
+        if not sep or not name or role not in ("problem", "answer"):
+            raise UserError(f"--field {item!r}: give ROLE=NAME with ROLE problem or answer, "
+                            "e.g. problem=Problem")
+        mapping[role] = name
+    return mapping
+
+
 def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
                   fields: list[str] | None = None,
                   max_prompt_length: int = 4096, template: str | None = None
@@ -98,9 +111,12 @@ def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: in
     """Test examples and their prompts (``template``: a prompt template name, default the
     layout's): ``synthetic``, ``synthetic-words`` or ``LAYOUT:PATH``."""
     source, _, path = spec.partition(":")
-    mapping = dict(f.split("=", 1) for f in fields or [])
     if source not in VARIANTS and not path:
-        raise ValueError(f"--data {spec!r}: give LAYOUT:PATH, e.g. gsm8k:data/test.jsonl")
+        raise UserError(f"--data {spec!r}: give synthetic, synthetic-words or LAYOUT:PATH, "
+                        "e.g. gsm8k:data/test.jsonl")
+    if source in VARIANTS and path:
+        raise UserError(f"--data {spec!r}: {source} generates its prompts and reads no file")
+    mapping = field_mapping(fields or [])
     cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
                      fields=mapping or None)
     return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length,
