@@ -233,6 +233,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(data)
 
 
+#: settings a resumed run may change: how long it runs, how often and how many checkpoints
+#: it keeps, its evaluation (which the trainer never runs) and how long a collective
+#: waits. Any other change would continue the run on a different trajectory.
+RESUMABLE = ("run.steps", "run.save_steps", "run.keep_checkpoints", "eval",
+             "distributed.timeout_s")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a config's settings by dotted key."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """The settings ``requested`` changes from ``saved``, by dotted key, as (saved,
+    requested), leaving out the :data:`RESUMABLE` ones."""
+    old, new = flatten(saved.model_dump()), flatten(requested.model_dump())
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)
+            and not any(key == r or key.startswith(f"{r}.") for r in RESUMABLE)}
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+    """``grpo.learning_rate 1e-05 -> 0.001, ...``: what a refused resume would change."""
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+
+
 REMOVED_KEYS = {
     "dtype": "dtype is gone: master weights are always FP32; choose the compute dtype with "
              "mixed_precision=no|bf16|auto",
@@ -271,6 +304,7 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
-__all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
-           "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig", "apply_override",
-           "load_config", "set_path", "validate"]
+__all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "DataConfig", "DistributedConfig",
+           "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig",
+           "apply_override", "changed_settings", "describe_changes", "flatten", "load_config",
+           "set_path", "validate"]

@@ -52,7 +52,8 @@ def load_trained(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
     from fp4rl.models import load_model
 
     path = checkpoint_dir(checkpoint)
-    config = torch.load(path / "state.pt", weights_only=False)["config"]
+    ckpt.verify_checkpoint(path)
+    config = ckpt.read_torch(path / "state.pt")["config"]
     net, tok = load_model(config["model"], device=device)
     ckpt.load_weights(path, net)
     recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
