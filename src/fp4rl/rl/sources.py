@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from fp4rl.data import Example
 from fp4rl.data.synthetic import VARIANTS
@@ -111,6 +112,14 @@ def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: in
                   ) -> tuple[list[Example], list[list[int]]]:
     """Test examples and their prompts (``template``: a prompt template name, default the
     layout's): ``synthetic``, ``synthetic-words`` or ``LAYOUT:PATH``."""
+    return encode_examples(eval_split(spec, n, levels, seed, fields), tokenizer,
+                           max_prompt_length, template)
+
+
+def eval_split(spec: str, n: int, levels: list[int], seed: int = 0,
+               fields: list[str] | None = None) -> list[Example]:
+    """The test examples ``--data spec`` names, read before any model is loaded so that a
+    mistake in them costs no wait."""
     source, _, path = spec.partition(":")
     if source not in VARIANTS and not path:
         raise UserError(f"--data {spec!r}: give synthetic, synthetic-words or LAYOUT:PATH, "
@@ -118,7 +127,11 @@ def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: in
     if source in VARIANTS and path:
         raise UserError(f"--data {spec!r}: {source} generates its prompts and reads no file")
     mapping = field_mapping(fields or [])
-    cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
-                     fields=mapping or None)
-    return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length,
-                           template)
+    try:
+        cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
+                         fields=mapping or None)
+    except ValidationError as err:
+        raise UserError(f"--data {spec} --levels {' '.join(map(str, levels))}: "
+                        + "; ".join(str(e.get("ctx", {}).get("error", e["msg"]))
+                                    for e in err.errors())) from None
+    return load_split(cfg, "test", seed)
