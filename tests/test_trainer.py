@@ -301,3 +301,8 @@ def test_overrides_read_yaml_as_users_mean_it():
     cfg = load_config(None, ["mixed_precision=no", "grpo.learning_rate=1e-6",
                              "data.strict=true"])
     assert cfg.mixed_precision == "no" and cfg.grpo.learning_rate == 1e-6 and cfg.data.strict
+    for pattern in ("2:4", "3:4", "1:2"):  # YAML 1.1 reads 2:4 as the base-60 integer 124
+        cfg = load_config(None, ["rollout.recovery.method=resq",
+                                 f"rollout.recovery.sparsity={pattern}"])
+        assert cfg.recipe().rollout.recovery.config.sparsity == pattern
+    assert load_config(None, ["run.seed=010"]).run.seed == 10  # not octal

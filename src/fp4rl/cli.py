@@ -719,7 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="field mapping, e.g. problem=Problem (repeatable)")
     ev.add_argument("--template", help="prompt template (boxed, gsm8k, direct; default: the "
                     "data's own): score a trained policy with the prompt it was trained on")
-    ev.add_argument("--n", type=positive_int, default=200, help="number of prompts")
+    ev.add_argument("--n", type=positive_int, default=100,
+                    help="number of prompts (synthetic: spread over the levels; levels 1 "
+                    "and 2 hold 95 and 52 test questions)")
     ev.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="synthetic levels")
     ev.add_argument("--mean-at", type=positive_int, default=1,
                     help="1: greedy Mean@1; k: Mean@k")
@@ -852,7 +854,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.overrides += [a for a in extra if not a.startswith("-")]
         extra = [a for a in extra if a.startswith("-")]
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        raise UsageError(f"fp4rl {args.command}", f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv
     return args
 
