@@ -92,7 +92,6 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     from fp4rl.precision import resolve_device
 
     with console.status(f"loading {args.model}"):
@@ -101,6 +100,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
         acts = capture_linear_inputs(model, encode_prompts(tok, prompts))
     layers = [diagnose.diagnose_activations(n, x, formats)
               for n, x in track(acts.items(), "diagnosing layers", console)]
+    out.mkdir(parents=True, exist_ok=True)  # once there is something to put there
     series = ["bf16", *formats]
     plots.per_layer_type(layers, series, lambda d, s: d.zero_frac[s], "% exactly zero",
                          f"{args.model}: zero collapse of linear inputs", out / "zero_frac.png")
@@ -176,7 +176,6 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
 
     formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     with console.status(f"loading {args.model}"):
         model, tok = load_model(args.model, device=resolve_device(args.device))
     with console.status(f"sampling {args.n} x {args.num_generations} responses ({formats[0]} "
@@ -196,6 +195,7 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
     with console.status("differentiating") as status:
         results = gradients.diagnose_gradients(
             model, batch, formats, progress=lambda v: status.update(f"differentiating: {v}"))
+    out.mkdir(parents=True, exist_ok=True)  # once there is something to put there
     for result in results:
         plots.plot_gemm_sqnr(result.layers, gradients.SCHEMES,
                              f"{args.model}, {result.format}: training GEMMs against the "
