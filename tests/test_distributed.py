@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,8 +41,13 @@ DRIVER = textwrap.dedent("""
 TIMEOUT_S = 240
 
 
+#: a config of the library defaults, not the smoke preset `fp4rl train` runs without one
+DEFAULTS = Path(__file__).parent / "fixtures" / "defaults.yaml"
+
+
 def _overrides(model_dir, precision: str = "no") -> list[str]:
-    return [f"model={model_dir}", f"mixed_precision={precision}", "device=cpu",
+    return ["--config", str(DEFAULTS), f"model={model_dir}", f"mixed_precision={precision}",
+            "device=cpu",
             "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
             "rollout.weights=hif4", "rollout.activations=hif4", "rollout.recovery.method=resq",
             "data.reward=parity", "data.train_size=16", "grpo.batch_size=4",

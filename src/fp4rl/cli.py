@@ -6,10 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from rich.console import Console
 
+from fp4rl.errors import UserError
 from fp4rl.paths import write_json
 
 if TYPE_CHECKING:
@@ -17,12 +18,14 @@ if TYPE_CHECKING:
 
     from fp4rl.analysis.gradients import FormatGradients
     from fp4rl.experiments import Cell, Experiment
+    from fp4rl.rl.config import TrainConfig
 
 
 def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.bench import common
     from fp4rl.precision import describe_cpu, resolve_device
 
+    _check_outputs(json=args.json)
     device = resolve_device(args.device)
     console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
                                     else ""), markup=False)
@@ -57,6 +60,16 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _check_outputs(**paths: str | None) -> None:
+    """Refuse, before any work, an ``--output`` directory or a ``--json``/``--plot`` file
+    that could not be written (the work would be lost at the end)."""
+    from fp4rl.paths import check_writable
+
+    for option, path in paths.items():
+        if path:
+            check_writable(path, f"--{option}", directory=option == "output")
+
+
 def torch_gpu_name() -> str:
     import torch
 
@@ -67,6 +80,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     from rich.table import Table
 
     _check_diagnose_args(args)
+    _check_outputs(output=args.out, json=args.json)
     if args.gradients:
         return _diagnose_gradients(args, console)
     from fp4rl.analysis import diagnose, plots
@@ -78,7 +92,6 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
     prompts = load_prompts(args.prompts)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     from fp4rl.precision import resolve_device
 
     with console.status(f"loading {args.model}"):
@@ -87,6 +100,7 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
         acts = capture_linear_inputs(model, encode_prompts(tok, prompts))
     layers = [diagnose.diagnose_activations(n, x, formats)
               for n, x in track(acts.items(), "diagnosing layers", console)]
+    out.mkdir(parents=True, exist_ok=True)  # once there is something to put there
     series = ["bf16", *formats]
     plots.per_layer_type(layers, series, lambda d, s: d.zero_frac[s], "% exactly zero",
                          f"{args.model}: zero collapse of linear inputs", out / "zero_frac.png")
@@ -162,7 +176,6 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
 
     formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     with console.status(f"loading {args.model}"):
         model, tok = load_model(args.model, device=resolve_device(args.device))
     with console.status(f"sampling {args.n} x {args.num_generations} responses ({formats[0]} "
@@ -182,6 +195,7 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
     with console.status("differentiating") as status:
         results = gradients.diagnose_gradients(
             model, batch, formats, progress=lambda v: status.update(f"differentiating: {v}"))
+    out.mkdir(parents=True, exist_ok=True)  # once there is something to put there
     for result in results:
         plots.plot_gemm_sqnr(result.layers, gradients.SCHEMES,
                              f"{args.model}, {result.format}: training GEMMs against the "
@@ -279,6 +293,7 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
     methods = args.methods or fidelity.default_methods()
     for m in methods:
         preset(m)  # fail fast on a bad name, before loading anything
+    _check_outputs(json=args.json, plot=args.plot)
     from fp4rl.precision import resolve_device
 
     with console.status(f"loading {args.model}"):
@@ -322,22 +337,34 @@ def _train(args: argparse.Namespace, console: Console) -> int:
         teardown()
 
 
+#: the preset ``fp4rl train`` runs without ``--config``: one that runs anywhere in minutes
+DEFAULT_TRAIN_PRESET = "smoke"
+
+
 def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int:
+    from fp4rl.paths import check_writable
+
+    out = Path(args.output)
+    check_writable(out, "--output", directory=True)
+    cfg = _resume_config(args, out, console) if args.resume else _new_run_config(args, out)
+    created = not out.exists()
+    try:
+        return _train_with(cfg, out, args.resume, console, is_main)
+    except BaseException:
+        if created and is_main:
+            _remove_unstarted(out)
+        raise
+
+
+def _train_with(cfg: TrainConfig, out: Path, resume: bool, console: Console,
+                is_main: bool) -> int:
     from fp4rl.progress import progress_bar
-    from fp4rl.rl.config import load_config
     from fp4rl.rl.report import write_run_report
     from fp4rl.rl.trainer import Trainer
 
-    changes = {"run.steps": args.steps} if args.steps else None
-    cfg = load_config(args.config, args.overrides, changes)
-    out = Path(args.output)
-    if (out / "metrics.jsonl").exists() and not args.resume:
-        raise SystemExit(f"{out} already holds a run: pass --resume to continue it, or "
-                         "choose another --output")
-    out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer.from_config(cfg, out, log=console.print)
-    if is_main:  # as run: device, precision, strategy
-        (out / "config.yaml").write_text(cfg_yaml(trainer.cfg))
+    if is_main:  # as run: device, precision, strategy; the contract of --resume
+        write_text(out / CONFIG_FILE, cfg_yaml(trainer.cfg))
     cfg = trainer.cfg
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
@@ -346,11 +373,113 @@ def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int
             bar.update(task, completed=step, info=f"reward {m['reward_mean']:.3f}  "
                        f"loss {m['loss']:+.4f}  len {m['completions/mean_length']:.0f}")
 
-        trainer.train(resume=args.resume, progress=show)
+        trainer.train(resume=resume, progress=show)
     if is_main:
         write_run_report(out)
         console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
     return 0
+
+
+#: a run directory's settings as run: what ``--resume`` continues, and checks against
+CONFIG_FILE = "config.yaml"
+
+
+def _steps(args: argparse.Namespace) -> dict[str, int]:
+    return {} if args.steps is None else {"run.steps": args.steps}
+
+
+def _holds_run(out: Path) -> bool:
+    from fp4rl.rl import checkpoint as ckpt
+    from fp4rl.rl.trainer import METRICS
+
+    return (out / METRICS).exists() or ckpt.latest_checkpoint(out) is not None
+
+
+def _new_run_config(args: argparse.Namespace, out: Path) -> TrainConfig:
+    """A new run's config: ``--config`` (default :data:`DEFAULT_TRAIN_PRESET`) with the
+    overrides; refused where ``out`` already holds a run."""
+    from fp4rl.errors import OutputError
+    from fp4rl.rl.config import load_config
+
+    if _holds_run(out):
+        raise OutputError(f"{out} already holds a run: pass --resume to continue it, or "
+                          "choose another --output")
+    return load_config(args.config or DEFAULT_TRAIN_PRESET, args.overrides, _steps(args))
+
+
+def _resume_config(args: argparse.Namespace, out: Path, console: Console) -> TrainConfig:
+    """The run's saved config, with the overrides that cannot change its trajectory
+    (:data:`fp4rl.rl.config.RESUMABLE`); any other change is refused, listing the keys.
+    ``--config`` may be given again: its ``auto`` settings mean what they resolved to."""
+    from fp4rl.errors import ResumeError
+    from fp4rl.rl.config import RESUMABLE, changed_settings, describe_changes, load_config
+
+    saved_path = out / CONFIG_FILE
+    if not saved_path.is_file():
+        raise ResumeError(f"--resume: {out} holds no run to resume (no {CONFIG_FILE}); drop "
+                          "--resume to start one there")
+    saved = load_config(saved_path)
+    requested = _resolved_like(load_config(args.config or saved_path, args.overrides,
+                                           _steps(args)), saved)
+    changed = changed_settings(saved, requested)
+    if changed:
+        raise ResumeError(f"--resume continues {out} with its saved settings ({saved_path}) "
+                          f"and would change {describe_changes(changed)}; only "
+                          f"{', '.join(RESUMABLE)} may change: start a new run under another "
+                          "--output to try other settings")
+    _check_checkpoints(out, console)
+    return requested
+
+
+def _check_checkpoints(out: Path, console: Console) -> None:
+    """Say when a run has no checkpoint yet (it trains from step 0), and refuse one whose
+    every checkpoint is damaged before loading any model; the trainer reports a damaged
+    latest one as it falls back to the previous."""
+    from fp4rl.errors import CheckpointError
+    from fp4rl.rl import checkpoint as ckpt
+
+    found = ckpt.complete_checkpoints(out)
+    if not found:
+        console.print(f"note: {out} has no checkpoint yet: training it from step 0")
+    problems = []
+    for path in found:
+        try:
+            ckpt.verify_checkpoint(path)
+            return
+        except CheckpointError as err:
+            problems.append(str(err))
+    if problems:
+        raise CheckpointError(f"--resume: no checkpoint of {out} is intact: "
+                              + "; ".join(problems))
+
+
+def _resolved_like(requested: TrainConfig, saved: TrainConfig) -> TrainConfig:
+    """``requested`` with each ``auto`` the trainer resolves (device, mixed precision,
+    strategy) taken from ``saved``, which holds what it resolved to."""
+    update: dict[str, object] = {key: getattr(saved, key) for key in ("device", "mixed_precision")
+                                 if getattr(requested, key) == "auto"}
+    if requested.distributed.strategy == "auto":
+        update["distributed"] = requested.distributed.model_copy(
+            update={"strategy": saved.distributed.strategy})
+    return requested.model_copy(update=update)
+
+
+def _remove_unstarted(out: Path) -> None:
+    """Remove the run directory a failed or interrupted command created, unless a step
+    finished in it: an empty run directory only blocks the next attempt's name."""
+    import shutil
+
+    if not _holds_run(out):
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` atomically: a kill leaves the old config or the new one."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def cfg_yaml(cfg: object) -> str:
@@ -362,14 +491,16 @@ def cfg_yaml(cfg: object) -> str:
 def _eval(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import resolve_device
     from fp4rl.progress import progress_bar
+    from fp4rl.rl.datasets import encode_examples
     from fp4rl.rl.evaluate import evaluate
-    from fp4rl.rl.sources import eval_examples, load_policy
+    from fp4rl.rl.sources import eval_split, load_policy
 
+    _check_outputs(json=args.json)
+    examples = eval_split(args.data, n=args.n, levels=args.levels, seed=args.seed,
+                          fields=args.field)
     device = resolve_device(args.device)
     model, tok, label = load_policy(args.model, args.checkpoint, args.recipe, device)
-    examples, prompts = eval_examples(args.data, tok, n=args.n, levels=args.levels,
-                                      seed=args.seed, fields=args.field,
-                                      template=args.template)
+    examples, prompts = encode_examples(examples, tok, 4096, args.template)
     with progress_bar(console) as bar:
         task = bar.add_task("eval", total=None, info=label)
         result = evaluate(model, tok, examples, prompts, k=args.mean_at, seed=args.seed,
@@ -387,6 +518,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
 def _export(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.export import export_checkpoint, export_pretrained
 
+    _check_outputs(output=args.output)
     source = args.checkpoint or args.model
     with console.status(f"exporting {source} as {args.format}"):
         export = export_checkpoint if args.checkpoint else export_pretrained
@@ -497,8 +629,51 @@ def _add_device_args(parser: argparse.ArgumentParser, precision: str) -> None:
 EXPERIMENT_PRESETS = ("tiny", "tiny3", "paper-3b", "paper-7b")
 
 
+class UsageError(UserError):
+    """A malformed command line, reported by :func:`main` in one line."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (exit 2 through :func:`main`), not a usage
+    block; ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count, a size, a number of steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a temperature, a speed-up)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp4rl", description=__doc__)
+    from fp4rl import __version__
+
+    parser = _Parser(prog="fp4rl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fp4rl {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="the main job on the embedded default model")
@@ -506,19 +681,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="config preset name (see fp4rl presets) or YAML file; default demo")
     demo.add_argument("--model", help="override the config's model")
     demo.add_argument("--output", default="runs/demo", help="run directory for the report")
-    demo.add_argument("--steps", type=int, help="GRPO steps (default: sized for ~10 min)")
-    demo.add_argument("--eval-prompts", type=int, help="test prompts per evaluation")
+    demo.add_argument("--steps", type=positive_int,
+                      help="GRPO steps (default: sized for ~10 min)")
+    demo.add_argument("--eval-prompts", type=positive_int, help="test prompts per evaluation")
     demo.add_argument("--seed", type=int, default=0)
     _add_device_args(demo, "auto")
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="GRPO with FP4 rollout and FP4 training policies")
-    train.add_argument("--config", help="config preset name (see fp4rl presets) or YAML file")
+    train.add_argument("--config", help="config preset name (see fp4rl presets) or YAML file; "
+                       f"default {DEFAULT_TRAIN_PRESET} (with --resume: the run's own)")
     train.add_argument("--output", required=True, help="run directory")
-    train.add_argument("--steps", type=int, help="override run.steps")
-    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    train.add_argument("--steps", type=positive_int, help="override run.steps")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --output from its latest checkpoint that "
+                       "loads, with its saved settings (docs/training.md)")
     train.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="config overrides, e.g. grpo.learning_rate=1e-5")
+                       help="config overrides, e.g. grpo.learning_rate=1e-5 (anywhere among "
+                       "the options)")
     train.set_defaults(func=_train)
 
     presets = sub.add_parser("presets", help="the config presets --config NAME accepts")
@@ -539,12 +719,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="field mapping, e.g. problem=Problem (repeatable)")
     ev.add_argument("--template", help="prompt template (boxed, gsm8k, direct; default: the "
                     "data's own): score a trained policy with the prompt it was trained on")
-    ev.add_argument("--n", type=int, default=200, help="number of prompts")
+    ev.add_argument("--n", type=positive_int, default=100,
+                    help="number of prompts (synthetic: spread over the levels; levels 1 "
+                    "and 2 hold 95 and 52 test questions)")
     ev.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="synthetic levels")
-    ev.add_argument("--mean-at", type=int, default=1, help="1: greedy Mean@1; k: Mean@k")
-    ev.add_argument("--temperature", type=float, default=1.0)
-    ev.add_argument("--max-new-tokens", type=int, default=256)
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--mean-at", type=positive_int, default=1,
+                    help="1: greedy Mean@1; k: Mean@k")
+    ev.add_argument("--temperature", type=positive_float, default=1.0)
+    ev.add_argument("--max-new-tokens", type=positive_int, default=256)
+    ev.add_argument("--batch-size", type=positive_int, default=32)
     ev.add_argument("--seed", type=int, default=0)
     _add_device_args(ev, "auto")
     ev.add_argument("--json", help="write the result here")
@@ -566,7 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--format", dest="formats", action="append",
                       help="format to diagnose (repeatable; default hif4 and mxfp4)")
     diag.add_argument("--prompts", help=".txt (one per line) or .jsonl prompt file")
-    diag.add_argument("--out", default="runs/diagnose", help="directory for the plots")
+    diag.add_argument("--output", "--out", dest="out", default="runs/diagnose",
+                      help="directory for the plots (--out: the former name)")
     diag.add_argument("--json", help="where to write the data (default OUT/diagnose.json)")
     diag.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     diag.add_argument("--gradients", action="store_true",
@@ -592,22 +776,22 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--model", default="smollm2-135m", help="registered name or checkpoint dir")
     fid.add_argument("--methods", nargs="+", help="rows, e.g. bf16 hif4 hif4+resq-2:4 "
                      "mxfp4+occ (default: bf16 and every recovery for hif4 and mxfp4)")
-    fid.add_argument("--n", type=int, default=48, help="number of arithmetic prompts")
+    fid.add_argument("--n", type=positive_int, default=48, help="number of arithmetic prompts")
     fid.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     fid.add_argument("--seed", type=int, default=0)
-    fid.add_argument("--max-new-tokens", type=int, default=48)
+    fid.add_argument("--max-new-tokens", type=positive_int, default=48)
     fid.add_argument("--json", help="write the rows to this JSON file")
     fid.add_argument("--plot", help="write a bar chart PNG here")
     fid.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     fid.set_defaults(func=_fidelity)
 
     cost = sub.add_parser("cost", help="effective FLOPs of FP4 and Rollout-ResQ GEMMs")
-    cost.add_argument("--m", type=int, default=4096, help="tokens")
-    cost.add_argument("--d", type=int, default=4096, help="in_features")
-    cost.add_argument("--n", type=int, default=4096, help="out_features")
+    cost.add_argument("--m", type=positive_int, default=4096, help="tokens")
+    cost.add_argument("--d", type=positive_int, default=4096, help="in_features")
+    cost.add_argument("--n", type=positive_int, default=4096, help="out_features")
     cost.add_argument("--sparsity", nargs="+", default=["dense", "2:4"],
                       help="ResQ patterns to cost (dense, 2:4, channel:0.5, ...)")
-    cost.add_argument("--fp4-speedup", type=float, default=4.0,
+    cost.add_argument("--fp4-speedup", type=positive_float, default=4.0,
                       help="FP4 GEMM throughput relative to FP16")
     cost.set_defaults(func=_cost)
 
@@ -628,8 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "model=/models/Qwen2.5-3B (repeatable)")
     exp.add_argument("--eval", dest="evals", action="append", metavar="NAME=LAYOUT:PATH",
                      help="benchmark column (repeatable; default: the preset's test split)")
-    exp.add_argument("--jobs", type=int, default=1, help="cells run in parallel (each gets "
-                     "cpu_count/jobs torch threads)")
+    exp.add_argument("--jobs", type=positive_int, default=1, help="cells run in parallel "
+                     "(each gets cpu_count/jobs torch threads)")
     exp.add_argument("--cells", nargs="+", metavar="NAME",
                      help="run only these cells (preset names such as hif4+resq-2:4 or "
                      "mxfp4:bf16/fp4); the report still covers the whole grid")
@@ -648,37 +832,87 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",
                        help="limit to this format (repeatable)")
-    bench.add_argument("--size", type=int, default=4096, help="square tensor side (formats)")
+    bench.add_argument("--size", type=positive_int, default=4096,
+                       help="square tensor side (formats)")
     bench.add_argument("--device", default="cpu", help="cpu, or cuda (formats: the Triton "
                        "kernels)")
     bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
                        help="formats: the axis to quantize along")
-    bench.add_argument("--tokens", type=int, help="tokens per linear (default: 512)")
-    bench.add_argument("--shapes", type=int, help="only the first N linear shapes")
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--tokens", type=positive_int, help="tokens per linear (default: 512)")
+    bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
+    bench.add_argument("--repeats", type=positive_int, default=5)
     bench.set_defaults(func=_bench)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command; a user's mistake is one line on stderr and exit status 2."""
-    from fp4rl.errors import UserError
-
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as a namespace; ``train``'s overrides may stand anywhere among
+    its options (argparse takes only the first run of positionals)."""
     parser = build_parser()
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error")
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.overrides += [a for a in extra if not a.startswith("-")]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        raise UsageError(f"fp4rl {args.command}", f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = argv
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command. Whatever a user can cause (a value, a path, a file's contents, a
+    damaged checkpoint) is one line on stderr and exit status 2; Ctrl-C is one line and
+    130. ``--debug`` shows the traceback instead; a bug always does."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    args = parser.parse_args([a for a in argv if a != "--debug"])
-    args.argv = argv
+    args = None
     try:
+        args = parse([a for a in argv if a != "--debug"])
         return args.func(args, Console())
-    except UserError as err:
+    except (UserError, OSError) as err:
         if debug:
             raise
-        message = " ".join(str(err).split())  # one line, whatever the message holds
-        print(f"fp4rl {args.command}: error: {message}", file=sys.stderr)
+        _say(err.prog if isinstance(err, UsageError) else _prog(args), _message(err))
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _say(_prog(args), _interrupted(args))
+        return 130
+
+
+def _prog(args: argparse.Namespace | None) -> str:
+    return "fp4rl" if args is None else f"fp4rl {args.command}"
+
+
+def _say(prog: str, message: str) -> None:
+    """One line on stderr, whatever the message holds, naming the command."""
+    print(f"{prog}: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _message(err: Exception) -> str:
+    """A user error's message, or an operating-system error (a full disk, a file that
+    vanished, a permission) as the file and what went wrong."""
+    if isinstance(err, UsageError):
+        return f"error: {err} (see {err.prog} --help)"
+    if isinstance(err, OSError) and err.strerror:
+        where = f"{err.filename}: " if err.filename else ""
+        return f"error: {where}{err.strerror}"
+    return f"error: {err}"
+
+
+def _interrupted(args: argparse.Namespace | None) -> str:
+    """What an interrupted command leaves: for training, the checkpoint it resumes from."""
+    if args is None or args.command != "train":
+        return "interrupted" + (": rerun the same command to resume" if args is not None
+                                and args.command == "experiment" else "")
+    from fp4rl.rl import checkpoint as ckpt
+
+    found = ckpt.latest_checkpoint(Path(args.output))
+    if found is None:
+        return f"interrupted before the first checkpoint of {args.output}: nothing to resume"
+    return (f"interrupted; {found} is the latest checkpoint: continue with fp4rl train "
+            f"--output {args.output} --resume")
 
 
 if __name__ == "__main__":

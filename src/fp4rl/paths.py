@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from fp4rl.errors import OutputError
 
 
 def cache_root() -> Path:
@@ -42,3 +45,25 @@ def fsync_path(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def check_writable(path: str | Path, option: str, directory: bool = False) -> None:
+    """Refuse, before any work, a place a command could not write its result: a file
+    where a directory is meant (or the reverse), or a parent where no file can be made.
+    Creates nothing: it makes (and removes) a temporary file in the nearest existing
+    ancestor, the only test that holds for root and read-only file systems alike."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != directory:
+        want, kind = ("directory", "file") if directory else ("file", "directory")
+        raise OutputError(f"{option} {target} is a {kind}; give a {want} path")
+    ancestor = target if target.is_dir() else target.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"{option} {target}: {ancestor} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as err:
+        raise OutputError(f"{option} {target}: cannot write in {ancestor} "
+                          f"({err.strerror or err})") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fp4rl.errors import UserError
 from fp4rl.recovery.sparsity import SparsityPattern, density, parse_pattern
 
 
@@ -47,9 +48,9 @@ def cost_table(
     pattern's nominal density is used (see ``fp4rl.recovery.sparsity.density``).
     """
     if min(m, d, n) < 1:
-        raise ValueError(f"GEMM dimensions must be positive, got m={m}, d={d}, n={n}")
+        raise UserError(f"GEMM dimensions must be positive, got m={m}, d={d}, n={n}")
     if fp4_speedup <= 0:
-        raise ValueError(f"fp4_speedup must be positive, got {fp4_speedup}")
+        raise UserError(f"fp4_speedup must be positive, got {fp4_speedup}")
     rows = [_row("bf16", m * d * n, 1.0, 1.0), _row("fp4", m * d * n, 1.0, fp4_speedup)]
     for pattern in sparsities:
         name = f"resq-{parse_pattern(pattern)}"

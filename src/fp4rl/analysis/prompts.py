@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from fp4rl.errors import MissingFileError, UserError
+
 BUILTIN_PROMPTS = (
     "Tom has 12 apples and buys 7 more. How many apples does he have now?",
     "A train travels 60 km per hour for 3 hours. How far does it go?",
@@ -36,14 +38,14 @@ def load_prompts(path: str | Path | None) -> list[str]:
         return list(BUILTIN_PROMPTS)
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {p} does not exist")
+        raise MissingFileError(f"prompt file {p} does not exist")
     lines = [(i, line.strip()) for i, line in enumerate(p.read_text().splitlines(), 1)]
     if p.suffix != ".jsonl":
         prompts = [line for _, line in lines if line]
     else:
         prompts = [_jsonl_prompt(i, line, p) for i, line in lines if line]
     if not prompts:
-        raise ValueError(f"prompt file {p} holds no prompts")
+        raise UserError(f"prompt file {p} holds no prompts")
     return prompts
 
 
@@ -51,11 +53,11 @@ def _jsonl_prompt(lineno: int, line: str, path: Path) -> str:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+        raise UserError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
     for key in PROMPT_FIELDS:
         if isinstance(row, dict) and isinstance(row.get(key), str):
             return row[key]
-    raise ValueError(f"{path}:{lineno}: no text field; expected one of {PROMPT_FIELDS}")
+    raise UserError(f"{path}:{lineno}: no text field; expected one of {PROMPT_FIELDS}")
 
 
 def encode_prompts(tokenizer: object, prompts: Sequence[str]) -> list[torch.Tensor]:

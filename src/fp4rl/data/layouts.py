@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fp4rl.data.answers import GSM8K_MARKER, gsm8k_reference_value
+from fp4rl.errors import UserError
 
 AnswerExtractor = Callable[[str], str]
 """Maps the stored answer text to the final answer; raises ``ValueError`` if there is none."""
@@ -130,4 +131,4 @@ def get_layout(name: str) -> Layout:
         return by_key[_normalize(name)]
     except KeyError:
         choices = ", ".join(LAYOUTS)
-        raise ValueError(f"unknown dataset {name!r}; known datasets: {choices}") from None
+        raise UserError(f"unknown dataset {name!r}; known datasets: {choices}") from None

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from fp4rl.data.example import Example, Message
 from fp4rl.data.layouts import Layout, get_layout
-from fp4rl.errors import UserError
+from fp4rl.errors import MissingFileError, UserError
 
 
 class DataError(UserError):
@@ -96,7 +96,7 @@ _FORMATS: dict[str, _Format] = {
 
 def _format_of(path: Path) -> _Format:
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise MissingFileError(f"dataset file not found: {path}")
     try:
         return _FORMATS[path.suffix.lower()]
     except KeyError:
@@ -210,14 +210,8 @@ def _resolve(layout: Layout | str, fields: Mapping[str, str] | None) -> Layout:
         return spec
     unknown = set(fields) - _FIELD_KEYS
     if unknown:
-        raise ValueError(f"unknown field mapping keys {sorted(unknown)}; use 'problem', 'answer'")
+        raise DataError(f"unknown field mapping keys {sorted(unknown)}; use 'problem', 'answer'")
     return spec.with_fields(problem=fields.get("problem"), answer=fields.get("answer"))
-
-
-def _report(message: str, strict: bool) -> None:
-    if strict:
-        raise DataError(message)
-    warnings.warn(f"{message}; skipped", DataWarning, stacklevel=3)
 
 
 def load_examples(
@@ -240,11 +234,13 @@ def load_examples(
 
     Returns:
         The examples in file order; ``Example.index`` is the record's 0-based position.
+        A file without a single usable record raises :class:`DataError`.
     """
     spec = _resolve(layout, fields)
     path = Path(path)
     file_format = _format_of(path)
     examples: list[Example] = []
+    skipped: list[str] = []
     for index, raw in file_format.records(path):
         if limit is not None and len(examples) >= limit:
             break
@@ -252,5 +248,13 @@ def load_examples(
             examples.append(record_to_example(spec, file_format.decode(raw), index))
         except _BadRecord as err:
             where = f"{file_format.unit} {index + file_format.first_number}"
-            _report(f"{path}: {where}: {err}", strict)
+            if strict:
+                raise DataError(f"{path}: {where}: {err}") from None
+            skipped.append(f"{where}: {err}")
+    if not examples:  # nothing to train or score on: one error, not a warning per row
+        why = (f"all {len(skipped)} records skipped; first: {skipped[0]}" if skipped
+               else "no records")
+        raise DataError(f"{path}: no usable {spec.name} examples ({why})")
+    for message in skipped:
+        warnings.warn(f"{path}: {message}; skipped", DataWarning, stacklevel=2)
     return examples

@@ -331,17 +331,17 @@ def _stream(source: str) -> str:
 
 def _check(split: str, n: int, levels: Sequence[int], source: str) -> tuple[int, ...]:
     if source not in VARIANTS:
-        raise ValueError(f"unknown synthetic source {source!r}; choose one of: "
+        raise UserError(f"unknown synthetic source {source!r}; choose one of: "
                          f"{', '.join(VARIANTS)}")
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
+        raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise UserError(f"n must be >= 0, got {n}")
     chosen = tuple(sorted(set(levels)))
     known = sorted(VARIANTS[source])
     unknown = [level for level in chosen if level not in known]
     if not chosen or unknown:
-        raise ValueError(f"levels must be a non-empty subset of {known} for {source}, got "
+        raise UserError(f"levels must be a non-empty subset of {known} for {source}, got "
                          f"{levels}")
     return chosen
 

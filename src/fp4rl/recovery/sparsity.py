@@ -38,6 +38,8 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from fp4rl.errors import UserError
+
 ACCEPTED_FORMS = (
     '"dense", "n:m" with 1 <= n <= m (e.g. "2:4"), "channel:<fraction>" with '
     '0 < fraction <= 1 (e.g. "channel:0.5"), "block:<r>x<c>:<fraction>" with '
@@ -117,19 +119,19 @@ def parse_pattern(pattern: str | SparsityPattern) -> SparsityPattern:
     """Parse a pattern string (case and surrounding spaces ignored).
 
     Already-parsed patterns pass through, so callers can accept either form.
-    Raises ``ValueError`` naming the accepted forms for anything malformed or
-    out of range.
+    Raises :class:`~fp4rl.errors.UserError` (a ``ValueError``) naming the accepted forms
+    for anything malformed or out of range.
     """
     if isinstance(pattern, SparsityPattern):
         return pattern
     if not isinstance(pattern, str):
-        raise ValueError(
+        raise UserError(
             f"sparsity pattern must be a string, got {pattern!r}; accepted: {ACCEPTED_FORMS}"
         )
     text = pattern.strip().lower()
     parsed = _parse_text(text)
     if parsed is None:
-        raise ValueError(f"invalid sparsity pattern {pattern!r}; accepted: {ACCEPTED_FORMS}")
+        raise UserError(f"invalid sparsity pattern {pattern!r}; accepted: {ACCEPTED_FORMS}")
     return parsed
 
 

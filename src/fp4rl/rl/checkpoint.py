@@ -4,6 +4,9 @@ A checkpoint ``<run>/checkpoints/step-000010/`` is written into a hidden tempora
 directory, every file is flushed to disk, and only then is the directory renamed into
 place and the ``latest`` pointer replaced (both atomic). A SIGKILL at any moment
 leaves either the previous checkpoint or the new one as ``latest``, never a partial one.
+``trainer_state.json``, written last, records every file's size and SHA-256, so a
+checkpoint damaged afterwards (a truncated copy, a full disk, a torn write on a network
+file system) is detected by :func:`verify_checkpoint` rather than loaded.
 
 One process (and DDP, whose ranks hold the same state) writes ``model.safetensors`` (a
 Hugging Face checkpoint) and ``optimizer.pt``. Under FSDP2 every rank writes its own
@@ -15,16 +18,20 @@ one still loads into a whole model on one process (:func:`load_checkpoint`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from fp4rl.errors import CheckpointError
 from fp4rl.paths import fsync_path
 
 CHECKPOINTS = "checkpoints"
@@ -96,7 +103,9 @@ def _state_file(rank: int) -> str:
 def _publish(tmp: Path, run_dir: Path, step: int, keep: int) -> Path:
     """Mark ``tmp`` complete, flush it, rename it to step ``step`` and point ``latest``."""
     root, final = run_dir / CHECKPOINTS, step_dir(run_dir, step)
-    (tmp / COMPLETE).write_text(json.dumps({"step": step}))
+    files = {str(f.relative_to(tmp)): _fingerprint(f) for f in sorted(tmp.rglob("*"))
+             if f.is_file()}
+    (tmp / COMPLETE).write_text(json.dumps({"step": step, "files": files}))
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step after a resume: replace it
         shutil.rmtree(final)
@@ -104,6 +113,35 @@ def _publish(tmp: Path, run_dir: Path, step: int, keep: int) -> Path:
     _write_latest(root, final.name)
     _prune(root, keep)
     return final
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    """A file's size and SHA-256: what :func:`verify_checkpoint` checks it against."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless every file of checkpoint ``path`` has the
+    size and hash recorded when it was written. Checkpoints written before hashes were
+    recorded pass (their loaders still report a damaged file)."""
+    try:
+        files = json.loads((path / COMPLETE).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: unreadable {COMPLETE} ({err})") from None
+    for name, expected in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if f.stat().st_size != expected["size"]:
+            raise CheckpointError(f"{path}: {name} holds {f.stat().st_size} bytes, "
+                                  f"{expected['size']} were written (truncated or torn)")
+        if _fingerprint(f)["sha256"] != expected["sha256"]:
+            raise CheckpointError(f"{path}: {name} changed since it was written (its "
+                                  "SHA-256 differs)")
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -132,16 +170,24 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's complete checkpoints, newest first: the one ``latest`` points at, then
+    the others by step. Resuming tries them in this order."""
     root = run_dir / CHECKPOINTS
+    done = sorted((p for p in root.glob("step-*") if _complete(p)), reverse=True)
     pointer = root / LATEST
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if _complete(candidate):
-            return candidate
-    done = sorted(p for p in root.glob("step-*") if _complete(p))
-    return done[-1] if done else None
+        named = root / pointer.read_text().strip()
+        if named in done:
+            done.remove(named)
+            done.insert(0, named)
+    return done
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[0] if done else None
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module,
@@ -151,11 +197,22 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     A sharded checkpoint without a consolidated ``model.safetensors`` loads its model
     shards into the whole model on this one process (``torch.distributed.checkpoint``
     reassembles them); its optimizer state resumes only under FSDP
-    (:func:`load_sharded_checkpoint`)."""
+    (:func:`load_sharded_checkpoint`). A damaged checkpoint raises
+    :class:`CheckpointError`."""
+    verify_checkpoint(path)
     load_weights(path, model)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    return torch.load(path / "state.pt", weights_only=False)
+        optimizer.load_state_dict(read_torch(path / "optimizer.pt"))
+    return read_torch(path / "state.pt")
+
+
+def read_torch(path: Path) -> Any:
+    """``torch.load`` of a checkpoint file; a truncated or garbled one is a
+    :class:`CheckpointError` naming it."""
+    try:
+        return torch.load(path, weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{path}: unreadable ({' '.join(str(err).split())})") from None
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
@@ -163,7 +220,10 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
     ``model.safetensors``, or from the shards of a sharded checkpoint without one."""
     if (path / "model.safetensors").is_file():
         device = next(model.parameters()).device
-        load_model(model, str(path / "model.safetensors"), device=str(device))
+        try:
+            load_model(model, str(path / "model.safetensors"), device=str(device))
+        except SafetensorError as err:
+            raise CheckpointError(f"{path / 'model.safetensors'}: unreadable ({err})") from None
         return
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -180,9 +240,10 @@ def load_sharded_checkpoint(path: Path, model: torch.nn.Module,
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    verify_checkpoint(path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     load(state, checkpoint_id=str(path / SHARDS))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    return torch.load(path / _state_file(rank), weights_only=False)
+    return read_torch(path / _state_file(rank))

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fp4rl.data.synthetic import VARIANTS
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import Recipe
 from fp4rl.presets import preset_path
@@ -43,6 +44,23 @@ class DataConfig(_Section):
     fields: dict[str, str] | None = None  # field mapping for AIME/AMC-style releases
     strict: bool = False  # refuse (instead of skip) malformed rows
     reward: str | None = None  # default: the layout's reward
+
+    @model_validator(mode="after")
+    def _read_as_configured(self) -> DataConfig:
+        """Refuse what the source would silently ignore: a file for a generated source,
+        or a level the generator does not have."""
+        if self.source not in VARIANTS:
+            return self
+        paths = [f"data.{k}" for k in ("train_path", "test_path") if getattr(self, k)]
+        if paths:
+            raise ValueError(f"data.source={self.source} generates its examples and reads no "
+                             f"file: drop {' and '.join(paths)}, or set data.source to the "
+                             f"file's layout (e.g. gsm8k)")
+        known = sorted(VARIANTS[self.source])
+        if not self.levels or set(self.levels) - set(known):
+            raise ValueError(f"data.levels={self.levels}: choose among {known} for "
+                             f"data.source={self.source}")
+        return self
 
 
 class GRPOConfig(LossConfig):
@@ -157,28 +175,43 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not key=value (e.g. grpo.learning_rate=1e-5)")
-    set_path(data, key, parse_value(raw) if raw else None)
+    try:
+        value = parse_value(raw) if raw else None
+    except ConfigError as err:
+        raise ConfigError(f"override {key}: {err}") from None
+    set_path(data, key, value)
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as a user means it (YAML 1.2's rules): ``1e-1`` is a float (YAML 1.1 wants
-    ``1.0e-1``), and only true/false are booleans, so ``mixed_precision=no`` is "no"."""
+    """YAML as a user means it (YAML 1.2's core rules): ``1e-1`` is a float (YAML 1.1
+    wants ``1.0e-1``); only true/false are booleans, so ``mixed_precision=no`` is "no";
+    and ``2:4`` stays the string the paper writes (YAML 1.1 reads base-60 integers,
+    ``2:4`` = 124), as do ``010`` and other numbers YAML 1.1 reads in odd bases."""
 
 
-_BOOL = "tag:yaml.org,2002:bool"
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                               list("tTfF"))
+_Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                              list("-+0123456789"))
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789."))
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
 
 
 def parse_value(raw: str) -> Any:
-    """An override's value, read as YAML with :class:`_Loader`."""
-    return yaml.load(raw, Loader=_Loader)
+    """An override's value, read as YAML with :class:`_Loader`; malformed YAML is a
+    one-line :class:`ConfigError`."""
+    try:
+        return yaml.load(raw, Loader=_Loader)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"{raw!r} is not valid YAML ({problem})") from None
 
 
 def set_path(data: dict[str, Any], key: str, value: Any) -> None:
@@ -213,6 +246,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(data)
 
 
+#: settings a resumed run may change: how long it runs, how often and how many checkpoints
+#: it keeps, its evaluation (which the trainer never runs) and how long a collective
+#: waits. Any other change would continue the run on a different trajectory.
+RESUMABLE = ("run.steps", "run.save_steps", "run.keep_checkpoints", "eval",
+             "distributed.timeout_s")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a config's settings by dotted key."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """The settings ``requested`` changes from ``saved``, by dotted key, as (saved,
+    requested), leaving out the :data:`RESUMABLE` ones."""
+    old, new = flatten(saved.model_dump()), flatten(requested.model_dump())
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)
+            and not any(key == r or key.startswith(f"{r}.") for r in RESUMABLE)}
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+    """``grpo.learning_rate 1e-05 -> 0.001, ...``: what a refused resume would change."""
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+
+
 REMOVED_KEYS = {
     "dtype": "dtype is gone: master weights are always FP32; choose the compute dtype with "
              "mixed_precision=no|bf16|auto",
@@ -244,10 +310,14 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         problems = []
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"]) or "config"
+            if e["type"] == "value_error":  # our validators name their keys themselves
+                problems.append(str(e["ctx"]["error"]))
+                continue
             problems.append(f"{where}: {e['msg']}{_suggestion(e)}")
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
-__all__ = ["LOSS_AGG_MODES", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
-           "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig", "apply_override",
-           "load_config", "set_path", "validate"]
+__all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "DataConfig", "DistributedConfig",
+           "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig",
+           "apply_override", "changed_settings", "describe_changes", "flatten", "load_config",
+           "set_path", "validate"]

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fp4rl.data import Example, build_prompt, load_examples, synthetic_dataset
+from fp4rl.data.loaders import DataError
 from fp4rl.data.synthetic import VARIANTS
+from fp4rl.errors import ConfigError
 from fp4rl.rl.config import DataConfig
 
 
@@ -23,7 +25,7 @@ def load_split(cfg: DataConfig, split: str, seed: int = 0,
         return synthetic_dataset(split, n=n, levels=cfg.levels, seed=seed, source=cfg.source)
     path = cfg.train_path if split == "train" else cfg.test_path
     if path is None:
-        raise ValueError(f"data.source={cfg.source!r} needs data.{split}_path (a local .jsonl "
+        raise ConfigError(f"data.source={cfg.source!r} needs data.{split}_path (a local .jsonl "
                          "or .parquet file); nothing is downloaded")
     return load_examples(cfg.source, path, fields=cfg.fields, strict=cfg.strict, limit=n)
 
@@ -45,14 +47,14 @@ def encode_examples(examples: list[Example], tokenizer: Any, max_prompt_length: 
             kept.append(e)
             encoded.append(ids)
         elif strict:
-            raise ValueError(f"{e.source} example {e.index}: prompt of {len(ids)} tokens "
+            raise DataError(f"{e.source} example {e.index}: prompt of {len(ids)} tokens "
                              f"exceeds grpo.max_prompt_length={max_prompt_length}")
     if len(kept) < len(examples):
         log(f"skipped {len(examples) - len(kept)} of {len(examples)} prompts longer than "
             f"grpo.max_prompt_length={max_prompt_length}")
     if not kept:
-        raise ValueError("no usable prompts: every prompt is longer than "
-                         f"grpo.max_prompt_length={max_prompt_length}")
+        raise DataError(f"no usable prompts: all {len(examples)} are longer than "
+                        f"grpo.max_prompt_length={max_prompt_length}")
     return kept, encoded
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from fp4rl.data import Example
 from fp4rl.data.synthetic import VARIANTS
@@ -52,7 +53,8 @@ def load_trained(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
     from fp4rl.models import load_model
 
     path = checkpoint_dir(checkpoint)
-    config = torch.load(path / "state.pt", weights_only=False)["config"]
+    ckpt.verify_checkpoint(path)
+    config = ckpt.read_torch(path / "state.pt")["config"]
     net, tok = load_model(config["model"], device=device)
     ckpt.load_weights(path, net)
     recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
@@ -80,7 +82,7 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
         label = model or "smollm2-135m"
     if recipe == "run":
         if run_recipe is None:
-            raise ValueError("--recipe run needs --checkpoint")
+            raise UserError("--recipe run needs --checkpoint")
         quantize_model(net, run_recipe)
         label += " (run recipe)"
     elif recipe:
@@ -91,17 +93,45 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
     return net, tok, label
 
 
+def field_mapping(fields: list[str]) -> dict[str, str]:
+    """``["problem=Problem"]`` as ``{"problem": "Problem"}``; a malformed entry or an
+    unknown role is refused (an ignored mapping would read the wrong field)."""
+    mapping = {}
+    for item in fields:
+        role, sep, name = item.partition("=")
+        if not sep or not name or role not in ("problem", "answer"):
+            raise UserError(f"--field {item!r}: give ROLE=NAME with ROLE problem or answer, "
+                            "e.g. problem=Problem")
+        mapping[role] = name
+    return mapping
+
+
 def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
                   fields: list[str] | None = None,
                   max_prompt_length: int = 4096, template: str | None = None
                   ) -> tuple[list[Example], list[list[int]]]:
     """Test examples and their prompts (``template``: a prompt template name, default the
     layout's): ``synthetic``, ``synthetic-words`` or ``LAYOUT:PATH``."""
+    return encode_examples(eval_split(spec, n, levels, seed, fields), tokenizer,
+                           max_prompt_length, template)
+
+
+def eval_split(spec: str, n: int, levels: list[int], seed: int = 0,
+               fields: list[str] | None = None) -> list[Example]:
+    """The test examples ``--data spec`` names, read before any model is loaded so that a
+    mistake in them costs no wait."""
     source, _, path = spec.partition(":")
-    mapping = dict(f.split("=", 1) for f in fields or [])
     if source not in VARIANTS and not path:
-        raise ValueError(f"--data {spec!r}: give LAYOUT:PATH, e.g. gsm8k:data/test.jsonl")
-    cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
-                     fields=mapping or None)
-    return encode_examples(load_split(cfg, "test", seed), tokenizer, max_prompt_length,
-                           template)
+        raise UserError(f"--data {spec!r}: give synthetic, synthetic-words or LAYOUT:PATH, "
+                        "e.g. gsm8k:data/test.jsonl")
+    if source in VARIANTS and path:
+        raise UserError(f"--data {spec!r}: {source} generates its prompts and reads no file")
+    mapping = field_mapping(fields or [])
+    try:
+        cfg = DataConfig(source=source, test_path=path or None, levels=levels, test_size=n,
+                         fields=mapping or None)
+    except ValidationError as err:
+        raise UserError(f"--data {spec} --levels {' '.join(map(str, levels))}: "
+                        + "; ".join(str(e.get("ctx", {}).get("error", e["msg"]))
+                                    for e in err.errors())) from None
+    return load_split(cfg, "test", seed)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from fp4rl.data import Example
-from fp4rl.errors import ConfigError
+from fp4rl.errors import CheckpointError, ConfigError, ResumeError
 from fp4rl.nn import (
     begin_step,
     fp4_layers,
@@ -54,7 +54,7 @@ from fp4rl.precision import (
     slow_bf16_note,
 )
 from fp4rl.rl import checkpoint as ckpt
-from fp4rl.rl.config import TrainConfig
+from fp4rl.rl.config import TrainConfig, changed_settings, describe_changes, validate
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
 from fp4rl.rl.distributed import Dist, all_gather, reduce_metrics, setup
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
@@ -185,9 +185,10 @@ class Trainer:
         optimizer and examples are built from ``config``."""
         from fp4rl.models import load_model
 
+        examples = load_split(config.data, "train", config.run.seed)  # a data error first
         _, device = _setup_distributed(config)
         model, tokenizer = load_model(config.model, device=device)
-        return cls(config, output_dir, model, tokenizer, log=log)
+        return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
 
     # ----- data ----------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -521,26 +522,48 @@ class Trainer:
         return path if self.dist.is_main else None
 
     def resume(self) -> bool:
-        """Load the latest checkpoint, if any, and cut metrics.jsonl back to its step."""
-        path = ckpt.latest_checkpoint(self.out)
-        if path is None:
-            return False
+        """Load the latest checkpoint that loads, if any, and cut metrics.jsonl back to its
+        step. A damaged checkpoint is reported and the previous complete one tried; a
+        checkpoint of other settings (beyond :data:`~fp4rl.rl.config.RESUMABLE`) is
+        refused, as continuing it would mix two runs."""
+        candidates = ckpt.complete_checkpoints(self.out)
+        for path in candidates:
+            try:
+                state = self._load_checkpoint(path)
+            except CheckpointError as err:
+                self.log(f"warning: skipping a damaged checkpoint: {err}")
+                continue
+            self._resumed(path, state)
+            return True
+        if candidates:
+            raise CheckpointError(f"none of the {len(candidates)} checkpoints of {self.out} "
+                                  "loads (see the warnings above)")
+        return False
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Checkpoint ``path``'s weights and optimizer into place; its trainer state."""
         if self.policy is self.model:
-            self.load_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
-        elif ckpt.is_sharded(path):  # this rank's shards, then the whole copy from them
-            self.load_state(ckpt.load_sharded_checkpoint(path, self.model, self.optimizer,
-                                                         self.dist.rank))
-            self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
-        else:
+            return ckpt.load_checkpoint(path, self.model, self.optimizer)
+        if not ckpt.is_sharded(path):
             raise ConfigError(f"{path} was not written under distributed.strategy=fsdp; "
                               "resume it with the strategy that wrote it")
+        state = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer, self.dist.rank)
+        self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
+        return state
+
+    def _resumed(self, path: Path, state: dict[str, Any]) -> None:
+        """Continue from a loaded checkpoint's ``state``, if it is of this run."""
+        changed = changed_settings(validate(state["config"]), self.cfg)
+        if changed:
+            raise ResumeError(f"{path} was trained with other settings: "
+                              f"{describe_changes(changed)}")
+        self.load_state(state)
         if self.dist.is_main:
             _truncate_metrics(self.out / METRICS, self.step)
         if self.ref_model is not None:  # the reference policy is the initial one
             self.log("note: the KL reference model is rebuilt from the resumed weights")
             self.ref_model = self._reference_model()
         self.log(f"resumed from {path} (step {self.step})")
-        return True
 
     def train(self, steps: int | None = None, resume: bool = False,
               progress: Callable[[int, int, dict[str, Any]], None] | None = None
