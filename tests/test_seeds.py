@@ -25,6 +25,7 @@ from fp4rl.experiments import (
     run_cells,
     runner,
     seeded_cells,
+    stats,
     write_report,
 )
 from fp4rl.experiments.claims import (
@@ -199,14 +200,24 @@ def test_report_gives_intervals_and_verdicts_for_every_claim(tmp_path):
     assert by["hif4:fp4/bf16", "hif4"]["verdict"] == "reversed"
     assert all(r["verdict"] in ("holds", "reversed", "within noise") for r in rows)
     assert by["hif4:fp4/w4a16", "hif4:fp4/w16a4"]["paper_gap"] == pytest.approx(0.92)
+    # the verdict's interval is the seed-t one; the bootstrap's is kept beside it
+    fp4 = by["hif4", "mxfp4"]
+    seed_t = gap(results["hif4"], results["mxfp4"], "rollout", "synthetic")
+    boot = gap(results["hif4"], results["mxfp4"], "rollout", "synthetic", stats.bootstrap)
+    assert (fp4["lo"], fp4["hi"]) == (seed_t.lo, seed_t.hi)
+    assert (fp4["bootstrap_lo"], fp4["bootstrap_hi"]) == (boot.lo, boot.hi)
+    assert fp4["paper"] == (82.03, 73.31)
     text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
-    assert "## Method" in text and "paired" in text and "4000 resamples" in text
-    assert "| HiF4 beats MXFP4 | FP4 / BF16 | synthetic | +0.68 | +0.0 [" in text
-    assert "|  | FP4 / FP4 | synthetic | +8.72 | +90.0 [" in text
+    assert "## Method" in text and "paired" in text and "seed-t" in text
+    assert "4000 resamples" in text and "bootstrap [95%] (secondary)" in text
+    assert "| HiF4 beats MXFP4 | FP4 / BF16 | synthetic | 86.88 vs 86.20 (+0.68) | +0.0 [" in text
+    assert "|  | FP4 / FP4 | synthetic | 82.03 vs 73.31 (+8.72) | +90.0 [" in text
     assert "'within noise' agrees with it" in text
-    assert "| 3 x 40 | **holds** |" in text and "**reversed**" in text
+    assert (f"| 3 x 40 | **holds** | [{boot.lo:+.1f}, {boot.hi:+.1f}] |" in text
+            and "**reversed**" in text)
     row = next(line for line in text.splitlines() if line.startswith("| FP4 | FP4 | "))
     assert row.startswith("| FP4 | FP4 | 90.0 [") and "| 0.0 [0.0, 0.0] (-90.0 [" in row
+    assert row.count("|") == 7  # train, rollout, and per format its value and bootstrap
     payload = json.loads((tmp_path / "precision.json").read_text())
     assert payload["seeds"] == [0, 1, 2] and len(payload["claims"]) == len(rows)
     assert "correct" not in json.dumps(payload["cells"])
@@ -233,7 +244,7 @@ def test_old_result_files_show_means_without_intervals(tmp_path):
     cells = grid_cells("precision", exp.formats)
     results = load_results(exp, cells, (0,))
     text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
-    assert "| FP4 | FP4 | 90.0 (+0.0) | 0.0 (-90.0) |" in text
+    assert "| FP4 | FP4 | 90.0 (+0.0) | -- | 0.0 (-90.0) | -- |" in text
     assert "no interval (no per-prompt outcomes)" in text
 
 
@@ -245,7 +256,8 @@ def test_cli_seeds_cells_and_report_only_rebuild_the_same_tables(tmp_path, fake_
     assert sorted(fake_runs) == [(n, s) for n in ("bf16", "hif4", "mxfp4") for s in (0, 1)]
     text = (out / "recovery.md").read_text()
     assert "Runs finished: 6 of 38 (19 cells x 2 seeds)" in text
-    assert "| HiF4 beats MXFP4 | no recovery | synthetic | +8.72 | +90.0 [" in text
+    assert ("| HiF4 beats MXFP4 | no recovery | synthetic | 82.03 vs 73.31 (+8.72) | +90.0 ["
+            in text)
     assert "not run" in text  # the cells left out
     fake_runs.clear()
     assert main([*args, "--report-only"]) == 0

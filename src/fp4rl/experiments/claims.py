@@ -69,11 +69,18 @@ class Comparison:
     worse: str
 
     @property
+    def paper_figures(self) -> tuple[float, float] | None:
+        """The paper's GSM8K-test accuracy (%) of ``better`` and of ``worse``, if it ran
+        both cells."""
+        if self.better in PAPER_GSM8K and self.worse in PAPER_GSM8K:
+            return PAPER_GSM8K[self.better], PAPER_GSM8K[self.worse]
+        return None
+
+    @property
     def paper_gap(self) -> float | None:
         """The paper's ``better - worse`` in points (GSM8K-test), if it ran both cells."""
-        if self.better in PAPER_GSM8K and self.worse in PAPER_GSM8K:
-            return PAPER_GSM8K[self.better] - PAPER_GSM8K[self.worse]
-        return None
+        figures = self.paper_figures
+        return None if figures is None else figures[0] - figures[1]
 
 
 def _recovery_name(fmt: str, suffix: str) -> str:

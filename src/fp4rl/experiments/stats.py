@@ -16,20 +16,24 @@ analysis of variance estimates without bias as ``(MS_seeds + MS_prompts - MS_res
 (S N)``. Its two parts:
 
 * ``MS_seeds / (S N)`` is the spread of the S per-seed means around their mean, over S:
-  the Student-t interval over seeds (S - 1 degrees of freedom);
+  the variance of a Student-t interval over seeds (S - 1 degrees of freedom);
 * ``(MS_prompts - MS_resid) / (S N)`` (kept at 0 or above) is ``var(a) / N``, the
   prompt-sampling variance of the seed-averaged mean: every seed shares the same prompts,
   so the spread over seeds cannot show it, and it widens the interval.
 
-The quantile is Student's t with S - 1 degrees of freedom, those of the seed part: in
-the ``tiny3`` runs a cell's accuracy moves by about 10 points from seed to seed and the
-seed part dominates. Satterthwaite's degrees of freedom for the sum would narrow the
-interval where the prompt part dominates, but they are estimated from the same three or
-five noisy seed means and in simulation cover only 92-94% with 3 seeds, while S - 1
-covered 95-99.5% in every setting tried (seed-to-seed spreads of 2 to 15 points), at the
-price of a wider interval where seeds barely differ. When
-each seed was scored on prompts of its own (``nested``), the per-seed means are
-independent and their spread already holds the prompt sampling: the interval is the
+Each part is scaled by its own t quantile and the two are added in quadrature: the
+half-width is ``sqrt(t(S - 1)^2 MS_seeds / (S N) + t(N - 1)^2 var(a) / N)``. This is
+Banerjee's (1960) interval for a sum of independently estimated variances, which never
+falls below its nominal level; it is the t interval over seeds where the seed part
+dominates (the ``tiny3`` runs, where a cell's accuracy moves by about 10 points from seed
+to seed) and a t interval over prompts where seeds barely differ (greedy scores of the
+untrained model, the same at every seed). The simpler readings fail at one end: one
+t(S - 1) quantile for the sum covers 99.5% with 3 seeds that barely differ (an interval
+more than twice as wide as it needs to be), and Satterthwaite's degrees of freedom,
+estimated from the same three noisy seed means, cover only 92-94%; this one covered
+94-97% in every setting simulated (seed-to-seed spreads of 1 to 15 points, 3 and 5
+seeds). When each seed was scored on prompts of its own (``nested``), the per-seed means
+are independent and their spread already holds the prompt sampling: the interval is the
 plain t over seeds. With one seed no seed spread can be measured: the interval covers
 the prompts only (a t interval over the per-prompt values, N - 1 degrees of freedom),
 which the report says. The simulation in ``tests/test_stats.py`` checks that 95%
@@ -84,8 +88,7 @@ _CHUNK = 256
 
 @dataclass(frozen=True)
 class Estimate:
-    """A mean (of accuracy, or of a paired difference) and its interval; ``df`` is the t
-    interval's degrees of freedom (None for a bootstrap)."""
+    """A mean (of accuracy, or of a paired difference) and its interval."""
 
     mean: float
     lo: float
@@ -93,12 +96,11 @@ class Estimate:
     seeds: int
     prompts: int
     crossed: bool
-    df: float | None = None
 
     def scaled(self, factor: float) -> Estimate:
         """The same estimate in other units (e.g. x100 for percentage points)."""
         return Estimate(self.mean * factor, self.lo * factor, self.hi * factor, self.seeds,
-                        self.prompts, self.crossed, self.df)
+                        self.prompts, self.crossed)
 
 
 @dataclass(frozen=True)
@@ -111,90 +113,89 @@ class Outcomes:
     prompts: str
 
 
-#: iteration caps of the continued fraction and of Newton's method; both stop as soon as
-#: they have converged, the caps only bound a pathological input
+#: iteration cap of the continued fraction and of Newton's method; both stop as soon as
+#: they have converged, the cap only bounds a pathological input
 _MAX_TERMS = 300
-_TOL = 1e-14
 _TINY = 1e-300
-_lgamma = np.vectorize(math.lgamma, otypes=[np.float64])
 
 
-def _nonzero(x: np.ndarray) -> np.ndarray:
-    return np.where(np.abs(x) < _TINY, _TINY, x)
+def _nonzero(x: float) -> float:
+    return x if abs(x) >= _TINY else _TINY
 
 
-def _betainc(a: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The regularized incomplete beta function I_x(a, b), elementwise, by its continued
-    fraction (modified Lentz), evaluated on the side of I_x(a, b) = 1 - I_(1-x)(b, a)
-    where the fraction converges fast (numpy has no special functions)."""
-    a, b, x = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, x)))
-    flip = x > (a + 1) / (a + b + 2)
-    a, b, x = np.where(flip, b, a), np.where(flip, a, b), np.where(flip, 1 - x, x)
-    c, d = np.ones_like(x), 1 / _nonzero(1 - (a + b) * x / (a + 1))
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) by its continued fraction
+    (modified Lentz), evaluated on the side of I_x(a, b) = 1 - I_(1-x)(b, a) where the
+    fraction converges fast (numpy has no special functions)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _betainc(b, a, 1 - x)
+    c, d = 1.0, 1 / _nonzero(1 - (a + b) * x / (a + 1))
     fraction = d
     for m in range(1, _MAX_TERMS):
         for term in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
                      -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
             d, c = 1 / _nonzero(1 + term * d), _nonzero(1 + term / c)
-            fraction = fraction * c * d
-        if np.all(np.abs(c * d - 1) < _TOL):
+            fraction *= c * d
+        if abs(c * d - 1) < 1e-15:
             break
-    with np.errstate(divide="ignore"):
-        front = np.exp(_lgamma(a + b) - _lgamma(a) - _lgamma(b) + a * np.log(x)
-                       + b * np.log1p(-x))
-    value = front * fraction / a
-    return np.where(flip, 1 - value, value)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                     + b * math.log1p(-x))
+    return front * fraction / a
 
 
-def student_t_quantile(q: float, df: float | np.ndarray) -> np.ndarray:
-    """The ``q`` quantile (0.5 < q < 1) of Student's t with ``df`` degrees of freedom
-    (any positive real, elementwise). Newton's method from 0 on the upper tail
-    ``P(T > t) = I_(df / (df + t^2))(df / 2, 1 / 2) / 2``: the tail is convex in t, so
-    every step lands below the root and the iteration climbs to it without overshooting."""
-    if not 0.5 < q < 1:
-        raise ValueError(f"student_t_quantile takes 0.5 < q < 1, got {q}")
-    nu = np.asarray(df, dtype=np.float64)
-    scale = np.exp(_lgamma((nu + 1) / 2) - _lgamma(nu / 2)) / np.sqrt(nu * math.pi)
-    t = np.zeros_like(nu)
+def student_t_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile (0.5 < q < 1) of Student's t with ``df`` > 0 degrees of freedom.
+    Newton's method from 0 on the upper tail ``P(T > t) = I_(df / (df + t^2))(df / 2,
+    1 / 2) / 2``: the tail is convex in t, so every step lands below the root and the
+    iteration climbs to it without overshooting."""
+    if not 0.5 < q < 1 or not df > 0:
+        raise ValueError(f"student_t_quantile takes 0.5 < q < 1 and df > 0, got {q}, {df}")
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    t = 0.0
     for _ in range(_MAX_TERMS):
-        tail = _betainc(nu / 2, 0.5, nu / (nu + t * t)) / 2
-        density = scale * (1 + t * t / nu) ** (-(nu + 1) / 2)
-        step = (tail - (1 - q)) / density
-        t = t + step
-        if np.all(np.abs(step) <= 1e-12 * np.maximum(t, 1)):
+        tail = _betainc(df / 2, 0.5, df / (df + t * t)) / 2
+        step = (tail - (1 - q)) / (scale * (1 + t * t / df) ** (-(df + 1) / 2))
+        t += step
+        if abs(step) <= 1e-12 * max(t, 1.0):
             break
     return t
 
 
-def _seed_t_parts(values: np.ndarray, crossed: bool
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _variance_parts(values: np.ndarray, crossed: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The mean of each seeds x prompts matrix in ``values`` (the last two axes; leading
-    axes are independent matrices), the estimated variance of that mean and the degrees
-    of freedom of its t quantile (module docstring)."""
+    axes are independent matrices) and the two parts of its variance: the seed part
+    (S - 1 degrees of freedom) and the prompt part (N - 1), module docstring."""
     n_seeds, n_prompts = values.shape[-2:]
     mean = values.mean(axis=(-2, -1))
+    none = np.zeros_like(mean)
     if n_seeds == 1:  # no seed spread to measure: the prompts only
-        return mean, values.var(axis=(-2, -1), ddof=1) / n_prompts, np.full_like(
-            mean, n_prompts - 1.0)
+        return mean, none, values.var(axis=(-2, -1), ddof=1) / n_prompts
     seed_means = values.mean(axis=-1)
     seed_part = seed_means.var(axis=-1, ddof=1) / n_seeds  # MS_seeds / (S N)
     if not crossed or n_prompts == 1:  # the per-seed means are all there is
-        return mean, seed_part, np.full_like(mean, n_seeds - 1.0)
+        return mean, seed_part, none
     prompt_means = values.mean(axis=-2)
     ms_prompts = n_seeds * prompt_means.var(axis=-1, ddof=1)
     resid = values - seed_means[..., None] - prompt_means[..., None, :] + mean[..., None, None]
     ms_resid = (resid**2).sum(axis=(-2, -1)) / ((n_seeds - 1) * (n_prompts - 1))
-    shared = np.maximum(ms_prompts - ms_resid, 0) / (n_seeds * n_prompts)  # var(a) / N
-    return mean, seed_part + shared, np.full_like(mean, n_seeds - 1.0)
+    return mean, seed_part, np.maximum(ms_prompts - ms_resid, 0) / (n_seeds * n_prompts)
 
 
 def seed_t_bounds(values: np.ndarray, crossed: bool = True, level: float = LEVEL
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Mean, lower and upper bound and degrees of freedom of :func:`seed_t` for every
-    seeds x prompts matrix in ``values`` at once (leading axes: a batch of matrices)."""
-    mean, variance, df = _seed_t_parts(np.asarray(values, dtype=np.float64), crossed)
-    half = student_t_quantile((1 + level) / 2, df) * np.sqrt(variance)
-    return mean, mean - half, mean + half, df
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, lower and upper bound of :func:`seed_t` for every seeds x prompts matrix in
+    ``values`` at once (leading axes: a batch of matrices)."""
+    values = np.asarray(values, dtype=np.float64)
+    n_seeds, n_prompts = values.shape[-2:]
+    mean, seed_part, prompt_part = _variance_parts(values, crossed)
+    q = (1 + level) / 2
+    t_seeds = student_t_quantile(q, n_seeds - 1) if n_seeds > 1 else 0.0
+    t_prompts = student_t_quantile(q, n_prompts - 1) if n_prompts > 1 else 0.0
+    half = np.sqrt(t_seeds**2 * seed_part + t_prompts**2 * prompt_part)
+    return mean, mean - half, mean + half
 
 
 def seed_t(outcomes: np.ndarray | Sequence[Sequence[float]], crossed: bool = True,
@@ -204,9 +205,9 @@ def seed_t(outcomes: np.ndarray | Sequence[Sequence[float]], crossed: bool = Tru
     values = _matrix(outcomes)
     if values.size == 1:
         raise ValueError("one seed scored on one prompt has no spread to estimate")
-    mean, lo, hi, df = seed_t_bounds(values, crossed, level)
+    mean, lo, hi = seed_t_bounds(values, crossed, level)
     return Estimate(float(mean), float(lo), float(hi), values.shape[0], values.shape[1],
-                    crossed, float(df))
+                    crossed)
 
 
 def _matrix(outcomes: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
