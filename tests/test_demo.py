@@ -1,12 +1,14 @@
-"""The demo's before/after statistics: paired accuracy changes, the reward change, and
-the one line that says what the user is looking at."""
+"""The demo's before/after statistics: paired accuracy changes, the reward change, the
+transfer to word problems, and the lines that say what the user is looking at."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
 
-from fp4rl.demo import REWARD, Outcome, _rows
+from fp4rl.demo import REWARD, TRANSFER, DemoSize, Outcome, _rows, run_demo
 from fp4rl.rl.evaluate import EvalResult
 
 
@@ -17,14 +19,16 @@ def _result(correct: list[int], k: int = 1) -> EvalResult:
 
 
 def _outcome(before: list[int], after: list[int], rewards: list[float],
-             sampled: tuple[list[int], list[int]] | None = None) -> Outcome:
+             sampled: tuple[list[int], list[int]] | None = None,
+             words: tuple[list[int], list[int]] | None = None) -> Outcome:
     history = [{"step": i + 1, "reward_mean": r} for i, r in enumerate(rewards)]
     history[0]["sampling/sampling_logp_difference/mean"] = 0.5
     s_before, s_after = sampled or ([0] * len(before), [0] * len(before))
+    w_before, w_after = words or ([0] * len(before), [0] * len(before))
     return Outcome({"fp4": _result(before), "bf16": _result(before),
-                    REWARD: _result(s_before, 4)},
+                    REWARD: _result(s_before, 4), TRANSFER: _result(w_before)},
                    {"fp4": _result(after), "bf16": _result(before),
-                    REWARD: _result(s_after, 4)}, history)
+                    REWARD: _result(s_after, 4), TRANSFER: _result(w_after)}, history)
 
 
 def test_accuracy_change_is_paired_over_prompts():
@@ -94,3 +98,46 @@ def test_held_out_reward_change_is_paired_and_in_reward_units():
     row = next(r for r in _rows(out, "HiF4") if r[0].startswith("mean reward"))
     assert "4 samples per held-out prompt" in row[0]
     assert row[1:3] == (f"{np.mean(s_before) / 4:.3f}", f"{np.mean(s_after) / 4:.3f}")
+
+
+@pytest.mark.parametrize(("after", "reading"), [
+    ([1] * 30 + [0] * 70, "rose beyond the noise (+20.0 ["),
+    ([0] * 100, "fell beyond the noise (-10.0 ["),
+    ([1] * 11 + [0] * 89, "moved within the noise (+1.0 ["),
+])
+def test_transfer_to_word_problems_is_paired_and_read_honestly(after, reading):
+    """Word problems the policy never trained on: the paired change over those prompts,
+    and one line that says whether it transferred, fell or stayed within the noise."""
+    words_before = [1] * 10 + [0] * 90
+    out = _outcome([0] * 100, [0] * 100, [0.1] * 6, words=(words_before, after))
+    change = out.change(TRANSFER)
+    assert change.mean == pytest.approx(100 * (np.mean(after) - np.mean(words_before)))
+    diffs = np.subtract(after, words_before)  # the same bootstrap as the task's, by hand
+    draws = np.random.default_rng(20260)
+    draws.integers(0, 1, size=(4000, 1))
+    slow = 100 * diffs[draws.integers(0, 100, size=(4000, 100))].mean(1)
+    assert (change.lo, change.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
+    line = out.transfer_line("HiF4")
+    assert line.startswith("On 100 word problems it did not train on") and reading in line
+    expected = {"rose": "transferred to them", "fell": "cost it accuracy on them",
+                "moved": "no transfer to them shows beyond the noise"}[reading.split()[0]]
+    assert expected in line
+    row = next(r for r in _rows(out, "HiF4") if "word problems" in r[0])
+    assert row[1:3] == ("10.0%", f"{np.mean(after):.1%}")
+
+
+def test_demo_end_to_end_scores_word_problems_before_and_after(tmp_path, tiny_llama_dir):
+    """The whole demo on a tiny random model for one step: the word problems are scored
+    before and after with the FP4 policy, and the report says whether they moved."""
+    from rich.console import Console
+
+    out = tmp_path / "demo"
+    console = Console(file=io.StringIO(), width=120)
+    assert run_demo(console, model=str(tiny_llama_dir), output=str(out),
+                    size=DemoSize(steps=1, eval_prompts=6, reward_samples=2)) == 0
+    report = (out / "report.md").read_text()
+    assert "On 6 word problems it did not train on (synthetic-words, direct prompt)" in report
+    assert "| accuracy, HiF4+resq-2:4 rollout policy, word problems it did not train on |" in (
+        report)
+    assert "6 synthetic-words test prompts" in report
+    assert "word problems it did not train on" in console.file.getvalue()

@@ -156,11 +156,12 @@ def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
     results = {"bf16": {0: _fake(0.80)}, "hif4": {0: _fake(0.75)},
                "hif4:bf16/fp4": {0: _fake(0.70)}, "mxfp4": {0: _fake(0.60)}}
     lines = precision_table(results, ("hif4", "mxfp4"), "synthetic", "rollout")
-    assert lines[0] == "| Train | Rollout | FP4 = HiF4 | FP4 = MXFP4 |"
-    assert lines[2] == "| BF16 | BF16 | 80.0 | 80.0 |"
-    assert lines[7] == "| FP4 | FP4 | 75.0 (-5.0) | 60.0 (-20.0) |"
-    assert lines[8] == "| BF16 | FP4 | 70.0 (-10.0) | -- |"
-    assert lines[9] == "| FP4 (reuse_forward) | BF16 | -- | -- |"
+    assert lines[0] == ("| Train | Rollout | FP4 = HiF4 | HiF4: bootstrap [95%] (secondary) "
+                        "| FP4 = MXFP4 | MXFP4: bootstrap [95%] (secondary) |")
+    assert lines[2] == "| BF16 | BF16 | 80.0 | -- | 80.0 | -- |"
+    assert lines[7] == "| FP4 | FP4 | 75.0 (-5.0) | -- | 60.0 (-20.0) | -- |"
+    assert lines[8] == "| BF16 | FP4 | 70.0 (-10.0) | -- | -- | -- |"
+    assert lines[9] == "| FP4 (reuse_forward) | BF16 | -- | -- | -- | -- |"
     cut = precision_table(results, ("hif4",), "synthetic", "rollout",
                           cells={"bf16", "hif4", "hif4:fp4-reuse/bf16"})
     assert [line.split(" | ")[:2] for line in cut[2:]] == [
@@ -168,10 +169,11 @@ def test_tables_follow_the_paper_layout_with_gaps_to_bf16():
     cells = grid_cells("recovery", ("hif4",))
     rec = recovery_table({"bf16": {0: _fake(0.5)}, "hif4+resq-2:4": {0: _fake(0.45)}}, cells,
                          ["synthetic"], "rollout")
-    assert rec[2] == "| BF16 | -- | 50.0 |"
-    assert rec[3] == "| HiF4 | -- | -- |"
-    assert rec[-2] == "|  | ResQ (2:4) | 45.0 (-5.0) |"
-    assert rec[-1] == "|  | ResQ-W (2:4, weights too) | -- |"  # beyond the paper, not run
+    assert rec[0] == "| Format | Recovery | synthetic | synthetic: bootstrap [95%] (secondary) |"
+    assert rec[2] == "| BF16 | -- | 50.0 | -- |"
+    assert rec[3] == "| HiF4 | -- | -- | -- |"
+    assert rec[-2] == "|  | ResQ (2:4) | 45.0 (-5.0) | -- |"
+    assert rec[-1] == "|  | ResQ-W (2:4, weights too) | -- | -- |"  # beyond the paper, not run
 
 
 def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):
@@ -181,7 +183,7 @@ def test_cli_experiment_writes_the_report(tmp_path, tiny_llama_dir):
     assert main(args) == 0
     text = (out / "precision.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| FP4 | W4A8 |"))
-    assert row.count("(") == 1  # accuracy (gap to BF16) for the one format
+    assert row.count("(") == 2  # accuracy (gap to BF16), and the bootstrap's, for one format
     assert (out / "precision_rewards.png").is_file()
     payload = json.loads((out / "precision.json").read_text())
     assert len(payload["cells"]) == 8 and all(set(c["runs"]) == {"0"} and "rollout" in

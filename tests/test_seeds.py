@@ -25,12 +25,14 @@ from fp4rl.experiments import (
     run_cells,
     runner,
     seeded_cells,
+    stats,
     write_report,
 )
 from fp4rl.experiments.claims import (
     BACKWARD_MATCHES,
     BEYOND_MATCHES_BF16,
     BEYOND_PAPER,
+    BEYOND_RANKING,
     MATCHES_BF16,
     RESQ_MATCHES_BF16,
     grid_claims,
@@ -45,14 +47,15 @@ N_PROMPTS = 40
 ACCURACY = {"bf16": 0.9, "hif4": 0.9, "mxfp4": 0.0, "hif4+occ": 0.5, "mxfp4+occ": 0.5}
 
 
-def _scores(name: str, seed: int, accuracy: float) -> dict:
-    """Scores of a fake evaluation: which prompts are right depends on the cell and the
-    seed, how many on ``accuracy``; every cell is scored on the same prompts."""
+def _scores(name: str, seed: int, accuracy: float, bench: str = "synthetic") -> dict:
+    """Scores of a fake evaluation on ``bench``: which prompts are right depends on the
+    cell and the seed, how many on ``accuracy``; every cell is scored on the same
+    prompts."""
     rng = np.random.default_rng(zlib.crc32(f"{name}/{seed}".encode()))
     correct = (rng.permutation(N_PROMPTS) < round(accuracy * N_PROMPTS)).astype(int)
     if name.endswith("+occ"):  # two cells with the very same outcomes
         correct = (np.arange(N_PROMPTS) % 2 == seed % 2).astype(int)
-    return {"synthetic": {"mean@1": correct.mean(), "best@1": correct.mean(),
+    return {bench: {"mean@1": correct.mean(), "best@1": correct.mean(),
                           "n": N_PROMPTS, "per_level": {}, "mean_length": 5.0,
                           "correct": correct.tolist(), "prompts": "same-prompts"}}
 
@@ -61,11 +64,12 @@ def fake_run_cell(exp, cell, log=print, progress=None):
     """What ``run_cell`` leaves behind, without training: a small result.json."""
     cfg = cell_config(exp, cell)
     accuracy = ACCURACY.get(cell.name, 0.5)
+    bench = exp.benchmarks()[0].name
     result = {"cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,
               "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
-              "initial": _scores(cell.name, cfg.run.seed, 0.1),
-              "rollout": _scores(cell.name, cfg.run.seed, accuracy),
-              "bf16": _scores(cell.name, cfg.run.seed, accuracy),
+              "initial": _scores(cell.name, cfg.run.seed, 0.1, bench),
+              "rollout": _scores(cell.name, cfg.run.seed, accuracy, bench),
+              "bf16": _scores(cell.name, cfg.run.seed, accuracy, bench),
               "rewards": [0.1 * cfg.run.seed, 0.2, 0.3], "train_seconds": 1.0,
               "eval_seconds": 1.0, "torch_threads": 1}
     path = exp.cell_dir(cell) / runner.RESULT
@@ -199,14 +203,24 @@ def test_report_gives_intervals_and_verdicts_for_every_claim(tmp_path):
     assert by["hif4:fp4/bf16", "hif4"]["verdict"] == "reversed"
     assert all(r["verdict"] in ("holds", "reversed", "within noise") for r in rows)
     assert by["hif4:fp4/w4a16", "hif4:fp4/w16a4"]["paper_gap"] == pytest.approx(0.92)
+    # the verdict's interval is the seed-t one; the bootstrap's is kept beside it
+    fp4 = by["hif4", "mxfp4"]
+    seed_t = gap(results["hif4"], results["mxfp4"], "rollout", "synthetic")
+    boot = gap(results["hif4"], results["mxfp4"], "rollout", "synthetic", stats.bootstrap)
+    assert (fp4["lo"], fp4["hi"]) == (seed_t.lo, seed_t.hi)
+    assert (fp4["bootstrap_lo"], fp4["bootstrap_hi"]) == (boot.lo, boot.hi)
+    assert fp4["paper"] == (82.03, 73.31)
     text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
-    assert "## Method" in text and "paired" in text and "4000 resamples" in text
-    assert "| HiF4 beats MXFP4 | FP4 / BF16 | synthetic | +0.68 | +0.0 [" in text
-    assert "|  | FP4 / FP4 | synthetic | +8.72 | +90.0 [" in text
+    assert "## Method" in text and "paired" in text and "seed-t" in text
+    assert "4000 resamples" in text and "bootstrap [95%] (secondary)" in text
+    assert "| HiF4 beats MXFP4 | FP4 / BF16 | synthetic | 86.88 vs 86.20 (+0.68) | +0.0 [" in text
+    assert "|  | FP4 / FP4 | synthetic | 82.03 vs 73.31 (+8.72) | +90.0 [" in text
     assert "'within noise' agrees with it" in text
-    assert "| 3 x 40 | **holds** |" in text and "**reversed**" in text
+    assert (f"| 3 x 40 | **holds** | [{boot.lo:+.1f}, {boot.hi:+.1f}] |" in text
+            and "**reversed**" in text)
     row = next(line for line in text.splitlines() if line.startswith("| FP4 | FP4 | "))
     assert row.startswith("| FP4 | FP4 | 90.0 [") and "| 0.0 [0.0, 0.0] (-90.0 [" in row
+    assert row.count("|") == 7  # train, rollout, and per format its value and bootstrap
     payload = json.loads((tmp_path / "precision.json").read_text())
     assert payload["seeds"] == [0, 1, 2] and len(payload["claims"]) == len(rows)
     assert "correct" not in json.dumps(payload["cells"])
@@ -233,7 +247,7 @@ def test_old_result_files_show_means_without_intervals(tmp_path):
     cells = grid_cells("precision", exp.formats)
     results = load_results(exp, cells, (0,))
     text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
-    assert "| FP4 | FP4 | 90.0 (+0.0) | 0.0 (-90.0) |" in text
+    assert "| FP4 | FP4 | 90.0 (+0.0) | -- | 0.0 (-90.0) | -- |" in text
     assert "no interval (no per-prompt outcomes)" in text
 
 
@@ -245,7 +259,8 @@ def test_cli_seeds_cells_and_report_only_rebuild_the_same_tables(tmp_path, fake_
     assert sorted(fake_runs) == [(n, s) for n in ("bf16", "hif4", "mxfp4") for s in (0, 1)]
     text = (out / "recovery.md").read_text()
     assert "Runs finished: 6 of 38 (19 cells x 2 seeds)" in text
-    assert "| HiF4 beats MXFP4 | no recovery | synthetic | +8.72 | +90.0 [" in text
+    assert ("| HiF4 beats MXFP4 | no recovery | synthetic | 82.03 vs 73.31 (+8.72) | +90.0 ["
+            in text)
     assert "not run" in text  # the cells left out
     fake_runs.clear()
     assert main([*args, "--report-only"]) == 0
@@ -280,7 +295,7 @@ def test_cli_lists_seeds_and_refuses_bad_ones_in_one_line(tmp_path, capsys):
 def test_tiny3_is_a_multi_seed_word_problem_preset(tmp_path):
     assert set(EXPERIMENT_PRESETS) == set(PRESETS)
     preset = get_preset("tiny3")
-    assert len(preset.seeds) >= 3
+    assert preset.seeds == (0, 1, 2, 3, 4) and preset.formats == ("hif4", "mxfp4")
     exp = Experiment("precision", preset, tmp_path, preset.formats, seeds=preset.seeds)
     cfg = cell_config(exp, grid_cells("precision", preset.formats)[0])
     assert cfg.data.source == "synthetic-words" and cfg.data.test_size >= 300
@@ -339,6 +354,10 @@ def test_every_claim_points_the_paper_s_way():
     assert len(claims) == 14 + 28 + 6 and all(c.paper_gap is not None for c in claims)
     beyond = [(c.better, c.worse, c.paper_gap) for c in everything if c.claim == BEYOND_PAPER]
     assert beyond == [(f"{f}+resqw-2:4", f"{f}+resq-2:4", None) for f in both]
+    ranking = [(c.better, c.worse, c.paper_gap) for c in everything
+               if c.claim == BEYOND_RANKING]
+    assert ranking == [("hif4:fp4-reuse/bf16", "mxfp4:fp4-reuse/bf16", None),
+                       ("hif4+resqw-2:4", "mxfp4+resqw-2:4", None)]
     matches = [(c.better, c.worse) for c in everything if c.claim == BEYOND_MATCHES_BF16]
     assert matches == [(f"{f}+resqw-2:4", "bf16") for f in both]
     for c in claims:
@@ -357,7 +376,8 @@ def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(t
     assert [c.name for c in tiny3.grid("recovery", ("mxfp4",))] == [
         "bf16", "mxfp4", "mxfp4+resq-2:4", "mxfp4+resqw-2:4"]
     assert [c.name for c in tiny3.grid("precision", ("hif4",))] == [
-        "bf16", "hif4:fp4/bf16", "hif4", "hif4:fp4-reuse/bf16"]
+        "bf16", "hif4:fp4/bf16", "hif4:fp4/w4a16", "hif4:fp4/w16a4", "hif4", "hif4:bf16/fp4",
+        "hif4:fp4-reuse/bf16"]
     precision = tiny3.grid("precision", ("hif4",))
     backward = [c for c in grid_claims("precision", ("hif4",)) if c.claim == BACKWARD_MATCHES]
     assert [(c.better, c.worse) for c in backward] == [("hif4:fp4-reuse/bf16",
@@ -369,3 +389,48 @@ def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(t
     report = write_report(exp, cells, {}, command=["fp4rl"]).read_text()
     claims = [line for line in report.splitlines() if "not run |" in line]
     assert len(claims) == 5 and "occ" not in report.lower()
+
+
+def test_tiny3_report_shows_each_cell_with_its_seeds_and_pairs_only_common_ones(tmp_path):
+    """The grid as it fills: HiF4 cells with 5 seeds, MXFP4 cells with 3, MXFP4's W4A16 and
+    W16A4 not run. Nothing fails; each cell says how many seeds it has; a comparison pairs
+    the seeds both cells have; a claim with a cell not run says so."""
+    tiny3 = get_preset("tiny3")
+    exp = Experiment("precision", tiny3, tmp_path, tiny3.formats, seeds=tiny3.seeds)
+    cells = tiny3.grid("precision", tiny3.formats)
+    skipped = {"mxfp4:fp4/w4a16", "mxfp4:fp4/w16a4"}
+    for cell in seeded_cells(cells, exp.run_seeds):
+        if cell.name in skipped or (cell.fmt == "mxfp4" and cell.seed > 2):
+            continue
+        exp.cell_dir(cell).mkdir(parents=True, exist_ok=True)
+        fake_run_cell(exp, cell)
+    results = load_results(exp, cells, exp.run_seeds)
+    assert {n: len(r) for n, r in results.items() if n.startswith("mxfp4")} == {
+        "mxfp4:fp4/bf16": 3, "mxfp4:fp4/w4a16": 0, "mxfp4:fp4/w16a4": 0, "mxfp4": 3,
+        "mxfp4:bf16/fp4": 3, "mxfp4:fp4-reuse/bf16": 3}
+    names = {c.name for c in cells}
+    claims = [c for c in grid_claims("precision", tiny3.formats)
+              if c.better in names and c.worse in names]
+    rows = claim_rows(results, claims, ["synthetic-words"])
+    by = {(r["better"], r["worse"]): r for r in rows}
+    assert by["hif4", "hif4:bf16/fp4"]["seeds"] == 5
+    assert by["hif4", "mxfp4"]["seeds"] == 3 and by["mxfp4:fp4/bf16", "bf16"]["seeds"] == 3
+
+    def correct(cell: str, seed: int) -> np.ndarray:
+        return np.array(results[cell][seed]["rollout"]["synthetic-words"]["correct"])
+
+    expected = stats.seed_t([correct("hif4", s) - correct("mxfp4", s)
+                             for s in (0, 1, 2)]).scaled(100)
+    assert (by["hif4", "mxfp4"]["lo"], by["hif4", "mxfp4"]["hi"]) == pytest.approx(
+        (expected.lo, expected.hi))
+    for pair in (("mxfp4:fp4/w4a16", "mxfp4:fp4/w16a4"),
+                 ("hif4:fp4/w4a16", "mxfp4:fp4/w4a16")):
+        assert by[pair]["verdict"] == "not run"
+    assert by["hif4:fp4/w4a16", "hif4:fp4/w16a4"]["verdict"] == "within noise"  # 50% vs 50%
+    text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
+    assert "Runs finished: 47 of 65 (13 cells x 5 seeds)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| FP4 | FP4 | "))
+    assert row.count("(3 of 5 seeds)") == 1 and row.split(" | ")[2].startswith("90.0 [")
+    w4a16 = next(line for line in text.splitlines() if line.startswith("| FP4 | W4A16 | "))
+    assert w4a16.endswith("| -- | -- |")
+    assert "| 3 x 40 |" in text and "| 5 x 40 |" in text

@@ -800,7 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("kind", choices=["precision", "recovery"])
     exp.add_argument("--preset", default="tiny", choices=EXPERIMENT_PRESETS,
                      help="tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
-                     "tiny3: smollm2-135m + synthetic word problems, 3 seeds, 300 test "
+                     "tiny3: smollm2-135m + synthetic word problems, 5 seeds, 300 test "
                      "prompts; paper-*: the paper's Qwen runs (local weights and data via "
                      "--set)")
     exp.add_argument("--output", required=True, help="directory for the cells and the report "

@@ -9,7 +9,11 @@
 5. score again, and report each change with its 95% interval (markdown + PNG curves):
    greedy accuracy of both views, and the FP4 policy's reward on the held-out prompts
    sampled as in training (paired over the prompts, so it shows a rise that the noisier
-   per-step training reward may not).
+   per-step training reward may not);
+6. score the FP4 policy greedily, before and after, on word problems it never trained on
+   (the ``synthetic-words`` test split, direct-answer prompt): whether what GRPO taught it
+   on bare arithmetic carries over to the same sums asked in sentences, or stays with the
+   task it was trained on.
 
 The task is chosen so that the FP4 policy earns some reward from the start (a policy
 that earns none gives GRPO no signal): arithmetic asked with the direct-answer prompt,
@@ -43,12 +47,22 @@ from fp4rl.rl.trainer import Trainer
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
 FORMAT_NAMES = {"hif4": "HiF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4", "bf16": "BF16"}
 MISMATCH = "sampling/sampling_logp_difference/mean"
+#: held-out examples and their token ids
+Prompts = tuple[list, list]
 #: the two views of the policy the demo scores, in the order they are reported
 POLICIES = (("fp4", "FP4 rollout policy (what GRPO samples and trains)"),
             ("bf16", "bf16 view of the FP32 master weights (not trained as such)"))
 REWARD = "fp4_sampled"  # the FP4 policy sampled as in training, k samples per prompt
+#: the FP4 policy, greedy, on word problems it did not train on: source and template
+TRANSFER = "fp4_words"
+TRANSFER_DATA = {"source": "synthetic-words", "template": "direct"}
 MEANING = {"holds": "rose beyond the noise", "reversed": "fell beyond the noise",
            "within noise": "moved within the noise"}
+#: what a transfer verdict means for the training
+TRANSFER_READING = {
+    "holds": "what GRPO taught it transferred to them",
+    "reversed": "training cost it accuracy on them",
+    "within noise": "no transfer to them shows beyond the noise of this evaluation"}
 
 
 @dataclass
@@ -101,6 +115,14 @@ class Outcome:
         values = [r[MISMATCH] for r in self.history if MISMATCH in r]
         return (values[0], values[-1]) if values else (None, None)
 
+    def transfer_line(self, label: str) -> str:
+        """One line: whether training moved the FP4 policy on the word problems."""
+        change, n = self.change(TRANSFER), self.after[TRANSFER].n
+        return (f"On {n} word problems it did not train on (synthetic-words, direct "
+                f"prompt), the {label} rollout policy's greedy accuracy "
+                f"{MEANING[verdict(change)]} ({_signed(change)} points, 95% interval over "
+                f"the prompts): {TRANSFER_READING[verdict(change)]}.")
+
     def headline(self, label: str, n: int) -> str:
         """One line: what the user is looking at, and whether it moved."""
         change, reward = self.change("fp4"), self.reward_change()
@@ -144,17 +166,27 @@ def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
-def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, examples: list,
-                  prompts: list, precision: str, samples: int) -> dict[str, EvalResult]:
+def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, task: Prompts,
+                  words: Prompts, precision: str, samples: int) -> dict[str, EvalResult]:
     """Greedy accuracy of the master weights as the FP4 rollout policy and unquantized,
     and the FP4 policy's reward sampled as in training (the same sampling seed before and
-    after training, so the two draws share their random numbers)."""
+    after training, so the two draws share their random numbers), on the held-out
+    prompts of the task; and the FP4 policy's greedy accuracy on the word problems."""
     quantize_model(net, "bf16")
-    unquantized = _evaluate(net, tok, examples, prompts, cfg, precision)
+    unquantized = _evaluate(net, tok, *task, cfg, precision)
     quantize_model(net, cfg.recipe())
-    sampled = _evaluate(net, tok, examples, prompts, cfg, precision, k=samples, batch_size=100)
-    return {"fp4": _evaluate(net, tok, examples, prompts, cfg, precision),
-            "bf16": unquantized, REWARD: sampled}
+    sampled = _evaluate(net, tok, *task, cfg, precision, k=samples, batch_size=100)
+    return {"fp4": _evaluate(net, tok, *task, cfg, precision), "bf16": unquantized,
+            REWARD: sampled, TRANSFER: _evaluate(net, tok, *words, cfg, precision)}
+
+
+def _held_out(cfg: TrainConfig, tok: object, seed: int, n: int,
+              data: dict[str, str] | None = None) -> Prompts:
+    """``n`` test examples of the config's task (or of ``data`` changed into it) and their
+    token ids."""
+    data_cfg = cfg.data.model_copy(update=data or {})
+    return encode_examples(load_split(data_cfg, "test", seed, n), tok,
+                           cfg.grpo.max_prompt_length, data_cfg.template)
 
 
 def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
@@ -181,15 +213,15 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
         + f"  (worst layer under hif4: {max(z['hif4'] for z in zeros.values()):.1%})")
 
     console.rule(f"2. starting accuracy ({cfg.data.source}, greedy Mean@1)")
-    examples, prompts = encode_examples(
-        load_split(cfg.data, "test", seed, size.eval_prompts), tok, cfg.grpo.max_prompt_length,
-        cfg.data.template)
-    with console.status(f"evaluating {len(examples)} test prompts, FP4 and unquantized"):
-        before = _evaluate_all(net, tok, cfg, examples, prompts, precision,
-                               size.reward_samples)
+    tests = _held_out(cfg, tok, seed, size.eval_prompts)
+    words = _held_out(cfg, tok, seed, size.eval_prompts, TRANSFER_DATA)
+    with console.status(f"evaluating {len(tests[0])} test prompts, FP4 and unquantized, and "
+                        f"{len(words[0])} word problems"):
+        before = _evaluate_all(net, tok, cfg, tests, words, precision, size.reward_samples)
     console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
                   f"{before['bf16'].mean:.1%}   {label} reward, sampled "
-                  f"{before[REWARD].mean:.3f}")
+                  f"{before[REWARD].mean:.3f}   {label} rollout on word problems "
+                  f"{before[TRANSFER].mean:.1%}")
 
     train = _format_name(cfg.recipe().train.weights)
     console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
@@ -203,14 +235,14 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     console.rule("4. accuracy after training")
     with console.status("evaluating again"):
-        after = _evaluate_all(net, tok, cfg, examples, prompts, precision,
-                              size.reward_samples)
+        after = _evaluate_all(net, tok, cfg, tests, words, precision, size.reward_samples)
     result = Outcome(before, after, history)
     minutes = (time.perf_counter() - started) / 60
     console.print(_summary(result, label, minutes))
-    console.print(result.headline(label, len(examples)))
+    console.print(result.headline(label, len(tests[0])))
+    console.print(result.transfer_line(label))
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
-    _report(out, cfg, config, label, zeros, result, minutes, len(examples), setting)
+    _report(out, cfg, config, label, zeros, result, minutes, len(tests[0]), setting)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -233,6 +265,9 @@ def _rows(result: Outcome, label: str) -> list[tuple[str, str, str, str]]:
     rows.append((f"mean reward, {label} rollout policy, {a.k} samples per held-out prompt "
                  f"as in training", f"{b.mean:.3f}", f"{a.mean:.3f}",
                  _signed(result.reward_change(), 3)))
+    b, a = result.before[TRANSFER], result.after[TRANSFER]
+    rows.append((f"accuracy, {label} rollout policy, word problems it did not train on",
+                 f"{b.mean:.1%}", f"{a.mean:.1%}", f"{_signed(result.change(TRANSFER))} pt"))
     first, last = result.reward_thirds()
     rows.append(("mean training reward, first / last third of the steps",
                  f"{mean(first):.3f}", f"{mean(last):.3f}",
@@ -262,12 +297,15 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
     lines = [
         f"# fp4rl demo: {cfg.model}", "",
         result.headline(label, n_eval), "",
+        result.transfer_line(label), "",
         f"Wall clock: {minutes:.1f} min ({setting}). Config: {config} "
         f"({len(result.history)} steps, lr {cfg.grpo.learning_rate:g}). Evaluation: {n_eval} "
         f"{cfg.data.source} test prompts (levels {cfg.data.levels}, template "
         f"{cfg.data.template or 'default'}), greedy for accuracy; "
         f"{result.after[REWARD].k} samples per prompt at temperature "
-        f"{cfg.grpo.temperature:g} for the reward.", "",
+        f"{cfg.grpo.temperature:g} for the reward; transfer: {result.after[TRANSFER].n} "
+        f"{TRANSFER_DATA['source']} test prompts (the same levels, template "
+        f"{TRANSFER_DATA['template']}), greedy, as the FP4 rollout policy.", "",
         "## Zero collapse (mlp.down_proj inputs, mean over layers)", "",
         "| format | share exactly zero |", "|---|---|",
         *(f"| {f} | {mean(z[f] for z in zeros.values()):.1%} |" for f in ZERO_FORMATS), "",
@@ -275,10 +313,11 @@ def _report(out: Path, cfg: TrainConfig, config: str, label: str,
         "| | before | after | change [95% interval] |", "|---|---|---|---|",
         *("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
           for row in _rows(result, label)), "",
-        "Accuracy and held-out reward changes are paired (the same prompts before and "
-        "after; a bootstrap over the prompts); the training-reward change compares the "
-        "last third of the steps with the first (other prompts in each; a bootstrap over "
-        "steps). An interval that excludes 0 is beyond the noise of this evaluation.", "",
+        "Accuracy, word-problem and held-out reward changes are paired (the same prompts "
+        "before and after; a bootstrap over the prompts); the training-reward change "
+        "compares the last third of the steps with the first (other prompts in each; a "
+        "bootstrap over steps). An interval that excludes 0 is beyond the noise of this "
+        "evaluation.", "",
         "## Training curves", "", "![curves](curves.png)", "",
         "Per-step metrics: `run/metrics.jsonl`.", "",
     ]

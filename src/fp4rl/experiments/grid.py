@@ -186,7 +186,7 @@ TINY = ExperimentPreset(
 TINY3 = ExperimentPreset(
     "tiny3",
     "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2) with the "
-    "direct-answer prompt, 32 GRPO steps of 4 prompts x 8 samples, seeds 0, 1 and 2, scored "
+    "direct-answer prompt, 32 GRPO steps of 4 prompts x 8 samples, seeds 0 to 4, scored "
     "greedily on the same 300 test prompts for every seed: about 12 CPU-minutes per cell "
     "and seed on one core",
     changes={
@@ -201,9 +201,12 @@ TINY3 = ExperimentPreset(
         "run": {"steps": 32, "seed": 0, "save_steps": 8, "keep_checkpoints": 1},
     },
     evals=(EvalSpec("synthetic-words"),),
-    formats=("hif4",),
-    seeds=(0, 1, 2),
-    cells={"precision": ("bf16", "{f}:fp4/bf16", "{f}", "{f}:fp4-reuse/bf16"),
+    formats=("hif4", "mxfp4"),
+    seeds=(0, 1, 2, 3, 4),
+    # Table 1's rollout rows that locate the loss (W4A16 vs W16A4: weights or activations;
+    # BF16 / FP4: training or rollout), and Table 2's headline recovery
+    cells={"precision": ("bf16", "{f}:fp4/bf16", "{f}:fp4/w4a16", "{f}:fp4/w16a4", "{f}",
+                         "{f}:bf16/fp4", "{f}:fp4-reuse/bf16"),
            "recovery": ("bf16", "{f}", "{f}+resq-2:4", "{f}+resqw-2:4")},
 )
 PAPER_3B = ExperimentPreset(

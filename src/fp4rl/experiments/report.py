@@ -3,11 +3,15 @@
 Accuracy is reported twice: scored as the cell's rollout policy (the FP4 policy that
 generated the training data, which is what the paper's verl runs validate with) and
 scored with the trained master weights unquantized. Each number is the mean over the
-seeds that finished, with a 95% bootstrap interval over seeds and test prompts, and its
-gap to the BF16 cell as a paired difference (same seeds, same prompts) with its own
+seeds that finished, with a 95% seed-t interval (Student's t over the seeds, widened by
+the prompt sampling the seeds share: :mod:`fp4rl.experiments.stats`), and its gap to the
+BF16 cell as a paired difference (the seeds both have, the same prompts) with its own
 interval; the claims table does the same for every comparison the paper draws
-(:mod:`fp4rl.experiments.claims`) and gives each a verdict (:mod:`fp4rl.experiments.stats`).
-A result file written before per-prompt outcomes were stored still loads: its cells show
+(:mod:`fp4rl.experiments.claims`) and gives each a verdict from that interval. The
+two-way bootstrap stays beside it as a secondary column, labelled as such: with a handful
+of seeds it is too narrow to judge by. A cell shows how many seeds it has where that is
+fewer than the grid's, and a cell or claim with no run yet is marked, never an error. A
+result file written before per-prompt outcomes were stored still loads: its cells show
 means and plain gaps, without intervals.
 """
 
@@ -40,6 +44,8 @@ POLICIES = (("rollout", "scored as the cell's rollout policy"),
             ("bf16", "scored with the trained weights unquantized"),
             ("initial", "before training: the starting model as the cell's rollout policy"))
 CLAIM_POLICY = "rollout"
+#: the header of the bootstrap's column, next to each seed-t column
+SECONDARY = "bootstrap [95%] (secondary)"
 
 
 def _scores(runs: Runs | None, policy: str, bench: str) -> list[tuple[int, dict[str, Any]]]:
@@ -73,23 +79,25 @@ def outcomes(runs: Runs | None, policy: str, bench: str) -> list[stats.Outcomes]
     return out
 
 
-def interval(runs: Runs | None, policy: str, bench: str) -> stats.Estimate | str:
-    """One cell's accuracy (%) with its interval, or why it has none."""
+def interval(runs: Runs | None, policy: str, bench: str,
+             method: stats.Interval = stats.seed_t) -> stats.Estimate | str:
+    """One cell's accuracy (%) with its interval (by default the one verdicts use), or
+    why it has none."""
     found = outcomes(runs, policy, bench)
     if found is None:
         return "no per-prompt outcomes"
-    estimate = stats.accuracy(found)
+    estimate = stats.accuracy(found, method)
     return estimate if isinstance(estimate, str) else estimate.scaled(100)
 
 
-def gap(runs: Runs | None, base: Runs | None, policy: str,
-        bench: str) -> stats.Estimate | str:
-    """``runs`` minus ``base`` in points, paired over common seeds and prompts, or why no
-    paired difference exists."""
+def gap(runs: Runs | None, base: Runs | None, policy: str, bench: str,
+        method: stats.Interval = stats.seed_t) -> stats.Estimate | str:
+    """``runs`` minus ``base`` in points, paired over the seeds both have and the same
+    prompts, or why no paired difference exists."""
     a, b = outcomes(runs, policy, bench), outcomes(base, policy, bench)
     if a is None or b is None:
         return "no per-prompt outcomes"
-    estimate = stats.paired_difference(a, b)
+    estimate = stats.paired_difference(a, b, method)
     return estimate if isinstance(estimate, str) else estimate.scaled(100)
 
 
@@ -98,22 +106,32 @@ def _fmt(estimate: stats.Estimate, sign: str = "") -> str:
             f"{estimate.hi:{sign}.1f}]")
 
 
+def _bounds(estimate: stats.Estimate, sign: str = "") -> str:
+    return f"[{estimate.lo:{sign}.1f}, {estimate.hi:{sign}.1f}]"
+
+
 def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
-                seeds: int, is_base: bool) -> str:
+                seeds: int, is_base: bool) -> tuple[str, str]:
+    """A cell's accuracy with its seed-t interval, its seed count where short of the
+    grid's, and its paired gap to BF16; and the same two intervals by the bootstrap (the
+    secondary column), "--" where there is none."""
     value = accuracy(runs, policy, bench)
     if value is None:
-        return "--"
-    est = interval(runs, policy, bench)
+        return "--", "--"
+    est, boot = interval(runs, policy, bench), interval(runs, policy, bench, stats.bootstrap)
     text = f"{value:.1f}" if isinstance(est, str) else _fmt(est)
+    second = "--" if isinstance(boot, str) else _bounds(boot)
     done = len(_scores(runs, policy, bench))
     if done < seeds:
         text += f" ({done} of {seeds} seeds)"
     base_value = accuracy(base, policy, bench)
     if is_base or base_value is None:
-        return text
+        return text, second
     diff = gap(runs, base, policy, bench)
-    return text + (f" ({value - base_value:+.1f})" if isinstance(diff, str)
-                   else f" ({_fmt(diff, '+')})")
+    if isinstance(diff, str):
+        return text + f" ({value - base_value:+.1f})", second
+    boot_diff = gap(runs, base, policy, bench, stats.bootstrap)
+    return text + f" ({_fmt(diff, '+')})", f"{second} ({_bounds(boot_diff, '+')})"
 
 
 def precision_table(results: Results, formats: tuple[str, ...], bench: str, policy: str,
@@ -121,15 +139,17 @@ def precision_table(results: Results, formats: tuple[str, ...], bench: str, poli
     """Table 1: rows train x rollout precision, one column per FP4 format; with ``cells``,
     only the rows that hold one of them (a preset's cut of the grid)."""
     base = results.get("bf16")
-    head = "| Train | Rollout | " + " | ".join(f"FP4 = {FORMAT_LABELS[f]}" for f in formats) + " |"
-    lines = [head, "|---|---|" + "---|" * len(formats)]
+    head = "| Train | Rollout | " + " | ".join(
+        f"FP4 = {FORMAT_LABELS[f]} | {FORMAT_LABELS[f]}: {SECONDARY}" for f in formats) + " |"
+    lines = [head, "|---|---|" + "---|---|" * len(formats)]
     for train, rollout in precision_rows():
         is_base = (train, rollout) == ("bf16", "bf16")
         if cells is not None and not any(precision_name(f, train, rollout) in cells
                                          for f in formats):
             continue
-        values = [_table_cell(results.get(precision_name(f, train, rollout)), base, policy,
-                              bench, seeds, is_base) for f in formats]
+        values = [part for f in formats
+                  for part in _table_cell(results.get(precision_name(f, train, rollout)),
+                                          base, policy, bench, seeds, is_base)]
         lines.append(f"| {train_label(train)} | {rollout.upper()} | " + " | ".join(values) + " |")
     return lines
 
@@ -138,15 +158,16 @@ def recovery_table(results: Results, cells: list[Cell], benches: list[str], poli
                    seeds: int = 1) -> list[str]:
     """Tables 2/4: rows format x recovery method, one column per benchmark."""
     base = results.get("bf16")
-    lines = ["| Format | Recovery | " + " | ".join(benches) + " |",
-             "|---|---|" + "---|" * len(benches)]
+    lines = ["| Format | Recovery | " + " | ".join(f"{b} | {b}: {SECONDARY}" for b in benches)
+             + " |", "|---|---|" + "---|---|" * len(benches)]
     for fmt in [None, *dict.fromkeys(c.fmt for c in cells if c.fmt)]:
         group = [c for c in cells if c.fmt == fmt]
         for i, c in enumerate(group):
             label = "BF16" if fmt is None else (FORMAT_LABELS[fmt] if i == 0 else "")
             row = "--" if fmt is None else c.row
-            values = [_table_cell(results.get(c.name), base, policy, b, seeds, fmt is None)
-                      for b in benches]
+            values = [part for b in benches
+                      for part in _table_cell(results.get(c.name), base, policy, b, seeds,
+                                              fmt is None)]
             lines.append(f"| {label} | {row} | " + " | ".join(values) + " |")
     return lines
 
@@ -154,18 +175,22 @@ def recovery_table(results: Results, cells: list[Cell], benches: list[str], poli
 def claim_rows(results: Results, claims: list[Comparison],
                benches: list[str]) -> list[dict[str, Any]]:
     """Every comparison on every benchmark: the paired gap (points, as the rollout
-    policy), its interval and the verdict ("not run" / "no interval" where none)."""
+    policy), its seed-t interval and the verdict it gives ("not run" / "no interval"
+    where none), the bootstrap's interval beside it, and the paper's figures."""
     rows = []
     for c in claims:
         for bench in benches:
             a, b = results.get(c.better), results.get(c.worse)
             diff = gap(a, b, CLAIM_POLICY, bench)
             row = {"claim": c.claim, "comparison": c.label, "better": c.better,
-                   "worse": c.worse, "benchmark": bench, "paper_gap": c.paper_gap}
+                   "worse": c.worse, "benchmark": bench, "paper_gap": c.paper_gap,
+                   "paper": c.paper_figures}
             means = accuracy(a, CLAIM_POLICY, bench), accuracy(b, CLAIM_POLICY, bench)
             if isinstance(diff, stats.Estimate):
+                boot = gap(a, b, CLAIM_POLICY, bench, stats.bootstrap)
                 row |= {"gap": diff.mean, "lo": diff.lo, "hi": diff.hi, "seeds": diff.seeds,
-                        "prompts": diff.prompts, "verdict": stats.verdict(diff)}
+                        "prompts": diff.prompts, "verdict": stats.verdict(diff),
+                        "bootstrap_lo": boot.lo, "bootstrap_hi": boot.hi}
             elif means[0] is None or means[1] is None:
                 row |= {"verdict": "not run"}
             else:  # both ran, but cannot be paired: the plain difference of their means
@@ -175,24 +200,29 @@ def claim_rows(results: Results, claims: list[Comparison],
 
 
 def claims_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The claims as markdown: the paper's gap next to ours, its interval and verdict."""
-    lines = ["| claim | comparison | benchmark | paper (3B, GSM8K) | here: paired gap "
-             "[95%] | seeds x prompts | verdict |", "|---|---|---|---|---|---|---|"]
+    """The claims as markdown: the paper's figures next to ours, the seed-t interval, the
+    seeds it pairs, the verdict, and the bootstrap's interval as a secondary column."""
+    lines = ["| claim | comparison | benchmark | paper (3B, GSM8K): better vs worse (gap) | "
+             "here: paired gap [95% seed-t] | seeds x prompts | verdict | "
+             f"{SECONDARY} |", "|---|---|---|---|---|---|---|---|"]
     previous = None
     for r in rows:
         claim = "" if r["claim"] == previous else r["claim"]
         previous = r["claim"]
-        paper = "--" if r["paper_gap"] is None else f"{r['paper_gap']:+.2f}"
+        paper = ("--" if r["paper"] is None else
+                 f"{r['paper'][0]:.2f} vs {r['paper'][1]:.2f} ({r['paper_gap']:+.2f})")
         if "lo" in r:
             here = f"{r['gap']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}]"
-            size = f"{r['seeds']} x {r['prompts']}"
+            size = f"{r['seeds']} x {r['prompts']}" + (" (prompts only)" if r["seeds"] == 1
+                                                       else "")
             verdict = f"**{r['verdict']}**" if r["verdict"] != "within noise" else r["verdict"]
+            boot = f"[{r['bootstrap_lo']:+.1f}, {r['bootstrap_hi']:+.1f}]"
         else:
             here = "--" if "gap" not in r else f"{r['gap']:+.1f}"
-            size = "--"
+            size = boot = "--"
             verdict = r["verdict"] + (f" ({r['reason']})" if "reason" in r else "")
         lines.append(f"| {claim} | {r['comparison']} | {r['benchmark']} | {paper} | {here} "
-                     f"| {size} | {verdict} |")
+                     f"| {size} | {verdict} | {boot} |")
     tally = Counter(r["verdict"] for r in rows)
     lines += ["", "Verdicts: " + ", ".join(f"{tally[v]} {v}" for v in
                                            (*stats.VERDICTS, "no interval", "not run")
@@ -201,34 +231,54 @@ def claims_table(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, *(part for note in notes for part in ("", note))]
 
 
+WIDENED = ("the interval is widened by the prompt-sampling variance they share, which "
+           "their spread cannot show: (MS prompts - MS residual) / (seeds x prompts) from a "
+           "two-way analysis of variance, kept at 0 or above, scaled by its own t quantile "
+           "(prompts - 1 degrees of freedom) and added in quadrature")
+OWN_PROMPTS = "the spread of the per-seed means already holds the prompt sampling"
+
+
 def method_lines(results: Results, seeds: tuple[int, ...]) -> list[str]:
     """How the intervals and verdicts are computed, and what they cover here."""
     designs = {len({o.prompts for o in found}) == 1 for runs in results.values()
                for bench in _benches(runs)
                if (found := outcomes(runs, CLAIM_POLICY, bench)) and len(found) > 1}
-    prompts = ("every seed was scored on the same test prompts, so one draw of prompts "
-               "serves all drawn seeds" if designs == {True} else
-               "each seed was scored on test prompts of its own, so prompts are drawn "
-               "within each drawn seed" if designs == {False} else
-               "prompts are shared across seeds where they are the same, drawn within each "
-               "seed where not")
+    shared, drawn = (
+        (f"Every seed was scored on the same test prompts, so {WIDENED}.",
+         "one draw of prompts serves all drawn seeds") if designs == {True} else
+        (f"Each seed was scored on test prompts of its own, so {OWN_PROMPTS}.",
+         "prompts are drawn within each drawn seed") if designs == {False} else
+        (f"Where seeds were scored on the same test prompts, {WIDENED}; where each seed had "
+         f"prompts of its own, {OWN_PROMPTS}.",
+         "prompts are shared across seeds where they are the same, drawn within each seed "
+         "where not"))
     return [
         "## Method", "",
-        f"Seeds: {', '.join(map(str, seeds))}. Each accuracy is the mean over the seeds a "
-        "cell finished and over the test prompts (greedy Mean@1: a prompt counts 1 if its "
-        "answer is right; Mean@k: the share of its k samples that are). Its 95% interval is "
-        f"a bootstrap over seeds and prompts: {stats.RESAMPLES} resamples each draw the seeds "
-        f"with replacement and the prompts with replacement ({prompts}); the interval runs "
-        "from the 2.5th to the 97.5th percentile of the resampled means.",
+        f"Seeds: {', '.join(map(str, seeds))}; a cell with fewer shows how many it has. Each "
+        "accuracy is the mean over the seeds a cell finished and over the test prompts "
+        "(greedy Mean@1: a prompt counts 1 if its answer is right; Mean@k: the share of its "
+        "k samples that are). Its 95% interval (seed-t) is Student's t over the seeds: the "
+        "spread of the per-seed means over their number, seeds - 1 degrees of freedom. "
+        f"{shared} With one seed the interval covers the choice of prompts only (a t "
+        "interval over the per-prompt values), marked \"prompts only\".",
         "",
         "Every gap (to BF16 in the tables, and each comparison in the claims table) is "
         "paired: the two cells' outcomes are subtracted prompt by prompt at each seed both "
-        "finished, and the same bootstrap is applied to the differences, so what the two "
+        "finished (a cell with 3 seeds is compared with one of 5 on those 3, never on "
+        "unequal sets), and the same interval is taken of the differences, so what the two "
         "runs share (an easy prompt, a lucky data order) cancels. A claim **holds** when its "
         "interval lies entirely on the paper's side of 0, is **reversed** when it lies "
-        "entirely on the other side, and is **within noise** when it contains 0. The "
-        f"resampling uses a fixed generator seed ({stats.RNG_SEED}), so rebuilding the report "
-        "gives the same numbers.",
+        "entirely on the other side, and is **within noise** when it contains 0.",
+        "",
+        f"The columns marked \"{SECONDARY}\" give the two-way bootstrap the verdicts used "
+        f"before: {stats.RESAMPLES} resamples each draw the seeds with replacement and the "
+        f"prompts with replacement ({drawn}); the interval runs from the 2.5th to the "
+        "97.5th percentile of the resampled means, with a fixed generator seed "
+        f"({stats.RNG_SEED}). It is shown for comparison only: resampling a handful of "
+        "seeds understates their spread, and in simulated grids of 300 prompts with a "
+        "seed-to-seed spread of 10 points it covered the true gap about 81% (3 seeds) and "
+        "87% (5 seeds) of the time, where the seed-t interval covered 95% "
+        "(`tests/test_stats.py`).",
         "",
         _coverage(len(seeds)) + " With this many comparisons, about one in twenty would "
         "leave 0 by chance where there is no difference.",
@@ -241,8 +291,10 @@ def _coverage(seeds: int) -> str:
         return ("With one seed the intervals cover the choice of test prompts only, not the "
                 "seed-to-seed variation of a GRPO run, which on small models can be the "
                 "larger of the two.")
-    return (f"With {seeds} seeds the seed part of an interval is coarse: a bootstrap over "
-            "a handful of seeds tends to make it too narrow.")
+    quantile = float(stats.student_t_quantile((1 + stats.LEVEL) / 2, seeds - 1))
+    return (f"With {seeds} seeds the t quantile is wide ({quantile:.2f} standard errors for "
+            "95%, against 1.96 with many): few seeds buy little certainty, and the "
+            "intervals say so.")
 
 
 def _benches(runs: Runs) -> set[str]:
@@ -313,9 +365,11 @@ def _summary(runs: Runs | None, benches: list[str]) -> dict[str, Any]:
         for bench in benches:
             value = accuracy(runs, policy, bench)
             est = interval(runs, policy, bench)
+            boot = interval(runs, policy, bench, stats.bootstrap)
             out.setdefault(policy, {})[bench] = (
                 None if value is None else {"mean": value} if isinstance(est, str)
-                else {"mean": est.mean, "lo": est.lo, "hi": est.hi, "seeds": est.seeds})
+                else {"mean": est.mean, "lo": est.lo, "hi": est.hi, "seeds": est.seeds,
+                      "bootstrap_lo": boot.lo, "bootstrap_hi": boot.hi})
     return out
 
 
@@ -373,8 +427,10 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     write_json(out / f"{exp.kind}.json", {
         "kind": exp.kind, "preset": exp.preset.name, "formats": list(exp.formats),
         "benchmarks": benches, "command": cmd, "seeds": list(seeds),
-        "method": {"resamples": stats.RESAMPLES, "rng_seed": stats.RNG_SEED,
-                   "level": stats.LEVEL, "claims_policy": CLAIM_POLICY},
+        "method": {"interval": "seed-t", "level": stats.LEVEL,
+                   "secondary": {"interval": "bootstrap", "resamples": stats.RESAMPLES,
+                                 "rng_seed": stats.RNG_SEED},
+                   "claims_policy": CLAIM_POLICY},
         "claims": rows,
         "cells": [{"cell": c.name, "format": c.fmt, "row": c.row,
                    "accuracy": _summary(results.get(c.name), benches),
