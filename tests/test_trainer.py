@@ -234,7 +234,7 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
     trains = advantages != 0
     assert 0 < trains.sum() < len(trains), "the check needs rows that train and rows that not"
     ids, attention = batch.sequences()
-    with torch.no_grad(), train_mode(model):
+    with torch.no_grad(), train_mode(model), trainer.compute():  # the run's compute dtype
         old, _ = response_logprobs(model, ids, attention, ids.shape[1] -
                                    batch.response_ids.shape[1])
     mask = batch.response_mask.bool() & trains[:, None]
