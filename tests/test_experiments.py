@@ -216,7 +216,8 @@ def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, ti
     assert "| HiF4 | -- | -- | -- |" in (out / "recovery.md").read_text()
     assert main(args) == 0
     text = (out / "recovery.md").read_text()
-    assert "| Format | Recovery | GSM8K-test | Math500 |" in text
+    assert ("| Format | Recovery | GSM8K-test | GSM8K-test: bootstrap [95%] (secondary) | "
+            "Math500 | Math500: bootstrap [95%] (secondary) |") in text
     assert "| HiF4 | -- | -- |" not in text
     result = json.loads((out / "cells" / "hif4_resq-2_4" / "result.json").read_text())
     assert set(result["rollout"]) == {"GSM8K-test", "Math500"}
