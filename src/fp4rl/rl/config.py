@@ -156,6 +156,13 @@ class TrainConfig(_Section):
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got "
                              f"{self.rollout_engine!r}")
+        if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
+            from fp4rl.integrations.vllm import VLLMError, rollout_recipe
+
+            try:
+                rollout_recipe(self.recipe())
+            except VLLMError as err:
+                raise ValueError(str(err)) from None
         return self
 
     @property

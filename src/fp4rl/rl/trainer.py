@@ -186,6 +186,10 @@ class Trainer:
         from fp4rl.models import load_model
 
         examples = load_split(config.data, "train", config.run.seed)  # a data error first
+        if config.rollout_engine == "vllm":
+            from fp4rl.integrations.vllm import require_vllm
+
+            require_vllm()  # before minutes of loading
         _, device = _setup_distributed(config)
         model, tokenizer = load_model(config.model, device=device)
         return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
@@ -219,15 +223,15 @@ class Trainer:
         return [rows[k:k + size] for k in range(0, len(rows), size)]
 
     def _vllm_engine(self) -> Any:
-        """The vLLM rollout engine the config asks for, or None; what vLLM cannot run is
-        refused now, in one line, before any step."""
+        """The vLLM rollout engine the config asks for, or None (the config has already
+        refused recipes vLLM cannot run); a missing vLLM or a setting it cannot serve is
+        one line, before any step."""
         cfg = self.cfg
         if cfg.rollout_engine != "vllm":
             return None
-        from fp4rl.integrations.vllm import require_vllm, rollout_recipe
+        from fp4rl.integrations.vllm import require_vllm
         from fp4rl.rl.vllm_rollout import VLLMRollout
 
-        rollout_recipe(self.recipe)
         require_vllm()
         if self.dist.active:
             raise ConfigError("rollout.engine=vllm runs one colocated engine in one process; "

@@ -137,7 +137,7 @@ def whole_model_gaps(llm, model, tok, draws: int = 3) -> tuple[float, float]:
         first = out.outputs[0].token_ids[0]
         top = [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]
 
-        def logprobs(**jitter) -> torch.Tensor:
+        def logprobs(ids=ids, first=first, **jitter) -> torch.Tensor:
             pre, dec = hf_prefill_and_decode(model, ids, first, torch.float32, **jitter)
             return torch.cat([pre, dec[None]])
 

