@@ -602,7 +602,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     size = DemoSize(**{k: v for k, v in given.items() if v is not None})
     return run_demo(console, model=args.model, output=args.output, size=size, seed=args.seed,
                     device=args.device, mixed_precision=args.mixed_precision,
-                    config=args.config)
+                    config=args.config, rollout_engine=args.rollout_engine)
 
 
 def _presets(args: argparse.Namespace, console: Console) -> int:
@@ -685,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GRPO steps (default: sized for ~10 min)")
     demo.add_argument("--eval-prompts", type=positive_int, help="test prompts per evaluation")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--rollout-engine", choices=["hf", "vllm"],
+                      help="where GRPO's rollouts run: hf (fp4rl's engine) or vllm (a "
+                      "colocated vLLM engine with the fp4rl method); default: the config's")
     _add_device_args(demo, "auto")
     demo.set_defaults(func=_demo)
 

@@ -139,11 +139,16 @@ def _signed(e: Estimate, digits: int = 1) -> str:
 
 
 def _config(config: str, model: str | None, size: DemoSize, seed: int, device: str,
-            mixed_precision: str) -> TrainConfig:
-    """The config preset (or file) at the demo's size; ``model`` None keeps its model."""
+            mixed_precision: str, rollout_engine: str | None = None) -> TrainConfig:
+    """The config preset (or file) at the demo's size; ``model`` None keeps its model,
+    ``rollout_engine`` None the config's engine."""
     changes = {"run.steps": size.steps, "run.seed": seed, "device": device,
                "mixed_precision": mixed_precision, "run.save_steps": size.steps}
-    return load_config(config, None, changes | ({"model": model} if model else {}))
+    if model:
+        changes["model"] = model
+    if rollout_engine:
+        changes["rollout.engine"] = rollout_engine
+    return load_config(config, None, changes)
 
 
 def _format_name(fmt: str) -> str:
@@ -191,14 +196,19 @@ def _held_out(cfg: TrainConfig, tok: object, seed: int, n: int,
 
 def run_demo(console: Console, model: str | None = None, output: str = "runs/demo",
              size: DemoSize | None = None, seed: int = 0, device: str = "auto",
-             mixed_precision: str = "auto", config: str = "demo") -> int:
+             mixed_precision: str = "auto", config: str = "demo",
+             rollout_engine: str | None = None) -> int:
     from fp4rl.models import load_model
     from fp4rl.precision import resolve_device, resolve_mixed_precision
 
     size = size or DemoSize()
     started = time.perf_counter()
     # before anything is written: a bad --config leaves no empty run directory behind
-    cfg = _config(config, model, size, seed, device, mixed_precision)
+    cfg = _config(config, model, size, seed, device, mixed_precision, rollout_engine)
+    if cfg.rollout_engine == "vllm":
+        from fp4rl.integrations.vllm import require_vllm
+
+        require_vllm()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     where = resolve_device(cfg.device)
