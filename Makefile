@@ -46,6 +46,7 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
 
 test-vllm: $(VSTAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine
