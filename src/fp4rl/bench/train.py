@@ -12,6 +12,10 @@ optimizer step).
 Both trainers do the same work, so that the ratios compare precisions and not luck: every
 response runs to the length limit (no EOS) and the reward is a fixed pseudo-random sequence,
 the same for both, so the same groups carry advantages and are trained on.
+
+``engine="vllm"`` compares engines instead: the FP4 recipe with its rollout in fp4rl's
+engine (``hf``, the baseline) and in a colocated vLLM engine (``rollout.engine: vllm``),
+whose step includes the refit of the new weights into the engine (its own row).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from rich.table import Table
 from fp4rl.bench.common import Comparison
 from fp4rl.rl.config import load_config
 
-PHASES = ("rollout", "reward", "old_logprob", "update")
-RECIPES = {"bf16": "bf16", "fp4": "hif4+resq-2:4"}
+PHASES = ("rollout", "reward", "old_logprob", "update", "refit")
+#: per compared engine choice: (baseline, candidate), each key -> (recipe, rollout engine)
+CONTESTS = {"hf": {"bf16": ("bf16", "hf"), "fp4": ("hif4+resq-2:4", "hf")},
+            "vllm": {"hf": ("hif4+resq-2:4", "hf"), "vllm": ("hif4+resq-2:4", "vllm")}}
 SMALL = {"mixed_precision": "bf16", "data.train_size": 64, "grpo.num_generations": 8,
          "grpo.batch_size": 2, "grpo.micro_batch_size": 16, "grpo.max_response_length": 48,
          "grpo.temperature": 0.8, "grpo.learning_rate": 1e-6, "run.save_steps": 1000}
@@ -40,7 +46,7 @@ def _coin_flips(seed: int) -> Callable[[str, str], float]:
     return lambda completion, reference: float(rng.random() < 0.5)
 
 
-def _trainer(model_name: str, key: str, recipe: str, out: str,
+def _trainer(model_name: str, key: str, recipe: str, engine: str, out: str,
              changes: dict[str, Any]) -> Any:
     from fp4rl.nn import preset
     from fp4rl.rl.rewards import register_reward
@@ -50,44 +56,57 @@ def _trainer(model_name: str, key: str, recipe: str, out: str,
     rec = preset(recipe).to_dict()
     cfg = load_config(None, None, {"model": model_name, **SMALL, **changes,
                                    "data.reward": f"bench_coin_flips_{key}",
-                                   "train": rec["train"], "rollout": rec["rollout"]})
+                                   "train": rec["train"],
+                                   "rollout": {**rec["rollout"], "engine": engine}})
     trainer = Trainer.from_config(cfg, out, log=lambda message: None)
     trainer.eos_ids = []  # every response runs to grpo.max_response_length
     return trainer
 
 
 def run(model_name: str = "smollm2-135m", repeats: int = 3,
-        changes: dict[str, Any] | None = None, device: str = "cpu") -> list[Comparison]:
-    """Per-phase and whole-step fp4 / bf16 ratios (medians of interleaved steps)."""
+        changes: dict[str, Any] | None = None, device: str = "cpu",
+        engine: str = "hf") -> list[Comparison]:
+    """Per-phase and whole-step ratios, candidate over baseline (medians of interleaved
+    steps): fp4 / bf16 in fp4rl's engine, or with ``engine="vllm"`` the FP4 recipe's
+    vllm / hf."""
     import tempfile
 
+    contest = CONTESTS[engine]
+    base, cand = contest
     times: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "step")}
-                                                for k in RECIPES}
+                                                for k in contest}
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {k: _trainer(model_name, k, r, f"{tmp}/{k}",
+        trainers = {k: _trainer(model_name, k, recipe, eng, f"{tmp}/{k}",
                                 {"device": device, **(changes or {})})
-                    for k, r in RECIPES.items()}
+                    for k, (recipe, eng) in contest.items()}
         for i in range(repeats + 1):  # the first step warms up caches and kernels
             for key, trainer in trainers.items():
                 m = trainer.train_step()
                 if i == 0:
                     continue
                 for phase in PHASES:
-                    times[key][phase].append(m[f"time/{phase}"])
-                times[key]["step"].append(sum(m[f"time/{p}"] for p in PHASES))
-        # an on-policy step (the default) runs no old-log-prob pass: no row for it
-        done = [p for p in (*PHASES, "step")
-                if p != "old_logprob" or not trainers["fp4"].on_policy]
-    return [Comparison(f"train.{phase}.fp4_vs_bf16", "fp4", "bf16", times["fp4"][phase],
-                       times["bf16"][phase], median(times["fp4"][phase]) /
-                       max(median(times["bf16"][phase]), 1e-9))
+                    times[key][phase].append(m.get(f"time/{phase}", 0.0))
+                times[key]["step"].append(sum(m.get(f"time/{p}", 0.0) for p in PHASES))
+        # an on-policy step (the default) runs no old-log-prob pass, fp4rl's engine no
+        # refit: no row for what neither side ran
+        skip = {"old_logprob"} if trainers[cand].on_policy else set()
+        if not any(times[cand]["refit"] + times[base]["refit"]):
+            skip.add("refit")
+        done = [p for p in (*PHASES, "step") if p not in skip]
+    return [Comparison(f"train.{phase}.{cand}_vs_{base}", cand, base, times[cand][phase],
+                       times[base][phase], median(times[cand][phase]) /
+                       max(median(times[base][phase]), 1e-9))
             for phase in done]
 
 
 def render(results: list[Comparison], console: Console) -> None:
-    table = Table(title="one GRPO step (median seconds): BF16 vs FP4 (HiF4 train, "
-                        "HiF4 + ResQ-2:4 rollout)")
-    for col in ("phase", "bf16 s", "fp4 s", "fp4 / bf16", "share of fp4 step"):
+    base, cand = results[-1].baseline, results[-1].candidate
+    what = ("BF16 vs FP4 (HiF4 train, HiF4 + ResQ-2:4 rollout)" if base == "bf16" else
+            "FP4 (HiF4 train, HiF4 + ResQ-2:4 rollout), rollout in fp4rl's engine (hf) vs "
+            "vLLM (refit included)")
+    table = Table(title=f"one GRPO step (median seconds): {what}")
+    for col in ("phase", f"{base} s", f"{cand} s", f"{cand} / {base}",
+                f"share of {cand} step"):
         table.add_column(col, justify="right")
     step = median(results[-1].candidate_times)
     for r in results:

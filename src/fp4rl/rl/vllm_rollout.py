@@ -47,7 +47,9 @@ class VLLMRollout:
         params = [SamplingParams(
             n=1, temperature=0.0 if config.greedy else config.temperature,
             top_p=config.top_p, top_k=config.top_k or -1, max_tokens=config.max_new_tokens,
-            seed=seed, logprobs=0, stop_token_ids=list(eos_token_ids), detokenize=False)
+            seed=seed, logprobs=0, detokenize=False,
+            # stop exactly where fp4rl's engine stops: at its stop tokens, not at vLLM's own
+            ignore_eos=True, stop_token_ids=list(eos_token_ids))
             for seed in seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                  params, use_tqdm=False)
