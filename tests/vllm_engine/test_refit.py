@@ -44,7 +44,9 @@ def test_refit_equals_a_fresh_engine_on_the_new_weights(smollm_dir, tmp_path):
     after = prompt_logprobs(llm, tok)
     del llm
     gc.collect()
-    assert stats.bytes == sum(p.numel() * 4 for p in model.parameters())  # FP32 masters
+    # the block linears' FP32 masters, every other tensor in the engine's bf16
+    assert stats.bytes == sum(p.numel() * (4 if "layers." in n and n.endswith("proj.weight")
+                                           else 2) for n, p in model.named_parameters())
     assert stats.tensors == len(list(model.parameters())) and stats.seconds > 0
     assert after != before  # the engine serves the new weights
 

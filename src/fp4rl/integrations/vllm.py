@@ -186,12 +186,21 @@ def refit(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitS
     start = time.perf_counter()
     model = engine_model(llm)
     sent = {"bytes": 0, "tensors": 0}
+    # the fp4rl layers' weights travel in FP32 (Q(W) is taken from them); every other
+    # tensor in the engine's dtype, which is what the engine keeps of it anyway
+    fp32 = {f"{n}.weight" for prefix, m in model.named_modules()
+            if getattr(m, "fp4rl_shards", None) is not None
+            for n in hf_layer_names(prefix)}
+    dtype = llm.llm_engine.model_config.dtype
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
+            tensor = tensor.detach()
+            if name not in fp32 and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
             sent["bytes"] += tensor.numel() * tensor.element_size()
             sent["tensors"] += 1
-            yield name, tensor.detach()
+            yield name, tensor
 
     with torch.no_grad():
         model.load_weights(counted())
