@@ -522,7 +522,7 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     source = args.checkpoint or args.model
     with console.status(f"exporting {source} as {args.format}"):
         export = export_checkpoint if args.checkpoint else export_pretrained
-        result = export(source, args.format, args.output)
+        result = export(source, args.format, args.output, recipe=args.recipe)
     console.print(result.summary(), markup=False, highlight=False, soft_wrap=True)
     return 0
 
@@ -737,13 +737,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     export = sub.add_parser("export", help="a run's policy as a directory other tools load: "
-                            "bf16, compressed-tensors mxfp4/nvfp4, fp4rl's packed hif4")
+                            "bf16, compressed-tensors mxfp4/nvfp4, fp4rl's packed hif4, "
+                            "or vllm (served by vLLM with the fp4rl plug-in)")
     what = export.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", help="a training run directory (its latest checkpoint) "
                       "or one of its checkpoints")
     what.add_argument("--model", help="registered name or checkpoint directory (untrained)")
     export.add_argument("--format", required=True,
-                        help="bf16, mxfp4, nvfp4 (compressed-tensors) or hif4 (fp4rl packed)")
+                        help="bf16, mxfp4, nvfp4 (compressed-tensors), hif4 (fp4rl packed) "
+                        "or vllm (float32 block linears + fp4rl quantization_config)")
+    export.add_argument("--recipe", help="--format vllm only: the rollout recipe vLLM runs, a "
+                        "preset (default hif4+resq-2:4) or 'run' (the run's own, with "
+                        "--checkpoint)")
     export.add_argument("--output", required=True, help="new (or empty) directory to write")
     export.set_defaults(func=_export)
 
