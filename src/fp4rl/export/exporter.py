@@ -82,8 +82,8 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
     check_output(Path(output))
     trained = load_trained(checkpoint)
     if name == "vllm":
-        recipe = vllm_recipe(trained.recipe if recipe == "run" else recipe,
-                             run_ignore=trained.recipe.ignore)
+        recipe = vllm_recipe(trained.recipe if recipe == "run" else
+                             recipe or DEFAULT_VLLM_RECIPE, run_ignore=trained.recipe.ignore)
     return export_model(trained.model, trained.tokenizer, name, output, trained.recipe.ignores,
                         recipe=recipe)
 
