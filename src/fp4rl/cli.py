@@ -26,6 +26,17 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import describe_cpu, resolve_device
 
     _check_outputs(json=args.json)
+    if args.what != "rollout" and (args.engine != ["hf"] or args.batch is not None):
+        from fp4rl.errors import UserError
+
+        raise UserError("--engine and --batch apply to bench rollout only")
+    extra: dict[str, object] = {}
+    if args.what == "rollout":
+        from fp4rl.bench.rollout import check_engines, default_batch
+
+        engines = check_engines(args.engine)  # vLLM missing: one line, before any loading
+        batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
+        extra = {"engines": list(engines), "batch": batch, "new_tokens": new_tokens}
     device = resolve_device(args.device)
     console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
                                     else ""), markup=False)
@@ -38,7 +49,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
 
-        results, tokens = bench.run(args.model, repeats=args.repeats, device=device)
+        results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
+                                    repeats=args.repeats, device=device, engines=engines)
         bench.render(results, tokens, console)
     elif args.what == "linear":
         from fp4rl.bench import linear as bench
@@ -55,7 +67,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
-        write_json(args.json, common.report(results, benchmark=args.what, size=args.size))
+        write_json(args.json, common.report(results, benchmark=args.what, size=args.size,
+                                            **extra))
         console.print(f"wrote {args.json}")
     return 0
 
@@ -846,7 +859,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "kernels)")
     bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
                        help="formats: the axis to quantize along")
-    bench.add_argument("--tokens", type=positive_int, help="tokens per linear (default: 512)")
+    bench.add_argument("--tokens", type=positive_int, help="linear: tokens per linear "
+                       "(default 512); rollout: new tokens per prompt (default 32)")
+    bench.add_argument("--engine", nargs="+", default=["hf"], choices=["hf", "vllm"],
+                       help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
+                       "(vllm), or both, measured side by side (default hf)")
+    bench.add_argument("--batch", type=positive_int, help="rollout: prompts per run "
+                       "(default 8, or 32 with --engine vllm)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.set_defaults(func=_bench)

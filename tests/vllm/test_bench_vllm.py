@@ -1,0 +1,28 @@
+"""``fp4rl bench rollout --engine vllm``: a tiny run produces its rows and its JSON (the
+figures themselves are recorded on a quiet machine, not here)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from fp4rl.cli import main
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
+
+
+def test_bench_rollout_vllm_rows_and_json(tmp_path, capsys, smollm_dir):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", "--model", "smollm2-135m", "--engine", "vllm",
+                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "CPU:" in printed and "native bf16 flags" in printed
+    report = json.loads(out.read_text())
+    assert report["engines"] == ["vllm"] and report["batch"] == 2
+    assert report["new_tokens"] == 4
+    rows = report["results"]
+    assert [r["name"] for r in rows] == ["rollout.vllm.hif4_vs_vllm.bf16",
+                                         "rollout.vllm.hif4+resq-2:4_vs_vllm.bf16"]
+    for r in rows:
+        assert r["baseline"] == "vllm.bf16" and r["ratio"] > 0
+        assert len(r["candidate_times"]) == len(r["baseline_times"]) == 1
