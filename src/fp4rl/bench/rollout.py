@@ -74,7 +74,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     batch = batch or default_batch(engines)
     dev = torch.device(device)
     fns: dict[str, Callable[[], None]] = {}
-    tok = None
+    hf_fns = None
     if "hf" in engines:
         hf_fns, tok = _hf(model_name, dev)
     else:
@@ -85,7 +85,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
         tok = AutoTokenizer.from_pretrained(model_dir(model_name))
     texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(batch)]
     prompts = [ids[0].tolist() for ids in encode_prompts(tok, texts)]
-    if "hf" in engines:
+    if hf_fns is not None:
         fns.update(hf_fns(prompts, new_tokens))
     if "vllm" in engines:
         fns.update(_vllm(model_name, prompts, new_tokens))
