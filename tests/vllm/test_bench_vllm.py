@@ -26,3 +26,20 @@ def test_bench_rollout_vllm_rows_and_json(tmp_path, capsys, smollm_dir):
     for r in rows:
         assert r["baseline"] == "vllm.bf16" and r["ratio"] > 0
         assert len(r["candidate_times"]) == len(r["baseline_times"]) == 1
+
+
+def test_bench_rollout_both_engines_adds_the_cross_row(tmp_path, capsys, smollm_dir):
+    out = tmp_path / "both.json"
+    assert main(["bench", "rollout", "--model", "smollm2-135m", "--engine", "vllm", "hf",
+                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+    assert "vLLM hif4+resq-2:4 tokens/s over hf hif4+resq-2:4 tokens/s" in \
+        capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["engines"] == ["hf", "vllm"]
+    names = [r["name"] for r in report["results"]]
+    assert names[:3] == ["rollout.hf.hif4_vs_hf.bf16", "rollout.hf.hif4+resq-2:4_vs_hf.bf16",
+                         "rollout.hf.fp32_vs_hf.bf16"]
+    assert names[-1] == "rollout.hf.hif4+resq-2:4_vs_vllm.hif4+resq-2:4"
+    cross = report["results"][-1]
+    assert (cross["candidate"], cross["baseline"]) == ("hf.hif4+resq-2:4",
+                                                       "vllm.hif4+resq-2:4")
