@@ -6,23 +6,13 @@ timings steady. Without a GPU the Triton kernels run in Triton's interpreter, wh
 be chosen before any kernel is defined.
 """
 
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# pytest puts tests/ on sys.path, so where vLLM is not installed its vllm/ directory is
-# importable as a namespace package named vllm, which libraries probing for vLLM (TRL)
-# take for vLLM; mark vLLM absent instead (an installed vLLM is a regular package, found
-# first, and left alone)
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin is None:
-    sys.modules["vllm"] = None  # type: ignore[assignment]
 
 torch.set_num_threads(1)
 

@@ -74,7 +74,9 @@ def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):
     assert err.err.count("\n") == 1 and "vLLM is not installed" in err.err
     assert 'pip install "fp4rl[vllm]"' in err.err
     assert main(["bench", "linear", "--engine", "vllm"]) == 2
-    assert "apply to bench rollout only" in capsys.readouterr().err
+    assert "--engine applies to bench rollout and bench train only" in capsys.readouterr().err
+    assert main(["bench", "train", "--batch", "4"]) == 2
+    assert "--batch applies to bench rollout only" in capsys.readouterr().err
 
 
 def test_bench_linear_reports_both_baselines(tmp_path):

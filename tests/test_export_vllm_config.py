@@ -1,5 +1,5 @@
 """``fp4rl export --format vllm``: what the directory holds, checked without vLLM (vLLM
-serving it is tests/vllm/test_export_vllm.py)."""
+serving it is tests/vllm_engine/test_export_vllm.py)."""
 
 from __future__ import annotations
 

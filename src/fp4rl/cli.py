@@ -26,15 +26,16 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import describe_cpu, resolve_device
 
     _check_outputs(json=args.json)
-    if args.what != "rollout" and (args.engine != ["hf"] or args.batch is not None):
-        from fp4rl.errors import UserError
+    from fp4rl.bench.rollout import check_engines, default_batch
+    from fp4rl.errors import UserError
 
-        raise UserError("--engine and --batch apply to bench rollout only")
+    if args.what in ("formats", "linear") and args.engine != ["hf"]:
+        raise UserError("--engine applies to bench rollout and bench train only")
+    if args.what != "rollout" and args.batch is not None:
+        raise UserError("--batch applies to bench rollout only")
+    engines = check_engines(args.engine)  # vLLM missing: one line, before any loading
     extra: dict[str, object] = {}
     if args.what == "rollout":
-        from fp4rl.bench.rollout import check_engines, default_batch
-
-        engines = check_engines(args.engine)  # vLLM missing: one line, before any loading
         batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
         extra = {"engines": list(engines), "batch": batch, "new_tokens": new_tokens}
     device = resolve_device(args.device)
@@ -63,7 +64,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     else:  # train
         from fp4rl.bench import train as bench
 
-        results = bench.run(args.model, repeats=args.repeats, device=str(device))
+        results = bench.run(args.model, repeats=args.repeats, device=str(device),
+                            engine="vllm" if "vllm" in engines else "hf")
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
@@ -863,7 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default 512); rollout: new tokens per prompt (default 32)")
     bench.add_argument("--engine", nargs="+", default=["hf"], choices=["hf", "vllm"],
                        help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
-                       "(vllm), or both, measured side by side (default hf)")
+                       "(vllm), or both, measured side by side (default hf); train: vllm "
+                       "compares the FP4 step with its rollout in vLLM against fp4rl's engine")
     bench.add_argument("--batch", type=positive_int, help="rollout: prompts per run "
                        "(default 8, or 32 with --engine vllm)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")

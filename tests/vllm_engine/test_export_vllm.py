@@ -4,16 +4,16 @@ found through its entry point, and the engine runs the same policy as ``make_llm
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from fp4rl.cli import main
-from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
+                           "these tests in an environment of its own")
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
+from fp4rl.cli import main  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["What is 45 - 18?", "Tom has 12 apples and buys 7 more. How many apples",
