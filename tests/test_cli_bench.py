@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,23 @@ def test_bench_rollout_on_tiny_model(tmp_path, tiny_llama_dir):
     assert main(["bench", "rollout", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["name"] for r in rows] == ["rollout.hif4_vs_bf16", "rollout.hif4+resq-2:4_vs_bf16",
-                                         "rollout.fp32_vs_bf16"]
-    assert all(r["ratio"] > 0 and r["baseline"] == "bf16" for r in rows)
+    assert [r["name"] for r in rows] == ["rollout.hf.hif4_vs_hf.bf16",
+                                         "rollout.hf.hif4+resq-2:4_vs_hf.bf16",
+                                         "rollout.hf.fp32_vs_hf.bf16"]
+    assert all(r["ratio"] > 0 and r["baseline"] == "hf.bf16" for r in rows)
+
+
+def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["bench", "rollout", "--engine", "hf", "vllm"]) == 2
+    err = capsys.readouterr()
+    assert err.out == ""  # refused before anything ran or printed
+    assert err.err.count("\n") == 1 and "vLLM is not installed" in err.err
+    assert 'pip install "fp4rl[vllm]"' in err.err
+    assert main(["bench", "linear", "--engine", "vllm"]) == 2
+    assert "--engine applies to bench rollout and bench train only" in capsys.readouterr().err
+    assert main(["bench", "train", "--batch", "4"]) == 2
+    assert "--batch applies to bench rollout only" in capsys.readouterr().err
 
 
 def test_bench_linear_reports_both_baselines(tmp_path):

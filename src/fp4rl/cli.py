@@ -26,6 +26,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import describe_cpu, resolve_device
 
     _check_outputs(json=args.json)
+    from fp4rl.bench.rollout import check_engines, default_batch
+    from fp4rl.errors import UserError
+
+    if args.what in ("formats", "linear") and args.engine != ["hf"]:
+        raise UserError("--engine applies to bench rollout and bench train only")
+    if args.what != "rollout" and args.batch is not None:
+        raise UserError("--batch applies to bench rollout only")
+    engines = check_engines(args.engine)  # vLLM missing: one line, before any loading
+    extra: dict[str, object] = {}
+    if args.what == "rollout":
+        batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
+        extra = {"engines": list(engines), "batch": batch, "new_tokens": new_tokens}
     device = resolve_device(args.device)
     console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
                                     else ""), markup=False)
@@ -38,7 +50,8 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
 
-        results, tokens = bench.run(args.model, repeats=args.repeats, device=device)
+        results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
+                                    repeats=args.repeats, device=device, engines=engines)
         bench.render(results, tokens, console)
     elif args.what == "linear":
         from fp4rl.bench import linear as bench
@@ -51,11 +64,13 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     else:  # train
         from fp4rl.bench import train as bench
 
-        results = bench.run(args.model, repeats=args.repeats, device=str(device))
+        results = bench.run(args.model, repeats=args.repeats, device=str(device),
+                            engine="vllm" if "vllm" in engines else "hf")
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
-        write_json(args.json, common.report(results, benchmark=args.what, size=args.size))
+        write_json(args.json, common.report(results, benchmark=args.what, size=args.size,
+                                            **extra))
         console.print(f"wrote {args.json}")
     return 0
 
@@ -522,7 +537,7 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     source = args.checkpoint or args.model
     with console.status(f"exporting {source} as {args.format}"):
         export = export_checkpoint if args.checkpoint else export_pretrained
-        result = export(source, args.format, args.output)
+        result = export(source, args.format, args.output, recipe=args.recipe)
     console.print(result.summary(), markup=False, highlight=False, soft_wrap=True)
     return 0
 
@@ -737,13 +752,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     export = sub.add_parser("export", help="a run's policy as a directory other tools load: "
-                            "bf16, compressed-tensors mxfp4/nvfp4, fp4rl's packed hif4")
+                            "bf16, compressed-tensors mxfp4/nvfp4, fp4rl's packed hif4, "
+                            "or vllm (served by vLLM with the fp4rl plug-in)")
     what = export.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", help="a training run directory (its latest checkpoint) "
                       "or one of its checkpoints")
     what.add_argument("--model", help="registered name or checkpoint directory (untrained)")
     export.add_argument("--format", required=True,
-                        help="bf16, mxfp4, nvfp4 (compressed-tensors) or hif4 (fp4rl packed)")
+                        help="bf16, mxfp4, nvfp4 (compressed-tensors), hif4 (fp4rl packed) "
+                        "or vllm (float32 block linears + fp4rl quantization_config)")
+    export.add_argument("--recipe", help="--format vllm only: the rollout recipe vLLM runs, a "
+                        "preset (default hif4+resq-2:4) or 'run' (the run's own, with "
+                        "--checkpoint)")
     export.add_argument("--output", required=True, help="new (or empty) directory to write")
     export.set_defaults(func=_export)
 
@@ -841,7 +861,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "kernels)")
     bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
                        help="formats: the axis to quantize along")
-    bench.add_argument("--tokens", type=positive_int, help="tokens per linear (default: 512)")
+    bench.add_argument("--tokens", type=positive_int, help="linear: tokens per linear "
+                       "(default 512); rollout: new tokens per prompt (default 32)")
+    bench.add_argument("--engine", nargs="+", default=["hf"], choices=["hf", "vllm"],
+                       help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
+                       "(vllm), or both, measured side by side (default hf); train: vllm "
+                       "compares the FP4 step with its rollout in vLLM against fp4rl's engine")
+    bench.add_argument("--batch", type=positive_int, help="rollout: prompts per run "
+                       "(default 8, or 32 with --engine vllm)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.set_defaults(func=_bench)

@@ -1,17 +1,31 @@
-"""``fp4rl bench rollout``: generation throughput, bf16 vs FP4 vs FP4 + ResQ-2:4.
+"""``fp4rl bench rollout``: generation throughput, bf16 vs FP4 vs FP4 + ResQ-2:4, in fp4rl's
+own engine (``hf``: the Hugging Face model with fp4rl's patched linears) and in vLLM with
+the fp4rl plug-in (``vllm``).
 
-The same prompts, greedy, EOS disabled so every configuration produces the same number of
-tokens; the policies are interleaved inside each repeat. The baseline is the unquantized
-model under bf16 autocast (what a user would otherwise run); the FP4 policies run under
-the same autocast, and an fp32 row shows what bf16 itself buys on this machine. Weights
-are quantized once per policy version (the rollout cache), so what remains is the
-per-token activation work.
+The same prompts (the built-in ones, cycled up to the batch, encoded once, fed to vLLM as
+token ids), greedy, EOS disabled so every configuration produces the same number of tokens;
+every policy of every engine is interleaved inside each repeat, after all of them were
+built. In ``hf`` the baseline is the unquantized model under bf16 autocast (what a user
+would otherwise run); the FP4 policies run under the same autocast, and an fp32 row shows
+what bf16 itself buys on this machine. Weights are quantized once per policy version (the
+rollout cache), so what remains is the per-token activation work. In ``vllm`` the
+baseline is plain vLLM in bf16 and each FP4 policy is one engine with the fp4rl method
+(``Q(W)`` computed at load, ``Q(X)`` per call); the prefix cache is cleared before each
+timed call, as after a refit, so no repeat reuses an earlier one's prefill.
+
+With both engines, ``rollout.hf.hif4+resq-2:4_vs_vllm.hif4+resq-2:4`` is fp4rl's time over
+vLLM's for the same tokens: vLLM's tokens/s over fp4rl's. On a CPU, vLLM binds the
+process's OpenMP threads when it starts, so both engines then run on the same threads
+(``machine.threads`` in the JSON; set ``OMP_NUM_THREADS`` to choose them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from statistics import median
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -19,54 +33,164 @@ from rich.table import Table
 
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.bench.common import Comparison, compare, measure
+from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model, rollout_mode
 from fp4rl.precision import autocast
 from fp4rl.rl.rollout import SamplingConfig, generate
 
+ENGINES = ("hf", "vllm")
 POLICIES = ("hif4", "hif4+resq-2:4")
+#: the policy whose targets the rows state, and the one the two engines are compared on
+RESQ = "hif4+resq-2:4"
+TARGET = f"<= 1.3 ({RESQ})"
+CROSS_TARGET = ">= 2 (vLLM tokens/s over hf's)"
 
 
-def run(model_name: str = "smollm2-135m", batch: int = 8, new_tokens: int = 32,
-        repeats: int = 3, device: str | torch.device = "cpu") -> tuple[list[Comparison], int]:
-    """Median generation time of each policy; ratios against bf16 generation."""
+def check_engines(engines: Sequence[str]) -> tuple[str, ...]:
+    """The engines asked for, in the order hf, vllm; vLLM's absence is one line."""
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        raise UserError(f"unknown engine {unknown[0] if unknown else '(none)'}: choose from "
+                        f"{', '.join(ENGINES)}")
+    if "vllm" in engines:
+        from fp4rl.integrations.vllm import require_vllm
+
+        require_vllm()
+    return tuple(e for e in ENGINES if e in engines)
+
+
+def default_batch(engines: Sequence[str]) -> int:
+    """Prompts per run: 8 for fp4rl's engine alone, 32 when vLLM is measured (a batch
+    where its scheduler and kernels show)."""
+    return 32 if "vllm" in engines else 8
+
+
+def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: int = 32,
+        repeats: int = 3, device: str | torch.device = "cpu",
+        engines: Sequence[str] = ("hf",)) -> tuple[list[Comparison], int]:
+    """Median generation time of each policy in each engine; ratios against the same
+    engine's bf16 generation (and, with both engines, hf's ResQ time over vLLM's)."""
+    engines = check_engines(engines)
+    batch = batch or default_batch(engines)
+    dev = torch.device(device)
+    fns: dict[str, Callable[[], None]] = {}
+    hf_fns = None
+    if "hf" in engines:
+        hf_fns, tok = _hf(model_name, dev)
+    else:
+        from transformers import AutoTokenizer
+
+        from fp4rl.integrations.vllm import model_dir
+
+        tok = AutoTokenizer.from_pretrained(model_dir(model_name))
+    texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(batch)]
+    prompts = [ids[0].tolist() for ids in encode_prompts(tok, texts)]
+    if hf_fns is not None:
+        fns.update(hf_fns(prompts, new_tokens))
+    if "vllm" in engines:
+        fns.update(_vllm(model_name, prompts, new_tokens))
+    timings = measure(fns, repeats)
+    results = []
+    for engine in engines:
+        results += [compare(f"rollout.{engine}.{p}_vs_{engine}.bf16", timings, f"{engine}.{p}",
+                            f"{engine}.bf16", TARGET) for p in POLICIES]
+        if engine == "hf":
+            results.append(compare("rollout.hf.fp32_vs_hf.bf16", timings, "hf.fp32", "hf.bf16"))
+    if len(engines) == 2:
+        results.append(compare(f"rollout.hf.{RESQ}_vs_vllm.{RESQ}", timings, f"hf.{RESQ}",
+                               f"vllm.{RESQ}", CROSS_TARGET))
+    return results, len(prompts) * new_tokens
+
+
+def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
+    """fp4rl's engine: the callables to time (given the prompts), and the tokenizer."""
     from fp4rl.models import load_model
 
-    dev = torch.device(device)
     plain, tok = load_model(model_name, device=dev)
     patched, _ = load_model(model_name, device=dev)
-    prompts = [ids[0].tolist() for ids in encode_prompts(tok, BUILTIN_PROMPTS[:batch])]
-    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 
-    def sample(model: torch.nn.Module, precision: str) -> None:
-        with autocast(dev, precision):
-            generate(model, prompts, sampling, pad_token_id=tok.pad_token_id,
-                     eos_token_ids=[])
+    def fns(prompts: list[list[int]], new_tokens: int) -> dict[str, Callable[[], None]]:
+        sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 
-    def policy(name: str) -> Callable[[], None]:
-        """One rollout of a new policy version: the weights are quantized once, then cached."""
+        def sample(model: torch.nn.Module, precision: str) -> None:
+            with autocast(dev, precision):
+                generate(model, prompts, sampling, pad_token_id=tok.pad_token_id,
+                         eos_token_ids=[])
+
+        def policy(name: str) -> Callable[[], None]:
+            """One rollout of a new policy version: weights quantized once, then cached."""
+            def go() -> None:
+                quantize_model(patched, name)
+                with rollout_mode(patched):
+                    sample(patched, "bf16")
+            return go
+
+        return {"hf.bf16": lambda: sample(plain, "bf16"), "hf.fp32": lambda: sample(plain, "no"),
+                **{f"hf.{n}": policy(n) for n in POLICIES}}
+
+    return fns, tok
+
+
+def _vllm(model_name: str, prompts: list[list[int]],
+          new_tokens: int) -> dict[str, Callable[[], None]]:
+    """vLLM: one engine per policy (plain vLLM for bf16), all built before any is timed."""
+    from fp4rl.integrations.vllm import EngineSpec, make_llm, model_dir, require_vllm
+    from fp4rl.nn.recipe import preset
+
+    vllm = require_vllm()
+    directory = model_dir(model_name)
+    longest = max(map(len, prompts)) + new_tokens
+    sizes = {"max_model_len": max(longest, 256),
+             "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
+    specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
+             **{p: EngineSpec(directory, preset(p), dtype=torch.bfloat16, **sizes)
+                for p in POLICIES}}
+    llms = {name: make_llm(spec) for name, spec in specs.items()}
+    params = vllm.SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
+    inputs = [vllm.TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+
+    def rollout(llm: Any) -> Callable[[], None]:
         def go() -> None:
-            quantize_model(patched, name)
-            with rollout_mode(patched):
-                sample(patched, "bf16")
+            llm.reset_prefix_cache()
+            llm.generate(inputs, params, use_tqdm=False)
         return go
 
-    fns = {"bf16": lambda: sample(plain, "bf16"), "fp32": lambda: sample(plain, "no"),
-           **{n: policy(n) for n in POLICIES}}
-    timings = measure(fns, repeats)
-    results = [compare(f"rollout.{name}_vs_bf16", timings, name, "bf16",
-                       "<= 1.3 (hif4+resq-2:4)") for name in POLICIES]
-    results.append(compare("rollout.fp32_vs_bf16", timings, "fp32", "bf16"))
-    return results, len(prompts) * new_tokens
+    return {f"vllm.{name}": rollout(llm) for name, llm in llms.items()}
+
+
+def _kv_cache_bytes(directory: str, tokens: int) -> int:
+    """KV-cache memory for ``tokens`` tokens of bf16 keys and values, doubled, at least
+    64 MiB: three engines in one process each hold one."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * heads * head_dim * 2
+    return max(64 << 20, 2 * tokens * per_token)
+
+
+_LABELS = {"bf16": "unquantized, bf16 compute", "fp32": "unquantized, fp32 compute"}
 
 
 def render(results: list[Comparison], tokens: int, console: Console) -> None:
     table = Table(title=f"greedy generation, {tokens} tokens per run (median)")
-    for col in ("policy", "seconds", "tokens/s", "time vs bf16"):
+    for col in ("engine", "policy", "seconds", "tokens/s", "time vs bf16"):
         table.add_column(col, justify="right")
-    base = median(results[0].baseline_times)
-    table.add_row("unquantized, bf16 compute", f"{base:.2f}", f"{tokens / base:.1f}", "1.00x")
+    cross = None
+    shown: set[str] = set()
     for r in results:
+        if r.target == CROSS_TARGET:
+            cross = r
+            continue
+        engine, _, policy = r.candidate.partition(".")
+        if r.baseline not in shown:
+            shown.add(r.baseline)
+            base = median(r.baseline_times)
+            table.add_row(engine, _LABELS["bf16"], f"{base:.2f}", f"{tokens / base:.1f}",
+                          "1.00x")
         t = median(r.candidate_times)
-        label = "unquantized, fp32 compute" if r.candidate == "fp32" else f"{r.candidate}, bf16"
-        table.add_row(label, f"{t:.2f}", f"{tokens / t:.1f}", f"{r.ratio:.2f}x")
+        table.add_row(engine, _LABELS.get(policy, f"{policy}, bf16"), f"{t:.2f}",
+                      f"{tokens / t:.1f}", f"{r.ratio:.2f}x")
     console.print(table)
+    if cross is not None:
+        console.print(f"vLLM {RESQ} tokens/s over hf {RESQ} tokens/s: {cross.ratio:.2f}x "
+                      "(target >= 2)", markup=False, highlight=False)

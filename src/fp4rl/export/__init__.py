@@ -1,5 +1,6 @@
 """Exporting a trained policy for other tools: bf16, compressed-tensors MXFP4 / NVFP4,
-and fp4rl's packed HiF4 (see ``docs/integrations.md``, section "Export")."""
+fp4rl's packed HiF4, and a directory vLLM serves with the fp4rl plug-in (see
+``docs/integrations.md``, sections "Export" and "vLLM")."""
 
 from fp4rl.export.exporter import (
     EXPORT_FORMATS,

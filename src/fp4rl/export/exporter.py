@@ -21,9 +21,11 @@ from fp4rl.export.directory import (
 )
 from fp4rl.export.hif4 import hif4_payload
 from fp4rl.export.targets import ExportError, block_linears, check_blocks
+from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, check_recipe, vllm_payload, vllm_recipe
 from fp4rl.formats import get_format
+from fp4rl.nn.recipe import Recipe
 
-EXPORT_FORMATS = ("bf16", "mxfp4", "nvfp4", "hif4")
+EXPORT_FORMATS = ("bf16", "mxfp4", "nvfp4", "hif4", "vllm")
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class ExportResult:
 
     def summary(self) -> str:
         """One line for the command line."""
+        note = ("; block linears in float32, quantized by vLLM when it loads them"
+                if self.format == "vllm" else "")
         return (f"{self.format} export in {self.directory}: weights {_mb(self.weights_bytes)} "
                 f"on disk ({self.ratio:.3f}x the bf16 export's {_mb(self.bf16_bytes)}); "
-                f"directory {_mb(self.total_bytes)}")
+                f"directory {_mb(self.total_bytes)}{note}")
 
 
 def check_format(fmt: str) -> str:
@@ -61,48 +65,74 @@ def check_format(fmt: str) -> str:
     return name
 
 
-def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path) -> ExportResult:
+def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
+                      recipe: str | Recipe | None = None) -> ExportResult:
     """Export a training run's latest checkpoint (or the checkpoint ``checkpoint``) in
     ``fmt`` to the new directory ``output``.
 
     The layers the run quantized (every block linear, minus its recipe's ``ignore``) are
-    quantized; the rest stays bf16. Bad arguments fail before the model is loaded."""
+    quantized; the rest stays bf16. ``vllm``: ``recipe`` is the rollout recipe vLLM runs
+    (a preset name, a Recipe, or ``"run"`` for the run's own; default
+    ``hif4+resq-2:4``), and the run's ``ignore`` is added to its own. Bad arguments fail
+    before the model is loaded."""
     from fp4rl.rl.sources import load_trained
 
     name = check_format(fmt)
+    check_recipe(name, recipe, run_allowed=True)
     check_output(Path(output))
     trained = load_trained(checkpoint)
-    return export_model(trained.model, trained.tokenizer, name, output, trained.recipe.ignores)
+    if name == "vllm":
+        recipe = vllm_recipe(trained.recipe if recipe == "run" else
+                             recipe or DEFAULT_VLLM_RECIPE, run_ignore=trained.recipe.ignore)
+    return export_model(trained.model, trained.tokenizer, name, output, trained.recipe.ignores,
+                        recipe=recipe)
 
 
-def export_pretrained(model: str, fmt: str, output: str | Path) -> ExportResult:
+def export_pretrained(model: str, fmt: str, output: str | Path,
+                      recipe: str | Recipe | None = None) -> ExportResult:
     """Export a registered model or a Hugging Face directory (as ``load_model`` takes it),
-    untrained, in ``fmt`` to the new directory ``output``."""
+    untrained, in ``fmt`` to the new directory ``output`` (``recipe``: as in
+    :func:`export_checkpoint`, ``vllm`` only)."""
     from fp4rl.models import load_model
 
     name = check_format(fmt)
+    check_recipe(name, recipe)
     check_output(Path(output))
-    return export_model(*load_model(model), name, output)
+    return export_model(*load_model(model), name, output, recipe=recipe)
 
 
 def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: str,
                  output: str | Path,
-                 ignores: Callable[[str], bool] = lambda name: False) -> ExportResult:
+                 ignores: Callable[[str], bool] = lambda name: False,
+                 recipe: str | Recipe | None = None) -> ExportResult:
     """Export ``model`` (any causal LM ``fp4rl.quantize_model`` can patch) in ``fmt``.
 
     ``bf16``: a plain Hugging Face directory. ``mxfp4`` / ``nvfp4``: a compressed-tensors
     checkpoint. ``hif4``: fp4rl's packed directory. In the three 4-bit formats each block
     linear not matched by ``ignores`` is quantized along in_features exactly as
-    ``fp4rl.quantize(w, fmt, dim=-1)`` does; everything else is stored in bf16."""
+    ``fp4rl.quantize(w, fmt, dim=-1)`` does; everything else is stored in bf16.
+
+    ``vllm``: a Hugging Face directory that vLLM, with fp4rl installed, serves as the
+    rollout policy of ``recipe`` (default ``hif4+resq-2:4``; its ``ignore``, not
+    ``ignores``, says which linears stay unquantized). The block linears that the recipe
+    quantizes are stored in float32, 4 bytes per parameter (twice bf16): vLLM quantizes
+    them when it loads them, from the same float32 master values fp4rl's own rollout
+    quantizes, so the served policy equals fp4rl's layer for layer, bit for bit. Rounding
+    them to bf16 first would move values across FP4 rounding boundaries and block scales.
+    Everything else is stored in bf16."""
     name = check_format(fmt)
+    check_recipe(name, recipe)
     directory = Path(output)
     check_output(directory)
-    write_directory(directory, model, tokenizer, _payload(model, name, ignores))
+    write_directory(directory, model, tokenizer, _payload(model, name, ignores, recipe))
     return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),
                         bf16_bytes(model))
 
 
-def _payload(model: PreTrainedModel, fmt: str, ignores: Callable[[str], bool]) -> Payload:
+def _payload(model: PreTrainedModel, fmt: str, ignores: Callable[[str], bool],
+             recipe: str | Recipe | None = None) -> Payload:
+    if fmt == "vllm":
+        return vllm_payload(model, vllm_recipe(recipe or DEFAULT_VLLM_RECIPE))
     if fmt == "bf16":
         return Payload(unquantized_tensors(model, skip=set()))
     layers = block_linears(model, ignores)

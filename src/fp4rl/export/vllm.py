@@ -1,0 +1,85 @@
+"""The ``vllm`` export format: a Hugging Face directory vLLM serves as fp4rl's rollout policy.
+
+config.json carries ``quantization_config`` = :func:`fp4rl.integrations.vllm.quantization_config`
+of the rollout recipe, so that vLLM, with fp4rl installed (its ``vllm.general_plugins``
+entry point registers the ``fp4rl`` method), quantizes the block linears as fp4rl's rollout
+mode does. Writing it needs no vLLM: the config is plain JSON.
+
+The weights of the block linears the recipe quantizes are stored in float32, 4 bytes per
+parameter on disk (twice a bf16 checkpoint's): the plug-in computes ``Q(W)`` when it loads
+them, and fp4rl's rollout quantizes the float32 master weights, so only float32 values give
+the same codes and scales. Rounded to bf16 first, a value near an FP4 rounding boundary (or
+a block's maximum, which sets its scale) could land on the other side, and the served
+policy would no longer be the one fp4rl trained against. Every other tensor is bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from transformers import PreTrainedModel
+
+from fp4rl.export.directory import Payload, unquantized_tensors
+from fp4rl.export.targets import ExportError, block_linears
+from fp4rl.integrations.vllm import MERGED, quantization_config, rollout_recipe
+from fp4rl.nn.recipe import Recipe
+
+#: the rollout recipe ``fp4rl export --format vllm`` writes when none is given
+DEFAULT_VLLM_RECIPE = "hif4+resq-2:4"
+
+
+def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = False) -> None:
+    """Refuse a recipe given with a format other than ``vllm``, ``"run"`` without a run,
+    and a recipe the vLLM plug-in cannot run, before any model is loaded."""
+    if recipe is None:
+        return
+    if fmt != "vllm":
+        raise ExportError(f"--recipe applies to --format vllm only (the rollout recipe vLLM "
+                          f"runs); the {fmt} export quantizes what the run trained: drop "
+                          "--recipe")
+    if recipe == "run":
+        if not run_allowed:
+            raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
+                              "names); with --model give a recipe preset, e.g. hif4+resq-2:4")
+        return
+    rollout_recipe(recipe)
+
+
+def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
+    """``recipe`` checked for the plug-in, with a run's ``ignore`` patterns added to its
+    own (the layers the run left unquantized stay so when vLLM serves it)."""
+    recipe = rollout_recipe(recipe)
+    ignore = tuple(dict.fromkeys((*recipe.ignore, *run_ignore)))
+    return dataclasses.replace(recipe, ignore=ignore) if ignore != recipe.ignore else recipe
+
+
+def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
+    """The block linears ``recipe`` quantizes in float32, the rest in bf16, and the
+    ``quantization_config`` that makes vLLM run ``recipe``'s rollout policy."""
+    layers = block_linears(model, recipe.ignores)
+    if not layers:
+        raise ExportError(f"{type(model).__name__} has no linear layer inside a transformer "
+                          "block for the vLLM plug-in to quantize; export it as bf16")
+    check_merged(block_linears(model, lambda name: False), recipe)
+    tensors = unquantized_tensors(model, skip=set(layers))
+    for name, layer in layers.items():
+        tensors[f"{name}.weight"] = layer.weight.detach().float().contiguous()
+    return Payload(tensors, quantization_config=quantization_config(recipe))
+
+
+def check_merged(names: Iterable[str], recipe: Recipe) -> None:
+    """Refuse an ``ignore`` that splits one of vLLM's merged linears (q/k/v, gate/up):
+    vLLM runs them as one layer, quantized or not as a whole."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        for merged, parts in MERGED.items():
+            if leaf in parts:
+                groups.setdefault(f"{parent}.{merged}", []).append(name)
+    for merged, members in groups.items():
+        ignored = [n for n in members if recipe.ignores(n)]
+        if ignored and len(ignored) < len(members):
+            raise ExportError(f"ignore leaves part of vLLM's merged linear {merged} "
+                              f"({', '.join(ignored)}) unquantized; vLLM runs it as one "
+                              f"layer: ignore all of {', '.join(members)} or none")
