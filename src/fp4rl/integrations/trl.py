@@ -122,8 +122,9 @@ def _check_config(args: GRPOConfig) -> None:
     """Refuse settings that would leave fp4rl's policies or precision policy."""
     if args.use_vllm:
         raise UserError("use_vllm=True: FP4GRPOTrainer samples from fp4rl's rollout policy "
-                        "in this process (vLLM does not run its FP4 simulation); set "
-                        "use_vllm=False")
+                        "in this process; TRL's vLLM engine with the fp4rl method is not "
+                        "supported yet: set use_vllm=False, or roll out in vLLM with "
+                        "`fp4rl train ... rollout.engine=vllm`")
     if args.use_transformers_continuous_batching:
         raise UserError("use_transformers_continuous_batching=True casts the model for "
                         "generation; FP4GRPOTrainer generates with its own rollout, set it False")
