@@ -1,8 +1,9 @@
 """The vLLM classes of the ``fp4rl`` quantization method (imported only where vLLM is).
 
 :class:`FP4RLConfig` decides per layer: a linear inside a transformer block that the
-recipe does not ignore gets :class:`FP4RLLinearMethod`; other linears run vLLM's own
-unquantized method; embeddings and the LM head are left to vLLM.
+recipe does not ignore gets :class:`FP4RLLinearMethod` with the recipe; other linears get
+it with the unquantized recipe (a plain GEMM, and a weight a refit can still load, where
+vLLM's own CPU method repacks it away); embeddings and the LM head are left to vLLM.
 """
 
 from __future__ import annotations
@@ -10,11 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-)
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
@@ -56,17 +53,17 @@ class FP4RLConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         names = hf_layer_names(prefix)
-        if BLOCK_PREFIX.search(prefix) is None:
-            return UnquantizedLinearMethod()
         ignored = [self.recipe.ignores(n) for n in names]
-        if all(ignored):
-            return UnquantizedLinearMethod()
+        self._layers += 1
+        if BLOCK_PREFIX.search(prefix) is None or all(ignored):
+            # unquantized, but through this method: vLLM's own CPU method repacks the
+            # weight and drops it, which a refit could not load into
+            return FP4RLLinearMethod(Recipe(), seed=self._layers - 1)
         if any(ignored):
             raise VLLMError(f"ignore leaves part of vLLM's merged linear {prefix} "
                             f"({', '.join(n for n, i in zip(names, ignored, strict=True) if i)})"
                             " unquantized; vLLM runs it as one layer: ignore all of "
                             f"{', '.join(names)} or none")
-        self._layers += 1
         return FP4RLLinearMethod(self.recipe, seed=self._layers - 1)
 
 
