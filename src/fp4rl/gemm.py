@@ -13,6 +13,7 @@ the compute dtype unchanged (the paper's BF16 baseline, with FP32 masters).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
 
 
 def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
-       bias: torch.Tensor | None = None) -> torch.Tensor:
+       bias: torch.Tensor | None = None,
+       matmul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``sum_i a_i @ b (+ bias)`` computed as ``dtype`` hardware would, returned in ``dtype``.
 
     float32: the dense operands are multiplied in fp32 (the reference simulation). bf16:
@@ -72,22 +74,38 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     GEMMs of Rollout-ResQ): they are stacked along the rows so ``b`` is read once, and
     their products summed in fp32. The bias joins the fp32 accumulator, as in ``F.linear``
     (an unquantized operand pair is then bit for bit ``nn.Linear`` under autocast).
+
+    ``matmul`` replaces ``rows @ b.values`` in a low-precision dtype (without a bias): a
+    serving engine's prepacked kernel for the same product, which must give the same bits
+    (vLLM's oneDNN GEMM does on CPU; tests/vllm_engine checks it layer by layer).
     """
     terms = a if isinstance(a, list) else [a]
     if dtype == torch.float32:
         total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
         return _addmm(total.float(), b.dense().float(), bias, dtype)
     bv = b.values.to(dtype)
-    if len(terms) == 1 and terms[0].scale is None and b.scale is None:
+    if len(terms) == 1 and terms[0].scale is None and b.scale is None and \
+            (matmul is None or bias is not None):
         return _addmm(terms[0].values.to(dtype), bv, bias, dtype)
     stacked = torch.cat([t.values.to(dtype) for t in terms]) if len(terms) > 1 else \
         terms[0].values.to(dtype)
-    parts = (stacked @ bv).float().split([t.values.shape[0] for t in terms])
-    y = sum(p if t.scale is None else p * t.scale for p, t in zip(parts, terms, strict=True))
+    products = stacked @ bv if matmul is None else matmul(stacked)
+    if len(terms) == 1 and terms[0].scale is None and b.scale is None:
+        return products  # no bias here: a prepacked product is already the answer
+    y: torch.Tensor | None = None
+    start = 0
+    for t in terms:  # each term's product in fp32, scaled, summed in place (one pass each)
+        rows = t.values.shape[0]
+        part = products[start:start + rows].float()
+        if t.scale is not None:
+            part.mul_(t.scale)
+        y = part if y is None else y.add_(part)
+        start += rows
+    assert y is not None
     if b.scale is not None:
-        y = y * b.scale
+        y.mul_(b.scale)
     if bias is not None:
-        y = y + bias.float()
+        y.add_(bias.float())
     return y.to(dtype)
 
 
