@@ -89,13 +89,15 @@ def run(model_name: str = "smollm2-135m", repeats: int = 3,
                 times[key]["step"].append(sum(m.get(f"time/{p}", 0.0) for p in PHASES))
         # an on-policy step (the default) runs no old-log-prob pass, fp4rl's engine no
         # refit: no row for what neither side ran
-        skip = {"old_logprob"} if trainers[cand].on_policy else set()
-        if not any(times[cand]["refit"] + times[base]["refit"]):
-            skip.add("refit")
+        # the refit has no counterpart in fp4rl's engine: no ratio row, its time is named
+        # on the step's row (which includes it)
+        skip = {"old_logprob", "refit"} if trainers[cand].on_policy else {"refit"}
         done = [p for p in (*PHASES, "step") if p not in skip]
+    refit = median(times[cand]["refit"])
     return [Comparison(f"train.{phase}.{cand}_vs_{base}", cand, base, times[cand][phase],
                        times[base][phase], median(times[cand][phase]) /
-                       max(median(times[base][phase]), 1e-9))
+                       max(median(times[base][phase]), 1e-9),
+                       f"includes the refit, {refit:.2f} s" if phase == "step" and refit else "")
             for phase in done]
 
 
@@ -115,3 +117,6 @@ def render(results: list[Comparison], console: Console) -> None:
         table.add_row(phase, f"{median(r.baseline_times):.2f}", f"{fp4:.2f}",
                       f"{r.ratio:.2f}x", f"{fp4 / step:.0%}" if phase != "step" else "")
     console.print(table)
+    if results[-1].target:
+        console.print(f"{cand} step {results[-1].target} (weights into the engine, "
+                      "re-quantized)")
