@@ -174,3 +174,59 @@ def test_the_comparison_tells_another_policy_apart(smollm_dir, hf, engine_recipe
     gap, _ = whole_model_gaps(llm, model, tok, draws=0)
     assert gap > floor
     release(llm)
+
+
+def greedy_agreement(smollm_dir, model, tok, recipe: str, dtype: torch.dtype
+                     ) -> tuple[float, float]:
+    """Share of 32 prompts whose 16-token greedy completion is the same in vLLM and in
+    fp4rl's engine, and the same share between fp4rl's engine and itself with its
+    attention outputs jittered by 4 ulps of ``dtype`` (the noise floor of the comparison)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
+    from fp4rl.rl.rollout import SamplingConfig, generate
+
+    texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] + ("" if i < len(BUILTIN_PROMPTS)
+                                                          else f" ({i})") for i in range(32)]
+    prompts = [ids[0].tolist() for ids in encode_prompts(tok, texts)]
+    llm = engine(smollm_dir, recipe, dtype)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    release(llm)
+    ulp = 2.0 ** (-23 if dtype == torch.float32 else -8)
+
+    def fp4rl_greedy(perturb: float = 0.0) -> list[list[int]]:
+        g = torch.Generator().manual_seed(0)
+        hooks = []
+        if perturb:
+            def jitter(module, args):
+                sign = torch.randint(0, 2, args[0].shape, generator=g).float() * 2 - 1
+                return ((args[0].float() * (1 + perturb * sign)).to(args[0].dtype),)
+            hooks = [m.register_forward_pre_hook(jitter) for n, m in model.named_modules()
+                     if n.endswith("o_proj")]
+        try:
+            with fp4rl.rollout_mode(model), torch.autocast(
+                    "cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                batch = generate(model, prompts, SamplingConfig(max_new_tokens=16, greedy=True),
+                                 pad_token_id=tok.pad_token_id, eos_token_ids=[])
+        finally:
+            for h in hooks:
+                h.remove()
+        return batch.response_ids.tolist()
+
+    ref = fp4rl_greedy()
+    vllm_rate = sum(list(o.outputs[0].token_ids) == r for o, r in zip(outs, ref,
+                                                                      strict=True)) / 32
+    self_rate = sum(a == b for a, b in zip(fp4rl_greedy(4 * ulp), ref, strict=True)) / 32
+    return vllm_rate, self_rate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_completions_of_32_prompts_agree(smollm_dir, hf, dtype):
+    model, tok = hf
+    fp4rl.quantize_model(model, "hif4+resq-2:4")
+    vllm_rate, self_rate = greedy_agreement(smollm_dir, model, tok, "hif4+resq-2:4", dtype)
+    print(f"hif4+resq-2:4, {dtype}: vLLM = fp4rl on {vllm_rate:.0%} of 32 greedy completions; "
+          f"fp4rl = fp4rl with 4-ulp attention jitter on {self_rate:.0%}")
+    assert vllm_rate >= self_rate - 2 / 32  # within what fp4rl's own noise floor allows
