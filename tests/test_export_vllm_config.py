@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
+from test_export import stored_tensors
 from torch import nn
 
 from fp4rl.cli import main
@@ -17,14 +17,6 @@ from fp4rl.models import load_model, tiny_model
 from fp4rl.nn.recipe import Recipe, preset
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import load_config
-
-
-def stored(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in directory.glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-    return tensors
 
 
 def config_of(directory) -> dict:
@@ -45,7 +37,7 @@ def test_vllm_export_float32_block_linears_and_quantization_config(tmp_path, arc
     assert config["quantization_config"]["quant_method"] == "fp4rl"
     assert config["quantization_config"]["rollout"]["recovery"] == {"method": "resq",
                                                                     "sparsity": "2:4"}
-    tensors = stored(tmp_path / "out")
+    tensors = stored_tensors(tmp_path / "out")
     blocks = block_weights(model)
     assert blocks
     for name, w in blocks.items():  # the float32 masters, bit for bit
@@ -68,7 +60,7 @@ def test_vllm_export_recipe_and_ignore(tmp_path):
     assert config == quantization_config(recipe)
     assert config["rollout"]["weights"] == "nvfp4"
     assert config["ignore"] == [".*\\.1\\.mlp\\.down_proj"]
-    tensors = stored(tmp_path / "out")
+    tensors = stored_tensors(tmp_path / "out")
     assert tensors["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
 
@@ -137,7 +129,7 @@ def test_cli_vllm_export_of_a_run(tmp_path, capsys, tiny_llama_dir):
     config = config_of(tmp_path / "preset")["quantization_config"]
     assert config["rollout"]["recovery"]["method"] == "resq"
     assert config["ignore"] == [".*\\.0\\.mlp\\.down_proj"]
-    tensors = stored(tmp_path / "preset")
+    tensors = stored_tensors(tmp_path / "preset")
     for name, w in block_weights(model).items():
         want = w.to(torch.bfloat16) if name == "model.layers.0.mlp.down_proj.weight" else w
         assert torch.equal(tensors[name], want), name
