@@ -98,9 +98,10 @@ class FP4RLLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """fp4rl's rollout forward (``RolloutRecovery.forward``: the recovery's activation
-        operands times ``Q(W)`` through :func:`fp4rl.gemm.mm`), the GEMM on vLLM's
-        prepacked kernel where there is one."""
+        """fp4rl's rollout forward as ``RolloutRecovery.forward`` computes it for the
+        methods the plug-in runs (none, resq): the recovery's activation operands times
+        ``Q(W)`` through :func:`fp4rl.gemm.mm`, the GEMM on vLLM's prepacked kernel where
+        there is one."""
         recovery: RolloutRecovery = layer.fp4rl_recovery
         x2 = x.reshape(-1, x.shape[-1]).float()
         acts = recovery.activation(x2, x.dtype)
