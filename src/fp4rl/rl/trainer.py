@@ -253,13 +253,12 @@ class Trainer:
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
         out = {}
-        if self.vllm is not None:
-            for c, chunk in enumerate(chunks):
-                seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunk]
-                out[c] = _to_device(self.vllm.generate(
-                    [self.train_prompts[i] for i, _, _ in chunk], seeds, sampling, self.eos_ids),
-                    self.device)
-            return out
+        if self.vllm is not None:  # the whole step's rows in one engine call
+            batches = self.vllm.generate(
+                [[self.train_prompts[i] for i, _, _ in chunk] for chunk in chunks],
+                [[sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunk]
+                 for chunk in chunks], sampling, self.eos_ids)
+            return {c: _to_device(b, self.device) for c, b in enumerate(batches)}
         with self.compute(), rollout_mode(self.policy):
             for c in range(self.dist.rank, len(chunks), self.dist.world_size):
                 seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)

@@ -38,22 +38,30 @@ class VLLMRollout:
         """Load ``model``'s current weights into the engine and re-quantize once."""
         return refit(self.llm, model.named_parameters())
 
-    def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                 config: SamplingConfig, eos_token_ids: Sequence[int]) -> RolloutBatch:
-        """One response per prompt, row ``i`` sampled under ``seeds[i]``, laid out as the
-        ``hf`` engine lays out its batches."""
+    def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
+                 seeds: Sequence[Sequence[int]], config: SamplingConfig,
+                 eos_token_ids: Sequence[int]) -> list[RolloutBatch]:
+        """One response per prompt, ``chunks[c][i]`` sampled under ``seeds[c][i]``: every
+        chunk in one call (vLLM batches them as it sees fit), returned chunk by chunk, laid
+        out as the ``hf`` engine lays out its batches."""
         from vllm import SamplingParams, TokensPrompt
 
+        prompts = [p for chunk in chunks for p in chunk]
         params = [SamplingParams(
             n=1, temperature=0.0 if config.greedy else config.temperature,
             top_p=config.top_p, top_k=config.top_k or -1, max_tokens=config.max_new_tokens,
             seed=seed, logprobs=0, detokenize=False,
             # stop exactly where fp4rl's engine stops: at its stop tokens, not at vLLM's own
             ignore_eos=True, stop_token_ids=list(eos_token_ids))
-            for seed in seeds]
+            for chunk_seeds in seeds for seed in chunk_seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                  params, use_tqdm=False)
-        return self._batch(prompts, [o.outputs[0] for o in outs], set(eos_token_ids))
+        batches, start = [], 0
+        for chunk in chunks:
+            part = [o.outputs[0] for o in outs[start:start + len(chunk)]]
+            batches.append(self._batch(chunk, part, set(eos_token_ids)))
+            start += len(chunk)
+        return batches
 
     def _batch(self, prompts: Sequence[Sequence[int]], outputs: list[Any],
                eos: set[int]) -> RolloutBatch:
