@@ -39,14 +39,12 @@ from typing import Any
 import torch
 
 from fp4rl.errors import UserError
-from fp4rl.nn.recipe import Recipe, RolloutPrecision, preset
+from fp4rl.nn.recipe import Recipe, preset
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
 #: recovery methods the plug-in runs (ResQ in every sparsity pattern)
 SUPPORTED_RECOVERY = ("none", "resq")
-#: vLLM releases the plug-in is tested with (it hooks vLLM's quantization interface)
-TESTED_VLLM = (">=0.32", "<0.33")
 #: vLLM's merged linears and the Hugging Face layers each one holds, in row order
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -227,13 +225,7 @@ def model_dir(name_or_path: str) -> str:
     return str(path)
 
 
-def rollout_is_quantized(rollout: RolloutPrecision) -> bool:
-    """Whether the rollout policy differs from plain bf16 (and so needs the plug-in)."""
-    return (rollout.weights, rollout.activations, rollout.recovery.method) != \
-        ("bf16", "bf16", "none")
-
-
-__all__ = ["MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "TESTED_VLLM", "EngineSpec",
+__all__ = ["MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "EngineSpec",
            "RefitStats", "VLLMError", "engine_model", "hf_layer_names", "make_llm", "model_dir",
            "quantization_config", "recipe_from_config", "refit", "register", "require_vllm",
-           "rollout_is_quantized", "rollout_recipe"]
+           "rollout_recipe"]
