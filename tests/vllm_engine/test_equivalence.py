@@ -9,7 +9,9 @@ tolerance for that is derived in :func:`noise_floor`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -79,28 +81,35 @@ PROMPTS = [f"Question: what is {a} + {b}? Answer:" for a, b in
            [(3, 7), (12, 30), (5, 9), (41, 8), (2, 2), (17, 25), (6, 60), (33, 14)]]
 
 
+@contextlib.contextmanager
+def attention_jitter(model, perturb: float, seed: int = 0) -> Iterator[None]:
+    """Within it, every attention output (o_proj's input) of ``model`` is multiplied by
+    ``1 + perturb * (+-1)``, signs drawn from ``seed``; nothing where ``perturb`` is 0."""
+    g = torch.Generator().manual_seed(seed)
+
+    def jitter(module, args):
+        sign = torch.randint(0, 2, args[0].shape, generator=g).float() * 2 - 1
+        return ((args[0].float() * (1 + perturb * sign)).to(args[0].dtype),)
+
+    hooks = [m.register_forward_pre_hook(jitter) for n, m in model.named_modules()
+             if perturb and n.endswith("o_proj")]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def hf_prefill_and_decode(model, ids: list[int], token: int, dtype: torch.dtype,
                           perturb: float = 0.0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """fp4rl's rollout-mode log-probs for every prompt position (one prefill) and for one
     KV-cache decode step of ``token``, as fp4rl's engine computes them. ``perturb`` > 0
     multiplies every attention output (o_proj's input) by ``1 + perturb * (+-1)``: a change
     of the size by which two correct attention kernels differ."""
-    g = torch.Generator().manual_seed(seed)
-    hooks = []
-    if perturb:
-        def jitter(module, args):
-            sign = torch.randint(0, 2, args[0].shape, generator=g).float() * 2 - 1
-            return (args[0] * (1 + perturb * sign),)
-        hooks = [m.register_forward_pre_hook(jitter) for n, m in model.named_modules()
-                 if n.endswith("o_proj")]
-    try:
-        with torch.no_grad(), fp4rl.rollout_mode(model), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out = model(torch.tensor([ids]), use_cache=True)
-            step = model(torch.tensor([[token]]), past_key_values=out.past_key_values)
-    finally:
-        for h in hooks:
-            h.remove()
+    with torch.no_grad(), fp4rl.rollout_mode(model), attention_jitter(model, perturb, seed), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out = model(torch.tensor([ids]), use_cache=True)
+        step = model(torch.tensor([[token]]), past_key_values=out.past_key_values)
     return (torch.log_softmax(out.logits[0].float(), -1),
             torch.log_softmax(step.logits[0, -1].float(), -1))
 
@@ -197,22 +206,10 @@ def greedy_agreement(smollm_dir, model, tok, recipe: str, dtype: torch.dtype
     ulp = 2.0 ** (-23 if dtype == torch.float32 else -8)
 
     def fp4rl_greedy(perturb: float = 0.0) -> list[list[int]]:
-        g = torch.Generator().manual_seed(0)
-        hooks = []
-        if perturb:
-            def jitter(module, args):
-                sign = torch.randint(0, 2, args[0].shape, generator=g).float() * 2 - 1
-                return ((args[0].float() * (1 + perturb * sign)).to(args[0].dtype),)
-            hooks = [m.register_forward_pre_hook(jitter) for n, m in model.named_modules()
-                     if n.endswith("o_proj")]
-        try:
-            with fp4rl.rollout_mode(model), torch.autocast(
-                    "cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                batch = generate(model, prompts, SamplingConfig(max_new_tokens=16, greedy=True),
-                                 pad_token_id=tok.pad_token_id, eos_token_ids=[])
-        finally:
-            for h in hooks:
-                h.remove()
+        with fp4rl.rollout_mode(model), attention_jitter(model, perturb), torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            batch = generate(model, prompts, SamplingConfig(max_new_tokens=16, greedy=True),
+                             pad_token_id=tok.pad_token_id, eos_token_ids=[])
         return batch.response_ids.tolist()
 
     ref = fp4rl_greedy()
