@@ -165,7 +165,8 @@ def test_smoke_config_trains_the_embedded_model(tmp_path):
     from fp4rl.models import load_model
 
     out = tmp_path / "smoke"
-    assert main(["train", "--config", "smoke", "--output", str(out)]) == 0
+    assert main(["train", "--config", "smoke", "--output", str(out),
+                 "run.keep_checkpoints=1"]) == 0
     rows = read_metrics(out / METRICS)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["reward_mean"] > 0 and r["active_fraction"] > 0 for r in rows)

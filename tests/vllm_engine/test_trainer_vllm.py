@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 
 import pytest
 
@@ -18,7 +19,8 @@ def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_pat
     # micro-batches of one sequence: the step's 8 rows are 2 rollout chunks, sampled in one
     # engine call and handed back chunk by chunk
     assert main(["train", "--config", "smoke", "--output", str(out), "--steps", "2",
-                 "rollout.engine=vllm", "grpo.micro_batch_size=1"]) == 0
+                 "rollout.engine=vllm", "grpo.micro_batch_size=1",
+                 "run.keep_checkpoints=1"]) == 0
     gc.collect()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -47,9 +49,11 @@ def test_what_vllm_cannot_run_is_one_line(tmp_path, capsys, overrides, says):
 def test_resume_reproduces_the_uninterrupted_vllm_run(tmp_path):
     """The engine is rebuilt on resume and refit from the checkpoint's weights; vLLM's
     per-request seeds then draw the same tokens, so step 2 is the same step."""
-    base = ["--config", "smoke", "rollout.engine=vllm", "run.save_steps=1"]
+    base = ["--config", "smoke", "rollout.engine=vllm", "run.save_steps=1",
+            "run.keep_checkpoints=1"]
     assert main(["train", "--output", str(tmp_path / "a"), "--steps", "2", *base]) == 0
     gc.collect()
+    shutil.rmtree(tmp_path / "a" / "checkpoints")  # only its metrics are compared
     assert main(["train", "--output", str(tmp_path / "b"), "--steps", "1", *base]) == 0
     gc.collect()
     assert main(["train", "--output", str(tmp_path / "b"), "--steps", "2", "--resume"]) == 0
