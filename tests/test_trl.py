@@ -200,7 +200,13 @@ def one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
     ({"fp4_recipe": "hif5+resq-2:4"}, "unknown recipe 'hif5+resq-2:4'"),
     ({"fp4_recipe": 4}, "fp4_recipe must be"),
     ({"fp4_rollout_engine": "vllm"}, "fp4_rollout_engine 'vllm'"),
-    ({"args": {"use_vllm": True}}, "use_vllm=True"),
+    ({"args": {"use_vllm": True, "vllm_mode": "server"}}, "set vllm_mode='colocate'"),
+    ({"args": {"use_vllm": True, "vllm_enable_sleep_mode": True}},
+     "vllm_enable_sleep_mode=True"),
+    ({"args": {"use_vllm": True, "vllm_tensor_parallel_size": 2}},
+     "vllm_tensor_parallel_size=2"),
+    ({"args": {"use_vllm": True}, "fp4_recipe": "hif4+smoothquant"},
+     "'smoothquant' cannot run inside vLLM"),
     ({"args": {"fp16": True}}, "fp16=True"),
     ({"args": {"min_p": 0.1}}, "fp4_rollout_engine='transformers'"),
     ({"tools": [print]}, "does not take tools"),
@@ -212,6 +218,16 @@ def test_bad_input_is_one_line(tmp_path, change, expected):
     with pytest.raises(UserError) as error:
         make_trainer(model, tok, args, **kwargs)
     assert expected in one_line(error)
+    assert not fp4_layers(model)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="vLLM is installed here (tests/vllm_engine runs TRL on it)")
+def test_use_vllm_without_vllm_names_the_install(tmp_path):
+    model, tok = tiny_model("llama")
+    with pytest.raises(UserError) as error:
+        make_trainer(model, tok, config(tmp_path, use_vllm=True))
+    assert "vLLM is not installed" in one_line(error) and 'fp4rl[vllm]' in one_line(error)
     assert not fp4_layers(model)
 
 

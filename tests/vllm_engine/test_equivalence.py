@@ -9,15 +9,15 @@ tolerance for that is derived in :func:`noise_floor`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
+
+from _jitter import attention_jitter  # noqa: E402
 
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
@@ -79,25 +79,6 @@ def test_every_linear_kind_equals_fp4rl_bit_for_bit(smollm_dir, hf, recipe, dtyp
 
 PROMPTS = [f"Question: what is {a} + {b}? Answer:" for a, b in
            [(3, 7), (12, 30), (5, 9), (41, 8), (2, 2), (17, 25), (6, 60), (33, 14)]]
-
-
-@contextlib.contextmanager
-def attention_jitter(model, perturb: float, seed: int = 0) -> Iterator[None]:
-    """Within it, every attention output (o_proj's input) of ``model`` is multiplied by
-    ``1 + perturb * (+-1)``, signs drawn from ``seed``; nothing where ``perturb`` is 0."""
-    g = torch.Generator().manual_seed(seed)
-
-    def jitter(module, args):
-        sign = torch.randint(0, 2, args[0].shape, generator=g).float() * 2 - 1
-        return ((args[0].float() * (1 + perturb * sign)).to(args[0].dtype),)
-
-    hooks = [m.register_forward_pre_hook(jitter) for n, m in model.named_modules()
-             if perturb and n.endswith("o_proj")]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def hf_prefill_and_decode(model, ids: list[int], token: int, dtype: torch.dtype,

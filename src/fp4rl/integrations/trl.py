@@ -10,7 +10,9 @@ from:
 - completions are sampled from the recipe's rollout policy (:func:`fp4rl.rollout_mode`),
   by fp4rl's KV-cache engine or by transformers' ``generate``, together with each token's
   log-probability under the distribution it was drawn from (temperature, top-k, top-p
-  applied);
+  applied); or, with ``use_vllm=True, vllm_mode="colocate"``, by TRL's own colocated vLLM
+  engine running the fp4rl quantization method (:mod:`fp4rl.integrations.vllm`), refit
+  and re-quantized before each generation round;
 - TRL's importance-sampling correction for a mismatched sampler
   (``vllm_importance_sampling_correction``, ``_mode``, ``_clip_min``, ``_clip_max``) is
   applied to that rollout/training mismatch, with TRL's own code and metrics.
@@ -20,14 +22,19 @@ What it touches inside TRL, and why the version is pinned (:data:`TRL_REQUIREMEN
 - ``_generate_single_turn`` (private, overridden): TRL's one-round generation hook. It
   returns the completions and their sampling log-probs, which TRL turns into
   ``sampling_per_token_logps``; everything around it (tokenizing, decoding, rewards) stays
-  TRL's.
+  TRL's. On vLLM it refits the engine first, then calls TRL's own vLLM branch.
 - ``use_vllm`` (attribute, set after TRL's constructor): TRL gates the correction on
   ``use_vllm and vllm_importance_sampling_correction``, in
   ``_generate_and_score_completions`` (pi_old, the ratio, the ``sampling/*`` metrics) and
-  ``_compute_loss`` (the weighted loss). ``args.use_vllm`` stays False, so no vLLM engine
-  is built; the flag's other readers are the vLLM branch of ``_generate_single_turn``
-  (overridden) and the weight sync of ``rollout_func`` and the context limit of the tool
-  loop, both refused here.
+  ``_compute_loss`` (the weighted loss). Without vLLM, ``args.use_vllm`` stays False, so
+  no vLLM engine is built; the flag's other readers are the vLLM branch of
+  ``_generate_single_turn`` (overridden) and the weight sync of ``rollout_func`` and the
+  context limit of the tool loop, both refused here.
+- With vLLM: the name ``LLM`` in ``trl.generation.vllm_generation``, which TRL's engine
+  construction calls (swapped during the constructor only, to add the fp4rl method), and
+  ``VLLMGeneration._iter_named_params`` (TRL's gathering of the weights it syncs), which
+  fp4rl's refit reads instead of TRL's ``sync_weights``, whose ``load_weights`` would leave
+  the engine's ``Q(W)`` stale.
 
 Both are private interfaces that change between TRL releases, so the module refuses a
 TRL outside the tested range at import.
@@ -36,6 +43,7 @@ TRL outside the tested range at import.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -121,10 +129,7 @@ def _check_engine(engine: str, args: GRPOConfig | None) -> None:
 def _check_config(args: GRPOConfig) -> None:
     """Refuse settings that would leave fp4rl's policies or precision policy."""
     if args.use_vllm:
-        raise UserError("use_vllm=True: FP4GRPOTrainer samples from fp4rl's rollout policy "
-                        "in this process; TRL's vLLM engine with the fp4rl method is not "
-                        "supported yet: set use_vllm=False, or roll out in vLLM with "
-                        "`fp4rl train ... rollout.engine=vllm`")
+        _check_vllm_config(args)
     if args.use_transformers_continuous_batching:
         raise UserError("use_transformers_continuous_batching=True casts the model for "
                         "generation; FP4GRPOTrainer generates with its own rollout, set it False")
@@ -136,6 +141,56 @@ def _check_config(args: GRPOConfig) -> None:
             args.vllm_importance_sampling_mode not in token_modes:
         raise UserError(f"loss_type='vespo' needs vllm_importance_sampling_mode in "
                         f"{', '.join(token_modes)}, got {args.vllm_importance_sampling_mode!r}")
+
+
+def _check_vllm_config(args: GRPOConfig) -> None:
+    """Refuse the vLLM settings under which the engine would sample from stale weights
+    (its ``Q(W)`` is re-taken by this trainer's refit only) or run untested sharding."""
+    if args.vllm_mode != "colocate":
+        raise UserError(f"vllm_mode={args.vllm_mode!r}: FP4GRPOTrainer rolls out in a "
+                        "colocated engine that it refits and re-quantizes every step; set "
+                        "vllm_mode='colocate'")
+    if args.vllm_enable_sleep_mode:
+        raise UserError("vllm_enable_sleep_mode=True: waking the engine reloads weights "
+                        "without re-quantizing them; set it False")
+    if args.vllm_tensor_parallel_size != 1:
+        raise UserError(f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: the "
+                        "fp4rl method is tested with 1; run one engine per process "
+                        "(vllm_tensor_parallel_size=1)")
+
+
+@contextlib.contextmanager
+def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None]:
+    """While TRL's constructor runs, its colocated engine is built with the fp4rl method
+    for ``recipe`` and the trainer's compute dtype. TRL calls ``LLM(...)`` by the name it
+    imported into ``trl.generation.vllm_generation``; that name is swapped for the
+    constructor's duration only.
+
+    On CPU the engine runs eagerly, as fp4rl's own does, and its KV cache is 1 GiB: there
+    vLLM reads ``vllm_gpu_memory_utilization`` as a share of the machine's RAM, which the
+    trainer in the same process needs (``VLLM_CPU_KVCACHE_SPACE``, in GiB, sets another)."""
+    from trl.generation import vllm_generation
+
+    from fp4rl.integrations import vllm as fp4vllm
+
+    fp4vllm.require_vllm()
+    build = vllm_generation.LLM
+    extra: dict[str, Any] = {**fp4vllm.method_kwargs(recipe),
+                             "dtype": torch.bfloat16 if args.bf16 else torch.float32}
+    if args.use_cpu or not torch.cuda.is_available():
+        extra["enforce_eager"] = True
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            extra["kv_cache_memory_bytes"] = 1 << 30
+
+    def llm_with_fp4rl(**kwargs: Any) -> Any:
+        return build(**{**kwargs, **extra})
+
+    vllm_generation.LLM = llm_with_fp4rl
+    try:
+        with fp4vllm.sharing_the_process():
+            yield
+    finally:
+        vllm_generation.LLM = build
 
 
 def _check_arguments(kwargs: dict[str, Any]) -> None:
@@ -205,7 +260,12 @@ class FP4GRPOTrainer(GRPOTrainer):
     (``train_dataset``, ``processing_class``, ...) go by keyword. ``fp4_recipe`` is a
     preset name, a recipe string (``"hif4+resq-2:4"``) or a :class:`fp4rl.Recipe`;
     ``fp4_rollout_engine`` picks fp4rl's KV-cache engine (temperature, top_p, top_k) or
-    transformers' ``generate`` (every generation option of GRPOConfig).
+    transformers' ``generate`` (every generation option of GRPOConfig). With
+    ``use_vllm=True, vllm_mode="colocate"`` in ``args``, TRL's colocated vLLM engine
+    samples instead, running the recipe's rollout policy through the fp4rl quantization
+    method in the run's compute dtype; it is refit before every generation round
+    (``time/refit``, ``sync/bytes`` are logged) and its log-probs are the mu of TRL's
+    correction.
 
     The precision policy is fp4rl's: master weights and AdamW stay FP32, and
     ``bf16=True`` runs training and rollout under accelerate's bf16 autocast, which FP4
@@ -218,15 +278,21 @@ class FP4GRPOTrainer(GRPOTrainer):
                  fp4_rollout_engine: RolloutEngine = "fp4rl", **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
         _check_engine(fp4_rollout_engine, args)
+        on_vllm = args is not None and args.use_vllm
         if args is not None:
             _check_config(args)
+        if on_vllm:
+            from fp4rl.integrations.vllm import rollout_recipe
+
+            rollout_recipe(recipe)  # one line if vLLM cannot run its recovery method
         _check_arguments(kwargs)
-        super().__init__(model, reward_funcs, args, **kwargs)
+        with _engine_with_fp4rl_method(recipe, args) if on_vllm else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, **kwargs)
         self.fp4_recipe = recipe
-        self.fp4_rollout_engine = fp4_rollout_engine
+        self.fp4_rollout_engine = "vllm" if on_vllm else fp4_rollout_engine
         self._patch_policies(recipe)
         # TRL applies its sampler-mismatch correction only under this flag (see the module
-        # docstring); args.use_vllm is False, so TRL built no vLLM engine.
+        # docstring); unless args.use_vllm, TRL built no vLLM engine.
         self.use_vllm = True
 
     def _patch_policies(self, recipe: Recipe) -> None:
@@ -261,6 +327,10 @@ class FP4GRPOTrainer(GRPOTrainer):
         ``sampling_per_token_logps`` and compares with the training policy's pi_old."""
         if images is not None or multimodal_fields:
             raise UserError("FP4GRPOTrainer samples text-only prompts; this batch has images")
+        if self.args.use_vllm:
+            self._refit_engine()
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                 num_generations, has_tool_images)
         pad_token_id = self.generation_config.pad_token_id
         with self._rollout_policy() as policy:
             if self.fp4_rollout_engine == "transformers":
@@ -268,6 +338,21 @@ class FP4GRPOTrainer(GRPOTrainer):
                                                 pad_token_id, self.eos_token_ids)
             return sample_with_fp4rl(policy, prompt_ids, self._sampling_config(),
                                      pad_token_id, self.eos_token_ids)
+
+    def _refit_engine(self) -> None:
+        """Load the step's weights into TRL's colocated engine and re-quantize them once,
+        before TRL's own generation (which then finds the engine up to date and only
+        samples). The parameters come from TRL's own iterator, which gathers FSDP and
+        DeepSpeed shards; the refit time and bytes are logged with TRL's metrics."""
+        if self.state.global_step == self._last_loaded_step:
+            return
+        from fp4rl.integrations.vllm import refit
+
+        stats = refit(self.vllm_generation.llm, self.vllm_generation._iter_named_params())
+        self._last_loaded_step = self.state.global_step
+        mode = "train" if self.model.training else "eval"
+        for key, value in stats.metrics().items():
+            self._metrics[mode][key].append(value)
 
     def _sampling_config(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p,

@@ -29,6 +29,7 @@ Recovery methods that keep calibration state or read the high-precision weight
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -135,27 +136,40 @@ class EngineSpec:
     kv_cache_bytes: int = 1 << 30
 
 
-def make_llm(spec: EngineSpec) -> Any:
-    """A vLLM engine in this process (no worker processes, eager mode) running ``spec``'s
-    rollout policy, with log-probs of the distribution actually sampled."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm = require_vllm()
+def method_kwargs(recipe: Recipe | None) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
+    policy (none for ``None``: plain vLLM)."""
+    if recipe is None:
+        return {}
     register()
-    kwargs: dict[str, Any] = {}
-    if spec.recipe is not None:
-        kwargs = {"quantization": QUANT_METHOD,
-                  "hf_overrides": {"quantization_config": quantization_config(spec.recipe)}}
-    # vLLM's CPU worker drops torch to one thread unless OMP_NUM_THREADS is set, and then
-    # turns torch.set_num_threads into a no-op: a trainer sharing the process keeps both
+    return {"quantization": QUANT_METHOD,
+            "hf_overrides": {"quantization_config": quantization_config(recipe)}}
+
+
+@contextlib.contextmanager
+def sharing_the_process() -> Iterator[None]:
+    """Build an engine in a trainer's process without taking its threads: vLLM's CPU
+    worker drops torch to one thread unless OMP_NUM_THREADS is set, and then turns
+    ``torch.set_num_threads`` into a no-op. Also keeps the engine in this process (no
+    worker processes), which a refit reaches into."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     set_num_threads = torch.set_num_threads
     try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+
+
+def make_llm(spec: EngineSpec) -> Any:
+    """A vLLM engine in this process (no worker processes, eager mode) running ``spec``'s
+    rollout policy, with log-probs of the distribution actually sampled."""
+    vllm = require_vllm()
+    with sharing_the_process():
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=True, max_model_len=spec.max_model_len,
                         kv_cache_memory_bytes=spec.kv_cache_bytes,
-                        logprobs_mode="processed_logprobs", **kwargs)
-    finally:
-        torch.set_num_threads = set_num_threads
+                        logprobs_mode="processed_logprobs", **method_kwargs(spec.recipe))
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
@@ -225,7 +239,7 @@ def model_dir(name_or_path: str) -> str:
     return str(path)
 
 
-__all__ = ["MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "EngineSpec",
-           "RefitStats", "VLLMError", "engine_model", "hf_layer_names", "make_llm", "model_dir",
-           "quantization_config", "recipe_from_config", "refit", "register", "require_vllm",
-           "rollout_recipe"]
+__all__ = ["MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "EngineSpec", "RefitStats",
+           "VLLMError", "engine_model", "hf_layer_names", "make_llm", "method_kwargs",
+           "model_dir", "quantization_config", "recipe_from_config", "refit", "register",
+           "require_vllm", "rollout_recipe", "sharing_the_process"]
