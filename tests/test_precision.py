@@ -231,6 +231,19 @@ def test_device_selection_on_cpu(capsys, tmp_path):
         precision.resolve_device("meta")
 
 
+def test_mm_of_two_bf16_terms_rounds_their_fp32_sum_once():
+    """ResQ's two products in bf16: each product as bf16 hardware returns it, their sum in
+    fp32, rounded to bf16 once (the explicit steps, computed apart)."""
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randn(32, 64, generator=g) * 8).round().bfloat16()
+    r = (torch.randn(32, 64, generator=g) * 1e-3).bfloat16()
+    w = torch.randn(48, 64, generator=g).round().bfloat16()
+    want = ((q @ w.t()).float() + (r @ w.t()).float()).bfloat16()
+    got = mm([fp4rl.gemm.Operand(q), fp4rl.gemm.Operand(r)], fp4rl.gemm.Operand(w).t(),
+             torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_mm_of_scaled_operands_matches_dense_product():
     a = quantize_operand(heavy_tailed(32, 64, seed=4), "nvfp4")
     b = quantize_operand(heavy_tailed(48, 64, seed=5), "nvfp4")

@@ -39,6 +39,28 @@ def test_resq_two_gemm_form_equals_folded(fmt, pattern):
     torch.testing.assert_close(two, explicit)
 
 
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4", "4:8"])
+@pytest.mark.parametrize("shape", [(7, 576), (33, 100), (128, 1536)])
+def test_fused_bf16_terms_equal_the_composed_steps(fmt, pattern, shape):
+    """The one-pass kernel's two bf16 operands are Q(x) and S(Q(x - Q(x))) bit for bit
+    (partial blocks and groups included), and the bf16 rollout activation uses them."""
+    from fp4rl.kernels import resq_terms
+    from fp4rl.recovery.resq import ResQ, ResQConfig
+    from fp4rl.recovery.sparsity import parse_pattern
+
+    x = outlier_activations(*shape)
+    p = parse_pattern(pattern)
+    keep, group = (p.n, p.m) if pattern != "dense" else (0, 0)
+    terms = resq_terms(fmt, x, keep, group)
+    assert terms is not None and all(t.dtype == torch.bfloat16 for t in terms)
+    qx = quantize(x, fmt)
+    residual = sparsify(quantize(x - qx, fmt), pattern)
+    assert torch.equal(terms[0].float(), qx) and torch.equal(terms[1].float(), residual)
+    operands = ResQ(ResQConfig(pattern), fmt, shape[1], seed=0).activation(x, torch.bfloat16)
+    assert [torch.equal(o.values, t) for o, t in zip(operands, terms, strict=True)] == [True] * 2
+
+
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_resq_reduces_activation_error(fmt):
     """Dense ResQ beats 2:4 beats plain FP4 in activation error, on outlier inputs."""

@@ -138,4 +138,17 @@ def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch
     return kernels.fused_resq(fmt_name, rows, keep, group)
 
 
-__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows", "resq_rows"]
+def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
+               group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float32
+    CPU rows in one pass (the terms :func:`resq_rows` sums), or None where no fused path
+    applies."""
+    if rows.dtype != torch.float32 or rows.device.type != "cpu" or group > RESQ_MAX_GROUP:
+        return None
+    if _backend(fmt_name, rows.device, "resq") is not cpu:
+        return None
+    return cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+
+
+__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows", "resq_rows",
+           "resq_terms"]

@@ -25,7 +25,9 @@ import torch
 from fp4rl.paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant.c")
-PARALLEL_MIN_ELEMENTS = 1 << 16
+#: below this many elements a kernel runs on one thread: a parallel region costs a few
+#: microseconds, which a 32-row decode step of a 576-wide model (18k values) already repays
+PARALLEL_MIN_ELEMENTS = 1 << 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
 #: format name -> the ``fmt`` code of quant.c's C ABI (its FMT_* enum)
@@ -87,6 +89,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_resq.restype = ctypes.c_int
     lib.fp4rl_resq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.fp4rl_resq_terms.restype = ctypes.c_int
+    lib.fp4rl_resq_terms.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -115,6 +121,24 @@ def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
     if status != 0:
         raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
     return out
+
+
+def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
+                   group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S(Q(x - Q(x)))`` of contiguous float32
+    rows, in one (2 * rows, len) bf16 tensor returned as its two halves (None if
+    unavailable)."""
+    code = _code(fmt_name)
+    lib = load_library()
+    if lib is None:
+        return None
+    n = rows.shape[0]
+    out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16)
+    status = lib.fp4rl_resq_terms(code, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(),
+                                  n, rows.shape[1], keep, group, _threads(rows))
+    if status != 0:
+        raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
+    return out[:n], out[n:]
 
 
 def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,

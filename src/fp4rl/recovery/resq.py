@@ -16,7 +16,7 @@ import torch
 
 from fp4rl.formats import BlockFormat, get_format, quantize
 from fp4rl.gemm import Operand, quantize_operand
-from fp4rl.kernels import resq_rows
+from fp4rl.kernels import resq_rows, resq_terms
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
@@ -42,6 +42,16 @@ def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor 
     keep, group = (pattern.n, pattern.m) if isinstance(pattern, NM) else (0, 0)
     out = resq_rows(f.name, x.reshape(-1, x.shape[-1]), keep, group)
     return None if out is None else out.reshape(x.shape)
+
+
+def _fused_terms(x: torch.Tensor, fmt: str,
+                 pattern: SparsityPattern) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Q(x)`` and ``S(Q(x - Q(x)))`` as bf16 rows from one kernel pass, where there is one."""
+    f = get_format(fmt)
+    if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM) or x.dim() != 2:
+        return None
+    keep, group = (pattern.n, pattern.m) if isinstance(pattern, NM) else (0, 0)
+    return resq_terms(f.name, x, keep, group)
 
 
 def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4",
@@ -94,6 +104,10 @@ class ResQ(RolloutRecovery):
         terms stay apart, each exact, and share one read of ``Q(W)`` in ``mm``."""
         if dtype == torch.float32:
             return [Operand(resq_activation(x, self.act_format, self.pattern))]
+        if dtype == torch.bfloat16:
+            terms = _fused_terms(x.float(), self.act_format, self.pattern)
+            if terms is not None:  # both bf16 operands from one kernel pass
+                return [Operand(terms[0]), Operand(terms[1])]
         qx = quantize_operand(x, self.act_format)
         fused = _fused(x.float(), self.act_format, self.pattern) if qx.scale is None else None
         if fused is not None:  # the fp32 sum is exact, so the difference is S(Q(x - Q(x)))
