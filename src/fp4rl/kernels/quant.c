@@ -459,39 +459,6 @@ static void resq_row(int fmt, const float *x, float *q, float *r, int64_t len, i
     if (group > 0) sparsify_row(r, len, keep, group);
 }
 
-static int resq_args_ok(int fmt, int group)
-{
-    return fmt >= 0 && fmt <= 3 && fmt != FMT_NVFP4 && group >= 0 && group <= 64;
-}
-
-/*
- * Rollout-ResQ activation, fused: out = Q(x) + S(Q(x - Q(x))) along each row, S keeping
- * `keep` of every `group` values (group == 0: dense). One pass per row, two row buffers.
- * Block-only scaling: NVFP4's per-tensor scale needs the whole tensor first and takes the
- * unfused path.
- */
-int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, int keep,
-               int group, int nthreads)
-{
-    if (!resq_args_ok(fmt, group)) return -1;
-    int status = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t row = 0; row < rows; row++) {
-        float *q = malloc((size_t)len * 2 * sizeof(float));
-        if (q == NULL) {
-#pragma omp atomic write
-            status = -2;
-            continue;
-        }
-        float *r = q + len;
-        resq_row(fmt, x + row * len, q, r, len, keep, group);
-        float *o = out + row * len;
-        for (int64_t i = 0; i < len; i++) o[i] = q[i] + r[i];
-        free(q);
-    }
-    return status;
-}
-
 /* float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN), as torch does. */
 static inline uint16_t f32_to_bf16(float f)
 {
@@ -503,15 +470,16 @@ static inline uint16_t f32_to_bf16(float f)
 }
 
 /*
- * Rollout-ResQ's two GEMM operands in bfloat16, for a bf16 GEMM that multiplies both by
- * Q(W): q_out = Q(x) and r_out = S(Q(x - Q(x))), each exact in bf16 (their sum need not
- * be, so they stay apart): one pass instead of a quantization, the fused sum, a
- * difference and two casts. Row for row the same values as fp4rl_resq's two terms.
+ * Rollout-ResQ over `rows` rows of `len` values, S keeping `keep` of every `group` values
+ * (group == 0: dense), one pass per row with two row buffers. Writes either the folded
+ * float32 activation (sum != NULL) or the two terms as bfloat16 (q_out, r_out). Block-only
+ * scaling: NVFP4's per-tensor scale needs the whole tensor first and takes the unfused
+ * path.
  */
-int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
-                     int64_t rows, int64_t len, int keep, int group, int nthreads)
+static int resq_pass(int fmt, const float *x, int64_t rows, int64_t len, int keep, int group,
+                     int nthreads, float *sum, uint16_t *q_out, uint16_t *r_out)
 {
-    if (!resq_args_ok(fmt, group)) return -1;
+    if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t row = 0; row < rows; row++) {
@@ -523,12 +491,35 @@ int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
         }
         float *r = q + len;
         resq_row(fmt, x + row * len, q, r, len, keep, group);
-        uint16_t *qo = q_out + row * len, *ro = r_out + row * len;
+        const int64_t at = row * len;
         for (int64_t i = 0; i < len; i++) {
-            qo[i] = f32_to_bf16(q[i]);
-            ro[i] = f32_to_bf16(r[i]);
+            if (sum) {
+                sum[at + i] = q[i] + r[i];
+            } else {
+                q_out[at + i] = f32_to_bf16(q[i]);
+                r_out[at + i] = f32_to_bf16(r[i]);
+            }
         }
         free(q);
     }
     return status;
+}
+
+/* Rollout-ResQ activation, fused: out = Q(x) + S(Q(x - Q(x))) along each row. */
+int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, int keep,
+               int group, int nthreads)
+{
+    return resq_pass(fmt, x, rows, len, keep, group, nthreads, out, NULL, NULL);
+}
+
+/*
+ * Rollout-ResQ's two GEMM operands in bfloat16, for a bf16 GEMM that multiplies both by
+ * Q(W): q_out = Q(x) and r_out = S(Q(x - Q(x))), each exact in bf16 (their sum need not
+ * be, so they stay apart): one pass instead of a quantization, the fused sum, a
+ * difference and two casts. Row for row the same values as fp4rl_resq's two terms.
+ */
+int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
+                     int64_t rows, int64_t len, int keep, int group, int nthreads)
+{
+    return resq_pass(fmt, x, rows, len, keep, group, nthreads, NULL, q_out, r_out);
 }
