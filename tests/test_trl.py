@@ -224,9 +224,10 @@ def test_bad_input_is_one_line(tmp_path, change, expected):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                     reason="vLLM is installed here (tests/vllm_engine runs TRL on it)")
 def test_use_vllm_without_vllm_names_the_install(tmp_path):
+    """(min_p is vLLM's to apply, so it is not refused as it is for fp4rl's engine.)"""
     model, tok = tiny_model("llama")
     with pytest.raises(UserError) as error:
-        make_trainer(model, tok, config(tmp_path, use_vllm=True))
+        make_trainer(model, tok, config(tmp_path, use_vllm=True, min_p=0.1))
     assert "vLLM is not installed" in one_line(error) and 'fp4rl[vllm]' in one_line(error)
     assert not fp4_layers(model)
 

@@ -277,8 +277,9 @@ class FP4GRPOTrainer(GRPOTrainer):
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
                  fp4_rollout_engine: RolloutEngine = "fp4rl", **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
-        _check_engine(fp4_rollout_engine, args)
         on_vllm = args is not None and args.use_vllm
+        # vLLM's sampler applies every generation option of GRPOConfig
+        _check_engine(fp4_rollout_engine, None if on_vllm else args)
         if args is not None:
             _check_config(args)
         if on_vllm:
