@@ -35,23 +35,28 @@ def resq_activation(x: torch.Tensor, fmt: str,
     return qx + sparsify(quantize(x - qx, fmt), pattern)
 
 
-def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor | None:
+def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[str, int, int] | None:
+    """(format name, keep, group) for the fused kernels (group 0: dense), or None where
+    they do not apply (a non-block format, a channel or block pattern)."""
     f = get_format(fmt)
-    if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM) or x.dim() == 0:
+    if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM):
         return None
-    keep, group = (pattern.n, pattern.m) if isinstance(pattern, NM) else (0, 0)
-    out = resq_rows(f.name, x.reshape(-1, x.shape[-1]), keep, group)
+    return (f.name, pattern.n, pattern.m) if isinstance(pattern, NM) else (f.name, 0, 0)
+
+
+def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor | None:
+    args = _kernel_args(fmt, pattern)
+    if args is None or x.dim() == 0:
+        return None
+    out = resq_rows(args[0], x.reshape(-1, x.shape[-1]), *args[1:])
     return None if out is None else out.reshape(x.shape)
 
 
 def _fused_terms(x: torch.Tensor, fmt: str,
                  pattern: SparsityPattern) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Q(x)`` and ``S(Q(x - Q(x)))`` as bf16 rows from one kernel pass, where there is one."""
-    f = get_format(fmt)
-    if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM) or x.dim() != 2:
-        return None
-    keep, group = (pattern.n, pattern.m) if isinstance(pattern, NM) else (0, 0)
-    return resq_terms(f.name, x, keep, group)
+    args = _kernel_args(fmt, pattern)
+    return None if args is None or x.dim() != 2 else resq_terms(args[0], x, *args[1:])
 
 
 def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4",
