@@ -90,6 +90,7 @@ def test_trl_rolls_out_in_vllm_as_the_fp4_rollout_policy(tmp_path):
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     completions, logprobs = trainer._generate_single_turn(prompts, None, {}, 1)
     assert all(0 < len(c) == len(lp) <= 8 for c, lp in zip(completions, logprobs, strict=True))
+    assert trainer._last_loaded_step == trainer.state.global_step == 2
     got = torch.tensor([x for row in logprobs for x in row])
     sampled = (model, prompts, completions, args.temperature)
     ref = recomputed(*sampled, "rollout")
