@@ -226,10 +226,14 @@ def test_ctrl_c_is_one_line_saying_where_to_resume(tmp_path, tiny_llama_dir):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    # Ctrl-C's own disposition, as in a terminal: a shell that started this suite in the
+    # background would hand its children SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt
     proc = subprocess.Popen(
         [sys.executable, "-m", "fp4rl", "train", "--output", str(run),
          f"model={tiny_llama_dir}", *RUN_OVERRIDES, "--steps", "1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         while ckpt.latest_checkpoint(run) is None and proc.poll() is None:
             time.sleep(0.2)

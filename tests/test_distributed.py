@@ -251,5 +251,5 @@ def test_packed_rollout_weights_decode_to_the_single_process_weights(tmp_path, r
     all-gather the codes and scales, and the decoded weights equal one process's rollout
     quantization bit for bit (uneven shards and NVFP4's per-tensor scale included)."""
     run = _run([recipe], tmp_path, 2, driver=PACKED_SYNC)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-1000:] + run.stderr[-3000:]
     assert "packed sync ok" in run.stdout
