@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import trl
+from _trl_checks import IS_METRICS, digit_fraction, logged, recomputed_logprobs
 from datasets import Dataset
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,16 +29,7 @@ from fp4rl.models import DEFAULT_MODEL, load_model, tiny_model
 from fp4rl.nn import fp4_layers
 
 RECIPE = "hif4+resq-2:4"
-IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
-              "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-              "sampling/importance_sampling_ratio/max")
 PROMPTS = ["1+2=", "3+4=", "12+30=", "7+8="]
-
-
-def digit_fraction(completions: list[str], **_: object) -> list[float]:
-    """A reward that differs between completions, so the advantages (and the update) are
-    not zero."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def config(tmp_path: Path, **overrides: object) -> GRPOConfig:
@@ -54,27 +46,9 @@ def make_trainer(model: nn.Module, tokenizer: object, args: GRPOConfig,
                           processing_class=tokenizer, **{"fp4_recipe": RECIPE, **kwargs})
 
 
-def logged(trainer: FP4GRPOTrainer) -> dict[str, float]:
-    """Every metric of the run's log history, the last value of each."""
-    return {k: v for entry in trainer.state.log_history for k, v in entry.items()}
-
-
 def block_linears(model: nn.Module) -> list[str]:
     return sorted(n for n, m in model.named_modules()
                   if isinstance(m, nn.Linear) and ".layers." in n)
-
-
-def recomputed_logprobs(model: nn.Module, prompt: list[int], completion: list[int],
-                        temperature: float, top_k: int) -> torch.Tensor:
-    """log p(completion) under logits/temperature (top-k filtered): one unpadded row, one
-    full forward without a KV cache, so nothing is shared with either rollout engine."""
-    ids = torch.tensor([prompt + completion], device=model.device)
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
-    if top_k:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    targets = torch.tensor(completion, device=model.device)[:, None]
-    return logits.log_softmax(-1).gather(-1, targets).squeeze(-1).cpu()
 
 
 def max_logprob_error(trainer: FP4GRPOTrainer, model: nn.Module, prompts: list[list[int]],

@@ -18,6 +18,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 pytest.importorskip("trl", reason="TRL is not installed: pip install \"fp4rl[trl]\"")
 
 from _jitter import attention_jitter  # noqa: E402
+from _trl_checks import IS_METRICS, digit_fraction, logged, recomputed_logprobs  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
@@ -29,30 +30,18 @@ from fp4rl.models import load_model  # noqa: E402
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["Question: what is 3 + 7? Answer:", "Question: what is 12 + 30? Answer:",
            "Question: what is 5 + 9? Answer:", "Question: what is 41 + 8? Answer:"]
-IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/min",
-              "sampling/importance_sampling_ratio/max")
 #: 4 ulps of fp32 on every attention output: how far two correct attention kernels' last
 #: bits move fp4rl's own log-probs (see test_equivalence)
 JITTER = 4 * 2.0 ** -23
 
 
-def digit_fraction(completions: list[str], **_: object) -> list[float]:
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def logged(trainer: FP4GRPOTrainer) -> dict[str, float]:
-    return {k: v for entry in trainer.state.log_history for k, v in entry.items()}
-
-
 def sampled_logprobs(model, prompt: list[int], completion: list[int], temperature: float,
                      policy: str, perturb: float = 0.0, seed: int = 0) -> torch.Tensor:
-    """log p(completion | prompt) at ``temperature`` under fp4rl's ``policy`` forward in
-    fp32: one unpadded row, no KV cache, nothing shared with vLLM."""
+    """:func:`recomputed_logprobs` under fp4rl's ``policy`` forward in fp32, its attention
+    outputs jittered by ``perturb`` (nothing shared with vLLM)."""
     mode = fp4rl.rollout_mode if policy == "rollout" else fp4rl.train_mode
-    ids = torch.tensor([prompt + completion])
     with torch.no_grad(), mode(model), attention_jitter(model, perturb, seed):
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        return recomputed_logprobs(model, prompt, completion, temperature, top_k=0)
 
 
 def recomputed(model, prompts, completions, temperature, policy, **jitter) -> torch.Tensor:

@@ -173,14 +173,15 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
 
     from fp4rl.integrations import vllm as fp4vllm
 
-    fp4vllm.require_vllm()
-    build = vllm_generation.LLM
+    # registering the method needs vLLM: without it, one line naming the install (and TRL
+    # imported no LLM to swap)
     extra: dict[str, Any] = {**fp4vllm.method_kwargs(recipe),
                              "dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if args.use_cpu or not torch.cuda.is_available():
         extra["enforce_eager"] = True
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             extra["kv_cache_memory_bytes"] = 1 << 30
+    build = vllm_generation.LLM
 
     def llm_with_fp4rl(**kwargs: Any) -> Any:
         return build(**{**kwargs, **extra})

@@ -56,10 +56,10 @@ class VLLMRollout:
             for chunk_seeds in seeds for seed in chunk_seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                  params, use_tqdm=False)
-        batches, start = [], 0
+        batches, start, eos = [], 0, set(eos_token_ids)
         for chunk in chunks:
             part = [o.outputs[0] for o in outs[start:start + len(chunk)]]
-            batches.append(self._batch(chunk, part, set(eos_token_ids)))
+            batches.append(self._batch(chunk, part, eos))
             start += len(chunk)
         return batches
 
