@@ -241,7 +241,9 @@ def test_ctrl_c_is_one_line_saying_where_to_resume(tmp_path, tiny_llama_dir):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in err
-    (line,) = err.strip().splitlines()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    (line,) = lines
     assert line.startswith("fp4rl train: interrupted;") and "--resume" in line
     assert str(ckpt.latest_checkpoint(run)) in line
