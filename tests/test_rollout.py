@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -110,6 +111,16 @@ def test_greedy_matches_transformers_generate(arch):
                             do_sample=False, max_new_tokens=20, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id)
     assert _response(ours, 0) == theirs[0, len(prompt):].tolist()
+
+
+def test_the_kv_cache_goes_by_the_installed_transformers_name(caplog):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` and warns on the old name
+    at every forward: the engine must pass whichever name the model takes, silently."""
+    model, tok = _model("llama")
+    caplog.set_level(logging.WARNING, logger="transformers")
+    batch = _run(model, tok, _prompts(tok)[:2] * 2, SamplingConfig(greedy=True, max_new_tokens=6))
+    assert batch.response_ids.shape[1] == 6
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
 
 
 # --------------------------------------------------------------------------- log-probs

@@ -179,6 +179,13 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes (and its output returns) the KV cache:
+    ``cache`` from transformers 5.24 on, which deprecates the older ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
 def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                     config: SamplingConfig, pad_token_id: int, eos: torch.Tensor,
                     generator: torch.Generator | list[torch.Generator] | None,
@@ -202,10 +209,11 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     rows = torch.arange(n, device=device)
     next_position = prompt_mask.sum(dim=1, keepdim=True)
     extra = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    cache_name = _cache_argument(model)
     out = model(input_ids=prompt_ids[unique], attention_mask=prompt_mask[unique],
                 position_ids=position_ids(prompt_mask[unique]), use_cache=True, **extra)
     if len(unique) < n:
-        out.past_key_values.batch_select_indices(inverse)
+        getattr(out, cache_name).batch_select_indices(inverse)
         out.logits = out.logits[inverse]
     for step in range(steps):
         gen = [generator[i] for i in rows.tolist()] if isinstance(generator, list) else generator
@@ -223,12 +231,12 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
             keep = (~done).nonzero().squeeze(-1)
             if len(keep) == 0:
                 break
-            out.past_key_values.batch_select_indices(keep)
+            getattr(out, cache_name).batch_select_indices(keep)
             rows, tokens, mask = rows[keep], tokens[keep], mask[keep]
             next_position = next_position[keep]
         out = model(input_ids=tokens[:, None], attention_mask=mask[:, :width + step + 1],
-                    position_ids=next_position, past_key_values=out.past_key_values,
-                    use_cache=True)
+                    position_ids=next_position, use_cache=True,
+                    **{cache_name: getattr(out, cache_name)})
         next_position = next_position + 1
 
     used = int(lengths.max())
