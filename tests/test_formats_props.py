@@ -258,3 +258,33 @@ def test_matrix_kernel_either_axis(fmt, dim, transposed):
     ref = f.quantize_reference(x, dim=dim, rounding="stochastic",
                                generator=torch.Generator().manual_seed(4))
     assert same(fast, ref)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "mxfp8_e4m3"])
+@settings(max_examples=30, deadline=None)
+@given(x=tensors())
+def test_bf16_row_kernel_matches_reference(fmt, x):
+    """bf16 rows quantized in one pass to bf16 (a bf16 engine's activation operand) equal
+    the reference on their float32 widening: partial blocks, outliers, any scale."""
+    from fp4rl.gemm import quantize_operand
+    from fp4rl.kernels import quantize_rows_bf16
+
+    rows = x.bfloat16()
+    rows[0, 0] = float("nan") if x.shape[1] > 40 else rows[0, 0]  # a poisoned first block
+    fast = quantize_rows_bf16(fmt, rows)
+    assert fast is not None and fast.dtype == torch.bfloat16
+    reference = fp4rl.get_format(fmt).quantize_reference(rows.float())
+    # every value exact (bf16 holds them all); NaN where the reference has NaN (a NaN's
+    # payload bits differ between torch's vectorized and scalar casts)
+    torch.testing.assert_close(fast.float(), reference, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(quantize_operand(rows, fmt).values, fast, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_bf16_row_kernel_leaves_nvfp4_and_fp32_to_the_general_path():
+    """NVFP4's per-tensor scale needs the whole tensor, and float32 rows are not bf16."""
+    from fp4rl.kernels import quantize_rows_bf16
+
+    x = torch.randn(4, 64)
+    assert quantize_rows_bf16("nvfp4", x.bfloat16()) is None
+    assert quantize_rows_bf16("hif4", x) is None

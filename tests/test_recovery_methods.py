@@ -61,6 +61,44 @@ def test_fused_bf16_terms_equal_the_composed_steps(fmt, pattern, shape):
     assert [torch.equal(o.values, t) for o, t in zip(operands, terms, strict=True)] == [True] * 2
 
 
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4"])
+def test_bf16_rows_give_the_terms_of_their_float32_widening(fmt, pattern):
+    """A bf16 engine hands ResQ bf16 rows: read as they are (one kernel pass, no float32
+    copy) they give the same two operands as their exact float32 widening."""
+    from fp4rl.recovery.resq import ResQ, ResQConfig
+
+    x = outlier_activations(33, 576).bfloat16()
+    x[3, 70] = float("nan")
+    resq = ResQ(ResQConfig(pattern), fmt, 576, seed=0)
+    got = resq.activation(x, torch.bfloat16)
+    want = resq.activation(x.float(), torch.bfloat16)
+    for g, w in zip(got, want, strict=True):
+        assert g.values.dtype == w.values.dtype
+        assert torch.equal(g.values.view(torch.int16), w.values.view(torch.int16))
+        assert (g.scale is None) == (w.scale is None)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_the_stacked_resq_terms_enter_the_gemm_without_a_copy(fmt):
+    """The kernel's two operands are halves of one buffer: mm multiplies that buffer in
+    place (the product equals stacking copies), while terms elsewhere are copied."""
+    from fp4rl.gemm import Operand, _stack, mm
+    from fp4rl.recovery.resq import ResQ, ResQConfig
+
+    x = outlier_activations(16, 256).bfloat16()
+    terms = ResQ(ResQConfig("2:4"), fmt, 256, seed=0).activation(x, torch.bfloat16)
+    stacked = _stack([t.values for t in terms])
+    assert stacked.data_ptr() == terms[0].values.data_ptr() and stacked.shape == (32, 256)
+    assert torch.equal(stacked, torch.cat([t.values for t in terms]))
+    apart = [terms[1].values.clone(), terms[0].values.clone()]
+    assert torch.equal(_stack(apart), torch.cat(apart))
+    assert _stack(apart).data_ptr() not in (a.data_ptr() for a in apart)
+    w = Operand(quantize(torch.randn(64, 256), fmt).bfloat16())
+    copies = [Operand(t.values.clone()) for t in terms]
+    assert torch.equal(mm(terms, w.t(), torch.bfloat16), mm(copies, w.t(), torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
 def test_resq_reduces_activation_error(fmt):
     """Dense ResQ beats 2:4 beats plain FP4 in activation error, on outlier inputs."""

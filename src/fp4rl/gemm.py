@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.formats import get_format
+from fp4rl.kernels import quantize_rows_bf16
 
 UNQUANTIZED = "bf16"
 
@@ -53,6 +54,10 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     if fmt == UNQUANTIZED:
         return Operand(x)
     f = get_format(fmt)
+    if not stochastic and x.dim() == 2 and dim in (-1, 1):
+        values = quantize_rows_bf16(f.name, x)  # a bf16 engine's activations, one pass
+        if values is not None:
+            return Operand(values)
     rounding = "stochastic" if stochastic else "nearest"
     scale = f.tensor_scale(x)
     if scale is None:
@@ -87,8 +92,7 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     if len(terms) == 1 and terms[0].scale is None and b.scale is None and \
             (matmul is None or bias is not None):
         return _addmm(terms[0].values.to(dtype), bv, bias, dtype)
-    stacked = torch.cat([t.values.to(dtype) for t in terms]) if len(terms) > 1 else \
-        terms[0].values.to(dtype)
+    stacked = _stack([t.values.to(dtype) for t in terms])
     products = stacked @ bv if matmul is None else matmul(stacked)
     unscaled = b.scale is None and all(t.scale is None for t in terms)
     if len(terms) == 1 and unscaled:
@@ -113,6 +117,24 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     if bias is not None:
         y.add_(bias.float())
     return y.to(dtype)
+
+
+def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+    """The terms stacked along the rows. Terms that are consecutive row ranges of one
+    contiguous buffer (the fused ResQ kernel writes its two that way) are that buffer, not
+    a copy of it."""
+    if len(values) == 1:
+        return values[0]
+    base = values[0]._base
+    if base is None or not base.is_contiguous() or \
+            base.shape[0] != sum(v.shape[0] for v in values):
+        return torch.cat(values)
+    at = base.data_ptr()
+    for v in values:
+        if v._base is not base or v.data_ptr() != at or v.shape[1:] != base.shape[1:]:
+            return torch.cat(values)
+        at += v.numel() * v.element_size()
+    return base
 
 
 def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

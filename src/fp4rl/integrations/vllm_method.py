@@ -103,8 +103,10 @@ class FP4RLLinearMethod(LinearMethodBase):
         ``Q(W)`` through :func:`fp4rl.gemm.mm`, the GEMM on vLLM's prepacked kernel where
         there is one."""
         recovery: RolloutRecovery = layer.fp4rl_recovery
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        acts = recovery.activation(x2, x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        # the plug-in's methods (none, resq) quantize bf16 rows as they are, in one kernel
+        # pass (widening to float32 is exact, so the operands are the same)
+        acts = recovery.activation(x2 if x.dtype == torch.bfloat16 else x2.float(), x.dtype)
         ys, start = [], 0
         for rows, qw, kernel in _weight_in(layer, x.dtype):
             # several parts: per-shard scales (NVFP4), one GEMM per logical layer

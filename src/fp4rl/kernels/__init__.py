@@ -141,14 +141,32 @@ def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch
 def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
                group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float32
-    CPU rows in one pass (the terms :func:`resq_rows` sums), or None where no fused path
-    applies."""
-    if rows.dtype != torch.float32 or rows.device.type != "cpu" or group > RESQ_MAX_GROUP:
+    or bfloat16 CPU rows in one pass (the terms :func:`resq_rows` sums), or None where no
+    fused path applies. The two are consecutive halves of one buffer, so a GEMM of both
+    reads them without a copy (see :func:`fp4rl.gemm.mm`)."""
+    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.device.type != "cpu" or \
+            group > RESQ_MAX_GROUP:
         return None
     if _backend(fmt_name, rows.device, "resq") is not cpu:
         return None
-    return cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+    out = cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+    if out is None:
+        return None
+    n = rows.shape[0]
+    return out[:n], out[n:]
 
 
-__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows", "resq_rows",
-           "resq_terms"]
+def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None:
+    """``Q(x)`` along the rows of a bfloat16 CPU matrix, nearest rounding, in bfloat16 (the
+    same values as quantizing its float32 widening), or None where no kernel applies: a
+    format with a per-tensor scale (NVFP4) or none in the C kernel, another device."""
+    if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.device.type != "cpu" or \
+            fmt_name == "nvfp4":
+        return None
+    if _backend(fmt_name, rows.device, "rows") is not cpu:
+        return None
+    return cpu.quantize_bf16_cpu(fmt_name, rows.contiguous())
+
+
+__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows",
+           "quantize_rows_bf16", "resq_rows", "resq_terms"]

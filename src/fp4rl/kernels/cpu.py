@@ -93,6 +93,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_resq_terms.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.fp4rl_resq_terms_bf16.restype = ctypes.c_int
+    lib.fp4rl_resq_terms_bf16.argtypes = lib.fp4rl_resq_terms.argtypes
+    lib.fp4rl_quantize_bf16.restype = ctypes.c_int
+    lib.fp4rl_quantize_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -124,9 +129,9 @@ def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
 
 
 def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
-                   group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   group: int) -> torch.Tensor | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S(Q(x - Q(x)))`` of contiguous float32
-    rows, in one (2 * rows, len) bf16 tensor returned as its two halves (None if
+    or bfloat16 rows, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (None if
     unavailable)."""
     code = _code(fmt_name)
     lib = load_library()
@@ -134,11 +139,27 @@ def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
         return None
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16)
-    status = lib.fp4rl_resq_terms(code, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(),
-                                  n, rows.shape[1], keep, group, _threads(rows))
+    kernel = lib.fp4rl_resq_terms_bf16 if rows.dtype == torch.bfloat16 else lib.fp4rl_resq_terms
+    status = kernel(code, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(), n, rows.shape[1],
+                    keep, group, _threads(rows))
     if status != 0:
         raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
-    return out[:n], out[n:]
+    return out
+
+
+def quantize_bf16_cpu(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None:
+    """``Q(x)`` of contiguous bfloat16 rows along the rows, nearest rounding, block-only
+    scaling, as bfloat16 (None if unavailable)."""
+    code = _code(fmt_name)
+    lib = load_library()
+    if lib is None:
+        return None
+    out = torch.empty_like(rows)
+    status = lib.fp4rl_quantize_bf16(code, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                                     rows.shape[1], _threads(rows))
+    if status != 0:
+        raise ValueError(f"the bf16 C kernel refused format {fmt_name!r}")
+    return out
 
 
 def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,

@@ -469,29 +469,45 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+/* bfloat16 bits -> float32 (exact). */
+static inline float bf16_to_f32(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /*
  * Rollout-ResQ over `rows` rows of `len` values, S keeping `keep` of every `group` values
- * (group == 0: dense), one pass per row with two row buffers. Writes either the folded
- * float32 activation (sum != NULL) or the two terms as bfloat16 (q_out, r_out). Block-only
- * scaling: NVFP4's per-tensor scale needs the whole tensor first and takes the unfused
- * path.
+ * (group == 0: dense), one pass per row with row buffers. Reads float32 rows (x) or
+ * bfloat16 rows (xb, widened exactly first); writes either the folded float32 activation
+ * (sum != NULL) or the two terms as bfloat16 (q_out, r_out). Block-only scaling: NVFP4's
+ * per-tensor scale needs the whole tensor first and takes the unfused path.
  */
-static int resq_pass(int fmt, const float *x, int64_t rows, int64_t len, int keep, int group,
-                     int nthreads, float *sum, uint16_t *q_out, uint16_t *r_out)
+static int resq_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, int64_t len,
+                     int keep, int group, int nthreads, float *sum, uint16_t *q_out,
+                     uint16_t *r_out)
 {
     if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t row = 0; row < rows; row++) {
-        float *q = malloc((size_t)len * 2 * sizeof(float));
+        float *q = malloc((size_t)len * 3 * sizeof(float));
         if (q == NULL) {
 #pragma omp atomic write
             status = -2;
             continue;
         }
         float *r = q + len;
-        resq_row(fmt, x + row * len, q, r, len, keep, group);
         const int64_t at = row * len;
+        const float *in = x + at;
+        if (xb) {
+            float *wide = r + len;
+            for (int64_t i = 0; i < len; i++) wide[i] = bf16_to_f32(xb[at + i]);
+            in = wide;
+        }
+        resq_row(fmt, in, q, r, len, keep, group);
         for (int64_t i = 0; i < len; i++) {
             if (sum) {
                 sum[at + i] = q[i] + r[i];
@@ -509,7 +525,7 @@ static int resq_pass(int fmt, const float *x, int64_t rows, int64_t len, int kee
 int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, int keep,
                int group, int nthreads)
 {
-    return resq_pass(fmt, x, rows, len, keep, group, nthreads, out, NULL, NULL);
+    return resq_pass(fmt, x, NULL, rows, len, keep, group, nthreads, out, NULL, NULL);
 }
 
 /*
@@ -521,5 +537,41 @@ int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, i
 int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
                      int64_t rows, int64_t len, int keep, int group, int nthreads)
 {
-    return resq_pass(fmt, x, rows, len, keep, group, nthreads, NULL, q_out, r_out);
+    return resq_pass(fmt, x, NULL, rows, len, keep, group, nthreads, NULL, q_out, r_out);
+}
+
+/* fp4rl_resq_terms of bfloat16 rows (a bf16 engine's activations, read without a float32
+ * copy; widening is exact, so the terms are those of the float32 rows). */
+int fp4rl_resq_terms_bf16(int fmt, const uint16_t *x, uint16_t *q_out, uint16_t *r_out,
+                          int64_t rows, int64_t len, int keep, int group, int nthreads)
+{
+    return resq_pass(fmt, NULL, x, rows, len, keep, group, nthreads, NULL, q_out, r_out);
+}
+
+/*
+ * Q(x) of bfloat16 rows, nearest rounding, block-only scaling, written as bfloat16 (FP4
+ * and FP8 values are exact in bf16): a bf16 engine's activation operand in one pass, the
+ * same values as widening, fp4rl_quantize and narrowing.
+ */
+int fp4rl_quantize_bf16(int fmt, const uint16_t *x, uint16_t *y, int64_t rows, int64_t len,
+                        int nthreads)
+{
+    if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4) return -1;
+    int status = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t row = 0; row < rows; row++) {
+        float *wide = malloc((size_t)len * 2 * sizeof(float));
+        if (wide == NULL) {
+#pragma omp atomic write
+            status = -2;
+            continue;
+        }
+        float *q = wide + len;
+        const int64_t at = row * len;
+        for (int64_t i = 0; i < len; i++) wide[i] = bf16_to_f32(x[at + i]);
+        quantize_row(fmt, wide, q, len);
+        for (int64_t i = 0; i < len; i++) y[at + i] = f32_to_bf16(q[i]);
+        free(wide);
+    }
+    return status;
 }

@@ -109,11 +109,12 @@ class ResQ(RolloutRecovery):
         terms stay apart, each exact, and share one read of ``Q(W)`` in ``mm``."""
         if dtype == torch.float32:
             return [Operand(resq_activation(x, self.act_format, self.pattern))]
-        xf = x.float()
         if dtype == torch.bfloat16:
-            terms = _fused_terms(xf, self.act_format, self.pattern)
+            rows = x if x.dtype == torch.bfloat16 else x.float()  # bf16 is read as it is
+            terms = _fused_terms(rows, self.act_format, self.pattern)
             if terms is not None:  # both bf16 operands from one kernel pass
                 return [Operand(terms[0]), Operand(terms[1])]
+        xf = x.float()
         qx = quantize_operand(x, self.act_format)
         fused = _fused(xf, self.act_format, self.pattern) if qx.scale is None else None
         if fused is not None:  # the fp32 sum is exact, so the difference is S(Q(x - Q(x)))
