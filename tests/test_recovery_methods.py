@@ -80,14 +80,17 @@ def test_bf16_rows_give_the_terms_of_their_float32_widening(fmt, pattern):
 
 
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
-def test_the_stacked_resq_terms_enter_the_gemm_without_a_copy(fmt):
+@pytest.mark.parametrize("inference", [False, True])
+def test_the_stacked_resq_terms_enter_the_gemm_without_a_copy(fmt, inference):
     """The kernel's two operands are halves of one buffer: mm multiplies that buffer in
-    place (the product equals stacking copies), while terms elsewhere are copied."""
+    place (the product equals stacking copies), while terms elsewhere are copied. It holds
+    under ``torch.inference_mode`` too, where views keep no ``_base`` (a serving engine)."""
     from fp4rl.gemm import Operand, _stack, mm
     from fp4rl.recovery.resq import ResQ, ResQConfig
 
     x = outlier_activations(16, 256).bfloat16()
-    terms = ResQ(ResQConfig("2:4"), fmt, 256, seed=0).activation(x, torch.bfloat16)
+    with torch.inference_mode(inference):
+        terms = ResQ(ResQConfig("2:4"), fmt, 256, seed=0).activation(x, torch.bfloat16)
     stacked = _stack([t.values for t in terms])
     assert stacked.data_ptr() == terms[0].values.data_ptr() and stacked.shape == (32, 256)
     assert torch.equal(stacked, torch.cat([t.values for t in terms]))

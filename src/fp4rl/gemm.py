@@ -120,21 +120,24 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
 
 
 def _stack(values: list[torch.Tensor]) -> torch.Tensor:
-    """The terms stacked along the rows. Terms that are consecutive row ranges of one
-    contiguous buffer (the fused ResQ kernel writes its two that way) are that buffer, not
-    a copy of it."""
+    """The terms stacked along the rows. Contiguous terms that lie back to back in one
+    storage (the fused ResQ kernel writes its two that way) are viewed as one tensor, not
+    copied. The storage is compared rather than ``_base``: views made under
+    ``torch.inference_mode`` (as in a serving engine) do not record their base."""
     if len(values) == 1:
         return values[0]
-    base = values[0]._base
-    if base is None or not base.is_contiguous() or \
-            base.shape[0] != sum(v.shape[0] for v in values):
-        return torch.cat(values)
-    at = base.data_ptr()
+    first = values[0]
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
     for v in values:
-        if v._base is not base or v.data_ptr() != at or v.shape[1:] != base.shape[1:]:
+        if v.untyped_storage().data_ptr() != storage or v.data_ptr() != at or \
+                not v.is_contiguous() or v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
             return torch.cat(values)
         at += v.numel() * v.element_size()
-    return base
+    shape = (sum(v.shape[0] for v in values), *first.shape[1:])
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.insert(0, strides[0] * size)
+    return first.as_strided(shape, strides)
 
 
 def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
