@@ -3,10 +3,15 @@
 Tests run tiny tensors and models, where a parallel region costs more than it saves and
 oversubscribes a shared 2-core machine; one intra-op thread keeps the suite fast and its
 timings steady. Without a GPU the Triton kernels run in Triton's interpreter, which must
-be chosen before any kernel is defined.
+be chosen before any kernel is defined. Tests never reach the network: the Hub is offline
+and its telemetry off (TRL's trainers send telemetry from a thread at construction; where
+name resolution fails, that thread has crashed the process).
 """
 
 import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
 import torch

@@ -307,3 +307,12 @@ def test_the_documented_script_runs(tmp_path, monkeypatch):
     metrics = logged(trainer)
     assert all(math.isfinite(metrics[k]) for k in IS_METRICS), metrics
     assert metrics["sampling/importance_sampling_ratio/max"] <= 5.0  # token_truncate at C
+
+
+def test_the_suite_keeps_trl_off_the_network():
+    """TRL's trainers send telemetry from a thread at construction; the suite's settings
+    (tests/conftest.py) must reach huggingface_hub before it reads them, or that thread
+    resolves host names mid-test."""
+    from huggingface_hub import constants
+
+    assert constants.HF_HUB_DISABLE_TELEMETRY and constants.HF_HUB_OFFLINE
