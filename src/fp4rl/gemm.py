@@ -123,14 +123,16 @@ def _stack(values: list[torch.Tensor]) -> torch.Tensor:
     """The terms stacked along the rows. Contiguous terms that lie back to back in one
     storage (the fused ResQ kernel writes its two that way) are viewed as one tensor, not
     copied. The storage is compared rather than ``_base``: views made under
-    ``torch.inference_mode`` (as in a serving engine) do not record their base."""
+    ``torch.inference_mode`` (as in a serving engine) do not record their base. Terms that
+    need a gradient are copied, so that each keeps its own path back."""
     if len(values) == 1:
         return values[0]
     first = values[0]
     storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
     for v in values:
-        if v.untyped_storage().data_ptr() != storage or v.data_ptr() != at or \
-                not v.is_contiguous() or v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
+        alike = v.shape[1:] == first.shape[1:] and v.dtype == first.dtype
+        if v.requires_grad or not alike or not v.is_contiguous() or \
+                v.untyped_storage().data_ptr() != storage or v.data_ptr() != at:
             return torch.cat(values)
         at += v.numel() * v.element_size()
     shape = (sum(v.shape[0] for v in values), *first.shape[1:])
