@@ -26,13 +26,15 @@ RESQ_MAX_GROUP = 64
 
 _QUANTIZE = frozenset({"rows", "cols"})
 _QUANTIZE_AND_RESQ = _QUANTIZE | {"resq"}
+_C_BLOCK_ONLY = _QUANTIZE_AND_RESQ | {"rows_bf16"}
 #: format name -> backend -> operations it runs ("rows"/"cols": quantize along axis 1/0,
-#: "resq": the fused ResQ pass, which NVFP4 lacks as its per-tensor scale needs two passes)
+#: "resq": the fused ResQ pass, "rows_bf16": quantize bf16 rows to bf16 in one pass; NVFP4
+#: lacks the last two, as its per-tensor scale needs a pass over the whole tensor first)
 _SUPPORT: dict[str, dict[str, frozenset[str]]] = {
-    "hif4": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
-    "mxfp4": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
+    "hif4": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
+    "mxfp4": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
     "nvfp4": {"c": _QUANTIZE, "triton": _QUANTIZE},
-    "mxfp8_e4m3": {"c": _QUANTIZE_AND_RESQ, "triton": _QUANTIZE_AND_RESQ},
+    "mxfp8_e4m3": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
 }
 _AXIS_OPS = {0: "cols", 1: "rows"}
 
@@ -160,10 +162,9 @@ def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None
     """``Q(x)`` along the rows of a bfloat16 CPU matrix, nearest rounding, in bfloat16 (the
     same values as quantizing its float32 widening), or None where no kernel applies: a
     format with a per-tensor scale (NVFP4) or none in the C kernel, another device."""
-    if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.device.type != "cpu" or \
-            fmt_name == "nvfp4":
+    if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.device.type != "cpu":
         return None
-    if _backend(fmt_name, rows.device, "rows") is not cpu:
+    if _backend(fmt_name, rows.device, "rows_bf16") is not cpu:
         return None
     return cpu.quantize_bf16_cpu(fmt_name, rows.contiguous())
 

@@ -113,19 +113,26 @@ def _code(fmt_name: str) -> int:
         raise ValueError(f"the C kernel has no format {fmt_name!r}") from None
 
 
-def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
-                  group: int) -> torch.Tensor | None:
-    """Fused ``Q(x) + S(Q(x - Q(x)))`` over contiguous float32 rows (None if unavailable)."""
+def _run(kernel: str, fmt_name: str, *args: object, refused: str = "") -> bool:
+    """Call the exported C function ``kernel`` with ``fmt_name``'s code and ``args``: False
+    where the library is unavailable; a non-zero status (a format or group the kernel
+    does not take) raises."""
     code = _code(fmt_name)
     lib = load_library()
     if lib is None:
-        return None
+        return False
+    if getattr(lib, kernel)(code, *args) != 0:
+        raise ValueError(f"the C kernel {kernel} refused format {fmt_name!r}{refused}")
+    return True
+
+
+def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
+                  group: int) -> torch.Tensor | None:
+    """Fused ``Q(x) + S(Q(x - Q(x)))`` over contiguous float32 rows (None if unavailable)."""
     out = torch.empty_like(rows)
-    status = lib.fp4rl_resq(code, rows.data_ptr(), out.data_ptr(), rows.shape[0],
-                            rows.shape[1], keep, group, _threads(rows))
-    if status != 0:
-        raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
-    return out
+    ran = _run("fp4rl_resq", fmt_name, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+               rows.shape[1], keep, group, _threads(rows), refused=f" / group {group}")
+    return out if ran else None
 
 
 def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
@@ -133,33 +140,21 @@ def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S(Q(x - Q(x)))`` of contiguous float32
     or bfloat16 rows, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (None if
     unavailable)."""
-    code = _code(fmt_name)
-    lib = load_library()
-    if lib is None:
-        return None
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16)
-    kernel = lib.fp4rl_resq_terms_bf16 if rows.dtype == torch.bfloat16 else lib.fp4rl_resq_terms
-    status = kernel(code, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(), n, rows.shape[1],
-                    keep, group, _threads(rows))
-    if status != 0:
-        raise ValueError(f"fused ResQ kernel refused format {fmt_name!r} / group {group}")
-    return out
+    kernel = "fp4rl_resq_terms_bf16" if rows.dtype == torch.bfloat16 else "fp4rl_resq_terms"
+    ran = _run(kernel, fmt_name, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(), n,
+               rows.shape[1], keep, group, _threads(rows), refused=f" / group {group}")
+    return out if ran else None
 
 
 def quantize_bf16_cpu(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None:
     """``Q(x)`` of contiguous bfloat16 rows along the rows, nearest rounding, block-only
     scaling, as bfloat16 (None if unavailable)."""
-    code = _code(fmt_name)
-    lib = load_library()
-    if lib is None:
-        return None
     out = torch.empty_like(rows)
-    status = lib.fp4rl_quantize_bf16(code, rows.data_ptr(), out.data_ptr(), rows.shape[0],
-                                     rows.shape[1], _threads(rows))
-    if status != 0:
-        raise ValueError(f"the bf16 C kernel refused format {fmt_name!r}")
-    return out
+    ran = _run("fp4rl_quantize_bf16", fmt_name, rows.data_ptr(), out.data_ptr(),
+               rows.shape[0], rows.shape[1], _threads(rows))
+    return out if ran else None
 
 
 def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
@@ -168,15 +163,9 @@ def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | N
     with the fused kernel (None if unavailable). ``noise`` is laid out as rows along the
     axis; ``tensor_scale`` g quantizes ``x / g`` and multiplies the result by g (NVFP4).
     """
-    code = _code(fmt_name)
-    lib = load_library()
-    if lib is None:
-        return None
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
-    kernel = lib.fp4rl_quantize if axis == 1 else lib.fp4rl_quantize_cols
-    status = kernel(code, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
-                    noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
-    if status != 0:
-        raise ValueError(f"the C kernel refused format {fmt_name!r}")
-    return out
+    kernel = "fp4rl_quantize" if axis == 1 else "fp4rl_quantize_cols"
+    ran = _run(kernel, fmt_name, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+               noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
+    return out if ran else None

@@ -479,15 +479,16 @@ static inline float bf16_to_f32(uint16_t h)
 }
 
 /*
- * Rollout-ResQ over `rows` rows of `len` values, S keeping `keep` of every `group` values
- * (group == 0: dense), one pass per row with row buffers. Reads float32 rows (x) or
- * bfloat16 rows (xb, widened exactly first); writes either the folded float32 activation
- * (sum != NULL) or the two terms as bfloat16 (q_out, r_out). Block-only scaling: NVFP4's
- * per-tensor scale needs the whole tensor first and takes the unfused path.
+ * One pass per row over `rows` rows of `len` values, with row buffers. Reads float32 rows
+ * (x) or bfloat16 rows (xb, widened exactly first). Writes the folded float32 Rollout-ResQ
+ * activation (sum != NULL), or its two terms as bfloat16 (q_out, r_out), or Q(x) alone as
+ * bfloat16 (q_out, r_out == NULL); S keeps `keep` of every `group` values (group == 0:
+ * dense). Block-only scaling: NVFP4's per-tensor scale needs the whole tensor first and
+ * takes the unfused path.
  */
-static int resq_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, int64_t len,
-                     int keep, int group, int nthreads, float *sum, uint16_t *q_out,
-                     uint16_t *r_out)
+static int row_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, int64_t len,
+                    int keep, int group, int nthreads, float *sum, uint16_t *q_out,
+                    uint16_t *r_out)
 {
     if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
     int status = 0;
@@ -507,13 +508,16 @@ static int resq_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, 
             for (int64_t i = 0; i < len; i++) wide[i] = bf16_to_f32(xb[at + i]);
             in = wide;
         }
-        resq_row(fmt, in, q, r, len, keep, group);
+        if (sum || r_out)
+            resq_row(fmt, in, q, r, len, keep, group);
+        else
+            quantize_row(fmt, in, q, len);
         for (int64_t i = 0; i < len; i++) {
             if (sum) {
                 sum[at + i] = q[i] + r[i];
             } else {
                 q_out[at + i] = f32_to_bf16(q[i]);
-                r_out[at + i] = f32_to_bf16(r[i]);
+                if (r_out) r_out[at + i] = f32_to_bf16(r[i]);
             }
         }
         free(q);
@@ -525,7 +529,7 @@ static int resq_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, 
 int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, int keep,
                int group, int nthreads)
 {
-    return resq_pass(fmt, x, NULL, rows, len, keep, group, nthreads, out, NULL, NULL);
+    return row_pass(fmt, x, NULL, rows, len, keep, group, nthreads, out, NULL, NULL);
 }
 
 /*
@@ -537,7 +541,7 @@ int fp4rl_resq(int fmt, const float *x, float *out, int64_t rows, int64_t len, i
 int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
                      int64_t rows, int64_t len, int keep, int group, int nthreads)
 {
-    return resq_pass(fmt, x, NULL, rows, len, keep, group, nthreads, NULL, q_out, r_out);
+    return row_pass(fmt, x, NULL, rows, len, keep, group, nthreads, NULL, q_out, r_out);
 }
 
 /* fp4rl_resq_terms of bfloat16 rows (a bf16 engine's activations, read without a float32
@@ -545,7 +549,7 @@ int fp4rl_resq_terms(int fmt, const float *x, uint16_t *q_out, uint16_t *r_out,
 int fp4rl_resq_terms_bf16(int fmt, const uint16_t *x, uint16_t *q_out, uint16_t *r_out,
                           int64_t rows, int64_t len, int keep, int group, int nthreads)
 {
-    return resq_pass(fmt, NULL, x, rows, len, keep, group, nthreads, NULL, q_out, r_out);
+    return row_pass(fmt, NULL, x, rows, len, keep, group, nthreads, NULL, q_out, r_out);
 }
 
 /*
@@ -556,22 +560,5 @@ int fp4rl_resq_terms_bf16(int fmt, const uint16_t *x, uint16_t *q_out, uint16_t 
 int fp4rl_quantize_bf16(int fmt, const uint16_t *x, uint16_t *y, int64_t rows, int64_t len,
                         int nthreads)
 {
-    if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4) return -1;
-    int status = 0;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t row = 0; row < rows; row++) {
-        float *wide = malloc((size_t)len * 2 * sizeof(float));
-        if (wide == NULL) {
-#pragma omp atomic write
-            status = -2;
-            continue;
-        }
-        float *q = wide + len;
-        const int64_t at = row * len;
-        for (int64_t i = 0; i < len; i++) wide[i] = bf16_to_f32(x[at + i]);
-        quantize_row(fmt, wide, q, len);
-        for (int64_t i = 0; i < len; i++) y[at + i] = f32_to_bf16(q[i]);
-        free(wide);
-    }
-    return status;
+    return row_pass(fmt, NULL, x, rows, len, 0, 0, nthreads, NULL, y, NULL);
 }
