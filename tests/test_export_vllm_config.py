@@ -12,6 +12,7 @@ from torch import nn
 
 from fp4rl.cli import main
 from fp4rl.export import ExportError, export_model
+from fp4rl.gemm import PackedOperand, quantize_operand
 from fp4rl.integrations.vllm import VLLMError, quantization_config
 from fp4rl.models import load_model, tiny_model
 from fp4rl.nn.recipe import Recipe, preset
@@ -29,7 +30,9 @@ def block_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_vllm_export_float32_block_linears_and_quantization_config(tmp_path, arch):
+def test_vllm_export_packed_block_linears_and_quantization_config(tmp_path, arch):
+    """The block linears as the packed codes and scales of their rollout Q(W) (decoding
+    them gives fp4rl's own rollout operand, bit for bit), the rest in bf16."""
     model, tok = tiny_model(arch, seed=3)
     result = export_model(model, tok, "vllm", tmp_path / "out")
     config = config_of(tmp_path / "out")
@@ -40,15 +43,22 @@ def test_vllm_export_float32_block_linears_and_quantization_config(tmp_path, arc
     tensors = stored_tensors(tmp_path / "out")
     blocks = block_weights(model)
     assert blocks
-    for name, w in blocks.items():  # the float32 masters, bit for bit
-        assert tensors[name].dtype == torch.float32 and torch.equal(tensors[name], w), name
+    for name, w in blocks.items():
+        assert name not in tensors
+        fields = {k.rpartition(".weight_")[2]: v for k, v in tensors.items()
+                  if k.startswith(f"{name}_")}
+        assert set(fields) == {"scale", "level2", "level3", "codes"}, name
+        assert all(v.dtype == torch.uint8 and v.shape[0] == w.shape[0] for v in fields.values())
+        decoded = PackedOperand.from_row_fields("hif4", tuple(w.shape), fields).decode()
+        assert torch.equal(decoded.values, quantize_operand(w, "hif4").values), name
     for name, t in tensors.items():
-        if name not in blocks:
+        if ".weight_" not in name:
             assert t.dtype == torch.bfloat16, name
     assert "lm_head.weight" not in tensors  # tied, stored once
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= files
-    assert result.format == "vllm" and "float32" in result.summary()
+    assert result.format == "vllm" and "packed" in result.summary()
+    assert result.ratio < 0.5  # a tiny model's embeddings weigh more than a real one's
 
 
 def test_vllm_export_recipe_and_ignore(tmp_path):
@@ -62,7 +72,11 @@ def test_vllm_export_recipe_and_ignore(tmp_path):
     assert config["ignore"] == [".*\\.1\\.mlp\\.down_proj"]
     tensors = stored_tensors(tmp_path / "out")
     assert tensors["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
-    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    assert "model.layers.0.mlp.down_proj.weight" not in tensors
+    scale = tensors["model.layers.0.mlp.down_proj.weight_tensor_scale"]  # NVFP4's, outside
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale, quantize_operand(w, "nvfp4").scale.reshape(1))
 
 
 @pytest.mark.parametrize("recipe", ["hif4+smoothquant", "hif4+resqw-2:4", "mxfp4+occ"])
@@ -130,6 +144,34 @@ def test_cli_vllm_export_of_a_run(tmp_path, capsys, tiny_llama_dir):
     assert config["rollout"]["recovery"]["method"] == "resq"
     assert config["ignore"] == [".*\\.0\\.mlp\\.down_proj"]
     tensors = stored_tensors(tmp_path / "preset")
-    for name, w in block_weights(model).items():
-        want = w.to(torch.bfloat16) if name == "model.layers.0.mlp.down_proj.weight" else w
-        assert torch.equal(tensors[name], want), name
+    for name, w in block_weights(model).items():  # the run's trained weights, as exported
+        if name == "model.layers.0.mlp.down_proj.weight":
+            assert torch.equal(tensors[name], w.to(torch.bfloat16))
+        else:
+            codes = PackedOperand.from_row_fields(
+                "hif4", tuple(w.shape), {f: tensors[f"{name}_{f}"] for f in
+                                         ("scale", "level2", "level3", "codes")})
+            assert torch.equal(codes.decode().values, quantize_operand(w, "hif4").values)
+
+
+def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
+        tmp_path, capsys, tiny_llama_dir):
+    """``rollout.engine`` and ``rollout.vllm`` say how a run rolled out, not what policy it
+    ran: every reader of the saved config takes them (the recipe leaves them out)."""
+    from fp4rl.export import EXPORT_FORMATS
+    from fp4rl.rl.sources import load_trained
+
+    model, _ = load_model(str(tiny_llama_dir))
+    cfg = load_config(None, [f"model={tiny_llama_dir}", "rollout.engine=vllm",
+                             "rollout.vllm={weight_storage: packed}"])
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run, 1, model, torch.optim.AdamW(model.parameters()),
+                         {"step": 1, "config": cfg.model_dump()})
+    assert load_trained(run).recipe == cfg.recipe()
+    for recipe in ([], ["--recipe", "run"]):
+        assert main(["eval", "--checkpoint", str(run), "--n", "2", *recipe]) == 0
+    for fmt in EXPORT_FORMATS:
+        assert main(["export", "--checkpoint", str(run), "--format", fmt,
+                     "--output", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
+    with pytest.raises(Exception, match="rollout.vllm: unknown key"):
+        load_config(None, ["rollout.vllm={storage: packed}"])

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl.formats import get_format
+from fp4rl.formats.packing import PackedTensor
 from fp4rl.kernels import quantize_rows_bf16
+from fp4rl.kernels.decode import decode_rows
 
 UNQUANTIZED = "bf16"
 
@@ -68,9 +70,73 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     return Operand(unscaled, scale)
 
 
+@dataclass(frozen=True)
+class PackedOperand:
+    """A weight operand as FP4 hardware holds it: the format's packed codes and scale
+    fields of ``values`` (rows along the last axis), with NVFP4's per-tensor ``scale``
+    outside, as in :class:`Operand`. ``decode()`` is the :class:`Operand` that
+    :func:`quantize_operand` gives for the same weight, bit for bit."""
+
+    packed: PackedTensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales (and the per-tensor scale's 4)."""
+        return self.packed.nbytes + (4 if self.scale is not None else 0)
+
+    def decode(self, dtype: torch.dtype = torch.float32) -> Operand:
+        return Operand(decode_rows(self.packed).to(dtype), self.scale)
+
+    def row_fields(self) -> dict[str, torch.Tensor]:
+        """Each field laid out as ``[rows, bytes per row]``: block fields run row-major,
+        so row slices and row concatenations of a weight are slices and concatenations
+        of these (a merged linear's parts, a tensor-parallel shard)."""
+        return {k: v.reshape(self.rows, -1) for k, v in self.packed.fields.items()}
+
+    @staticmethod
+    def layout(fmt: str, cols: int) -> PackedTensor:
+        """One packed row of ``cols`` values: the fields' names and per-row shapes."""
+        f = get_format(fmt)
+        opts = {"per_tensor_scale": False} if f.tensor_scale(torch.ones(1)) is not None else {}
+        return f.encode(torch.zeros(1, cols), dim=-1, **opts)
+
+    @classmethod
+    def from_row_fields(cls, fmt: str, shape: tuple[int, int],
+                        fields: dict[str, torch.Tensor],
+                        scale: torch.Tensor | None = None) -> PackedOperand:
+        """The inverse of :meth:`row_fields` for a ``shape`` (rows, in_features) weight."""
+        rows, cols = shape
+        layout = cls.layout(fmt, cols)
+        unknown = sorted(set(fields) ^ set(layout.fields))
+        if unknown:
+            raise ValueError(f"{fmt} packed weight fields are {sorted(layout.fields)}, got "
+                             f"{sorted(fields)}")
+        out = {k: fields[k].reshape(rows * one.shape[0], *one.shape[1:])
+               for k, one in layout.fields.items()}
+        packed = PackedTensor(fmt, (rows, cols), 1, torch.float32, out, None,
+                              dict(layout.options))
+        return cls(packed, scale)
+
+
+def pack_operand(x: torch.Tensor, fmt: str) -> PackedOperand:
+    """``x`` (rows along the last axis) in the format's packed codes and scales: what
+    :func:`quantize_operand` computes along the rows, stored in 4 bits."""
+    f = get_format(fmt)
+    scale = f.tensor_scale(x)
+    if scale is None:
+        return PackedOperand(f.encode(x.float(), dim=-1))
+    return PackedOperand(f.encode(x.float() / scale, dim=-1, per_tensor_scale=False), scale)
+
+
 def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
        bias: torch.Tensor | None = None,
-       matmul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+       matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+       ) -> torch.Tensor:
     """``sum_i a_i @ b (+ bias)`` computed as ``dtype`` hardware would, returned in ``dtype``.
 
     float32: the dense operands are multiplied in fp32 (the reference simulation). bf16:
@@ -80,23 +146,23 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     their products summed in fp32. The bias joins the fp32 accumulator, as in ``F.linear``
     (an unquantized operand pair is then bit for bit ``nn.Linear`` under autocast).
 
-    ``matmul`` replaces ``rows @ b.values`` in a low-precision dtype (without a bias): a
-    serving engine's prepacked kernel for the same product, which must give the same bits
-    (vLLM's oneDNN GEMM does on CPU; tests/vllm_engine checks it layer by layer).
+    ``matmul(rows, bias)`` replaces ``rows @ b.values (+ bias)`` in a low-precision dtype:
+    a serving engine's prepacked kernel for the same product, which must give the same bits
+    (vLLM's oneDNN GEMM does on CPU; tests/vllm_engine checks it layer by layer). ``b``'s
+    values are then not read (the kernel holds them).
     """
     terms = a if isinstance(a, list) else [a]
     if dtype == torch.float32:
         total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
         return _addmm(total.float(), b.dense().float(), bias, dtype)
-    bv = b.values.to(dtype)
-    if len(terms) == 1 and terms[0].scale is None and b.scale is None and \
-            (matmul is None or bias is not None):
-        return _addmm(terms[0].values.to(dtype), bv, bias, dtype)
+    single = len(terms) == 1 and terms[0].scale is None and b.scale is None
+    if single:
+        rows = terms[0].values.to(dtype)
+        return _addmm(rows, b.values.to(dtype), bias, dtype) if matmul is None \
+            else matmul(rows, bias)
     stacked = _stack([t.values.to(dtype) for t in terms])
-    products = stacked @ bv if matmul is None else matmul(stacked)
+    products = stacked @ b.values.to(dtype) if matmul is None else matmul(stacked, None)
     unscaled = b.scale is None and all(t.scale is None for t in terms)
-    if len(terms) == 1 and unscaled:
-        return products  # no bias here: a prepacked product is already the answer
     if len(terms) == 2 and unscaled and bias is None and dtype == torch.bfloat16:
         # bf16 addition upcasts both, adds in fp32 and rounds once: the same bits as the
         # loop below, in one pass instead of four
@@ -147,4 +213,4 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "Operand", "mm", "quantize_operand"]
+__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "mm", "pack_operand", "quantize_operand"]

@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 from _jitter import attention_jitter  # noqa: E402
 
 import fp4rl  # noqa: E402
-from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
 RECIPES = ("hif4", "mxfp4", "nvfp4", "hif4+resq-2:4", "mxfp4+resq-2:4")
@@ -37,9 +37,14 @@ def hf():
     return model, tok
 
 
-def engine(smollm_dir: str, recipe: str, dtype: torch.dtype):
-    return make_llm(EngineSpec(smollm_dir, recipe, dtype=dtype, max_model_len=256,
-                               kv_cache_bytes=256 << 20))
+def engine(smollm_dir: str, recipe: str, dtype: torch.dtype, model=None):
+    """An engine for ``recipe``; given fp4rl's patched ``model``, refit from it (as the
+    trainer does before every rollout), so that it holds the Q(W) of the FP32 masters."""
+    llm = make_llm(EngineSpec(smollm_dir, recipe, dtype=dtype, max_model_len=256,
+                              kv_cache_bytes=256 << 20))
+    if model is not None:
+        refit(llm, model)
+    return llm
 
 
 def release(llm) -> None:
@@ -61,13 +66,14 @@ def activations(rows: int, width: int, seed: int) -> torch.Tensor:
 def test_every_linear_kind_equals_fp4rl_bit_for_bit(smollm_dir, hf, recipe, dtype):
     model, _ = hf
     fp4rl.quantize_model(model, recipe)
-    llm = engine(smollm_dir, recipe, dtype)
+    llm = engine(smollm_dir, recipe, dtype, model)
     vm = dict(engine_model(llm).named_modules())
     hm = dict(model.named_modules())
     for layer in (0, 17):
         for kind, parts in KINDS.items():
             v = vm[f"model.layers.{layer}.{kind}"]
-            x = activations(7, v.weight.shape[1], seed=layer).to(dtype)
+            assert v.weight.numel() == 0  # no weight kept beside Q(W)
+            x = activations(7, v.fp4rl.in_features, seed=layer).to(dtype)
             got = v.quant_method.apply(v, x)
             with torch.no_grad(), fp4rl.rollout_mode(model), \
                     torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):

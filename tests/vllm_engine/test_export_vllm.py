@@ -13,7 +13,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
                            "these tests in an environment of its own")
 
 from fp4rl.cli import main  # noqa: E402
-from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
+from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn import quantize_model  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["What is 45 - 18?", "Tom has 12 apples and buys 7 more. How many apples",
@@ -36,19 +38,26 @@ def greedy(llm) -> list[list[int]]:
             for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_llm_serves_the_export_as_make_llm_runs_it(exported, smollm_dir):
+def test_llm_serves_the_export_as_a_refit_engine_runs_it(exported, smollm_dir):
+    """The export holds the packed Q(W) of the FP32 weights, at most half the bf16 export;
+    served, it is the policy an engine refit from fp4rl's own model runs, token for token."""
     from vllm import LLM
 
     config = json.loads(Path(exported, "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp4rl"
+    on_disk = sum(f.stat().st_size for f in Path(exported).glob("*.safetensors"))
+    model, _ = load_model("smollm2-135m")
+    bf16 = sum(p.numel() * 2 for p in model.parameters())  # tied lm_head counted once
+    assert on_disk <= 0.5 * bf16, (on_disk, bf16)
     served = LLM(model=exported, dtype=torch.bfloat16, seed=0, kv_cache_memory_bytes=1 << 30,
                  enforce_eager=True, max_model_len=512)
-    layers = [m for m in engine_model(served).modules()
-              if getattr(m, "fp4rl_shards", None) is not None]
+    layers = [m for m in engine_model(served).modules() if hasattr(m, "fp4rl")]
     assert len(layers) == 30 * 4  # qkv, o, gate_up, down in each of the 30 blocks
-    assert all(m.weight.dtype == torch.float32 for m in layers)
+    assert all(m.weight.numel() == 0 and m.fp4rl.store is not None for m in layers)
     out = greedy(served)
     assert all(len(ids) == 24 for ids in out)
+    quantize_model(model, RECIPE)
     reference = make_llm(EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, seed=0,
                                     max_model_len=512))
+    refit(reference, model)
     assert greedy(reference) == out

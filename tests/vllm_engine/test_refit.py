@@ -1,8 +1,12 @@
-"""Refit: new weights loaded into a running engine give what a fresh engine gives."""
+"""Refit: the trainer's Q(W) handed to a running engine gives what a fresh engine gives,
+through vLLM's worker interface, with the engine core in this process or in its own."""
 
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,8 +14,10 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
-from fp4rl.integrations.vllm import EngineSpec, make_llm, refit  # noqa: E402
+from fp4rl.cli import main  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, make_llm, refit, refit_payload  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn import fp4_layers, quantize_model  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
@@ -29,31 +35,95 @@ def prompt_logprobs(llm, tok) -> list[list[dict[int, float]]]:
             for o in outs]
 
 
-def test_refit_equals_a_fresh_engine_on_the_new_weights(smollm_dir, tmp_path):
+def updated_model(seed: int = 0):
+    """The embedded model, patched, after an update of the size a few optimizer steps
+    make."""
     model, tok = load_model("smollm2-135m")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01 * p.abs().mean())
+    quantize_model(model, RECIPE)
+    return model, tok
+
+
+def test_the_payload_is_the_rollout_q_w_bit_for_bit_and_at_most_bf16_bytes():
+    model, _ = updated_model()
+    bf16_bytes = sum(p.numel() * 2 for p in model.parameters())
+    grid = refit_payload(model, torch.bfloat16)
+    packed = refit_payload(model, torch.bfloat16, packed=True)
+    layers = fp4_layers(model)
+    assert set(grid.grids) == set(packed.grids) == set(layers)
+    for name, layer in list(layers.items())[:8]:
+        want = layer.rollout_weight(torch.float32).values
+        assert torch.equal(grid.grids[name].values.float(), want), name
+        assert torch.equal(packed.grids[name].decode().values, want), name
+    assert grid.nbytes == bf16_bytes  # Q(W) exact in bf16, the rest in bf16
+    assert packed.nbytes <= 0.5 * bf16_bytes
+    assert all(t.dtype == torch.bfloat16 for _, t in grid.tensors)
+
+
+def test_refit_equals_a_fresh_engine_on_the_export_of_the_new_weights(smollm_dir, tmp_path):
+    model, tok = updated_model()
     spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
                       kv_cache_bytes=256 << 20)
     llm = make_llm(spec)
     before = prompt_logprobs(llm, tok)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # an update of the size a few optimizer steps make
-        for name, p in model.named_parameters():
-            if "layers." in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01 * p.abs().mean())
-    stats = refit(llm, model.named_parameters())
+    stats = refit(llm, model)
     after = prompt_logprobs(llm, tok)
+    again = refit(llm, model)  # safe on every step: the same weights, the same engine
+    assert prompt_logprobs(llm, tok) == after
     del llm
     gc.collect()
-    # the block linears' FP32 masters, every other tensor in the engine's bf16
-    assert stats.bytes == sum(p.numel() * (4 if "layers." in n and n.endswith("proj.weight")
-                                           else 2) for n, p in model.named_parameters())
-    assert stats.tensors == len(list(model.parameters())) and stats.seconds > 0
+    assert stats.bytes == sum(p.numel() * 2 for p in model.parameters())
+    assert stats.tensors == again.tensors == len(list(model.parameters())) and stats.seconds > 0
     assert after != before  # the engine serves the new weights
 
+    # the export carries the same Q(W) of the FP32 masters, packed
     model.save_pretrained(tmp_path / "new")
     tok.save_pretrained(tmp_path / "new")
-    fresh = make_llm(EngineSpec(str(tmp_path / "new"), RECIPE, dtype=torch.bfloat16,
+    assert main(["export", "--model", str(tmp_path / "new"), "--format", "vllm", "--recipe",
+                 RECIPE, "--output", str(tmp_path / "served")]) == 0
+    fresh = make_llm(EngineSpec(str(tmp_path / "served"), RECIPE, dtype=torch.bfloat16,
                                 max_model_len=256, kv_cache_bytes=256 << 20))
     assert prompt_logprobs(fresh, tok) == after
     del fresh
     gc.collect()
+
+
+CHILD = """
+import json, os, sys, torch
+sys.path.insert(0, {tests!r})
+from test_refit import RECIPE, prompt_logprobs, updated_model
+from fp4rl.integrations.vllm import EngineSpec, make_llm, refit
+if __name__ == "__main__":
+    model, tok = updated_model()
+    llm = make_llm(EngineSpec({model_dir!r}, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+                              kv_cache_bytes=256 << 20))
+    stats = refit(llm, model, packed={packed})
+    print("RESULT", json.dumps({{"bytes": stats.bytes, "logprobs": prompt_logprobs(llm, tok)}}))
+"""
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["grid", "packed"])
+def test_refit_is_the_same_with_the_engine_core_in_its_own_process(smollm_dir, packed):
+    """vLLM's default on GPUs: the engine core in a process of its own, reached only
+    through ``collective_rpc``. The refit gives the same engine as in-process, and packed
+    codes on the wire give the same engine as the bf16 grid."""
+    from pathlib import Path
+
+    results = {}
+    for multi in ("0", "1"):
+        env = {**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multi}
+        code = CHILD.format(tests=str(Path(__file__).parent), model_dir=smollm_dir,
+                            packed=packed)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+        results[multi] = json.loads(line.removeprefix("RESULT "))
+    assert results["0"] == results["1"]
+    model, _ = updated_model()
+    bf16_bytes = sum(p.numel() * 2 for p in model.parameters())
+    assert results["1"]["bytes"] <= (0.5 if packed else 1.0) * bf16_bytes

@@ -16,10 +16,10 @@ from fp4rl.cli import main  # noqa: E402
 
 def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_path, capsys):
     out = tmp_path / "run"
-    # micro-batches of one sequence: the step's 8 rows are 2 rollout chunks, sampled in one
-    # engine call and handed back chunk by chunk
+    # micro-batches of four sequences: the step's 64 rows are 4 rollout chunks, sampled in
+    # one engine call and handed back chunk by chunk
     assert main(["train", "--config", "smoke", "--output", str(out), "--steps", "2",
-                 "rollout.engine=vllm", "grpo.micro_batch_size=1",
+                 "rollout.engine=vllm", "grpo.micro_batch_size=4",
                  "run.keep_checkpoints=1"]) == 0
     gc.collect()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -46,7 +46,7 @@ class ExportResult:
 
     def summary(self) -> str:
         """One line for the command line."""
-        note = ("; block linears in float32, quantized by vLLM when it loads them"
+        note = ("; block linears as their packed rollout Q(W), installed by vLLM as they are"
                 if self.format == "vllm" else "")
         return (f"{self.format} export in {self.directory}: weights {_mb(self.weights_bytes)} "
                 f"on disk ({self.ratio:.3f}x the bf16 export's {_mb(self.bf16_bytes)}); "

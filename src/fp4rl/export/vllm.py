@@ -5,12 +5,13 @@ of the rollout recipe, so that vLLM, with fp4rl installed (its ``vllm.general_pl
 entry point registers the ``fp4rl`` method), quantizes the block linears as fp4rl's rollout
 mode does. Writing it needs no vLLM: the config is plain JSON.
 
-The weights of the block linears the recipe quantizes are stored in float32, 4 bytes per
-parameter on disk (twice a bf16 checkpoint's): the plug-in computes ``Q(W)`` when it loads
-them, and fp4rl's rollout quantizes the float32 master weights, so only float32 values give
-the same codes and scales. Rounded to bf16 first, a value near an FP4 rounding boundary (or
-a block's maximum, which sets its scale) could land on the other side, and the served
-policy would no longer be the one fp4rl trained against. Every other tensor is bf16.
+The block linears the recipe quantizes are stored as their rollout ``Q(W)`` in the
+format's own packed fields (``<layer>.weight_<field>``: the 4-bit codes and the block
+scales, each laid out ``[rows, bytes per row]``; NVFP4's per-tensor scale as
+``weight_tensor_scale``), computed here from the float32 master weights exactly as fp4rl's
+rollout quantizes them: the served policy is the one fp4rl trained against, bit for bit,
+in about a quarter of bf16's bytes. The plug-in installs them without re-quantizing.
+Every other tensor is bf16.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError, block_linears
+from fp4rl.gemm import UNQUANTIZED, pack_operand
 from fp4rl.integrations.vllm import MERGED, quantization_config, rollout_recipe
 from fp4rl.nn.recipe import Recipe
 
@@ -55,16 +57,24 @@ def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
 
 
 def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
-    """The block linears ``recipe`` quantizes in float32, the rest in bf16, and the
-    ``quantization_config`` that makes vLLM run ``recipe``'s rollout policy."""
+    """The block linears ``recipe`` quantizes as their packed ``Q(W)``, the rest in bf16,
+    and the ``quantization_config`` that makes vLLM run ``recipe``'s rollout policy."""
     layers = block_linears(model, recipe.ignores)
     if not layers:
         raise ExportError(f"{type(model).__name__} has no linear layer inside a transformer "
                           "block for the vLLM plug-in to quantize; export it as bf16")
     check_merged(block_linears(model, lambda name: False), recipe)
+    fmt = recipe.rollout.weights
+    if fmt == UNQUANTIZED:  # a W16 rollout: the weights are what vLLM runs
+        return Payload(unquantized_tensors(model, skip=set()),
+                       quantization_config=quantization_config(recipe))
     tensors = unquantized_tensors(model, skip=set(layers))
     for name, layer in layers.items():
-        tensors[f"{name}.weight"] = layer.weight.detach().float().contiguous()
+        packed = pack_operand(layer.weight.detach().float(), fmt)
+        for field, value in packed.row_fields().items():
+            tensors[f"{name}.weight_{field}"] = value.contiguous()
+        if packed.scale is not None:
+            tensors[f"{name}.weight_tensor_scale"] = packed.scale.reshape(1).float()
     return Payload(tensors, quantization_config=quantization_config(recipe))
 
 

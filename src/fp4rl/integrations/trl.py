@@ -32,9 +32,8 @@ What it touches inside TRL, and why the version is pinned (:data:`TRL_REQUIREMEN
   context limit of the tool loop, both refused here.
 - With vLLM: the name ``LLM`` in ``trl.generation.vllm_generation``, which TRL's engine
   construction calls (swapped during the constructor only, to add the fp4rl method), and
-  ``VLLMGeneration._iter_named_params`` (TRL's gathering of the weights it syncs), which
-  fp4rl's refit reads instead of TRL's ``sync_weights``, whose ``load_weights`` would leave
-  the engine's ``Q(W)`` stale.
+  fp4rl's refit, which hands the engine the trainer's ``Q(W)`` instead of TRL's
+  ``sync_weights`` (whose plain weights the engine would re-quantize in its compute dtype).
 
 Both are private interfaces that change between TRL releases, so the module refuses a
 TRL outside the tested range at import.
@@ -342,15 +341,14 @@ class FP4GRPOTrainer(GRPOTrainer):
                                      pad_token_id, self.eos_token_ids)
 
     def _refit_engine(self) -> None:
-        """Load the step's weights into TRL's colocated engine and re-quantize them once,
-        before TRL's own generation (which then finds the engine up to date and only
-        samples). The parameters come from TRL's own iterator, which gathers FSDP and
-        DeepSpeed shards; the refit time and bytes are logged with TRL's metrics."""
+        """Hand TRL's colocated engine ``Q(W)`` of the step's weights (and the other
+        tensors) before TRL's own generation, which then finds the engine up to date and
+        only samples; the refit time and bytes are logged with TRL's metrics."""
         if self.state.global_step == self._last_loaded_step:
             return
         from fp4rl.integrations.vllm import refit
 
-        stats = refit(self.vllm_generation.llm, self.vllm_generation._iter_named_params())
+        stats = refit(self.vllm_generation.llm, self.accelerator.unwrap_model(self.model))
         self._last_loaded_step = self.state.global_step
         mode = "train" if self.model.training else "eval"
         for key, value in stats.metrics().items():

@@ -7,7 +7,7 @@ A checkpoint selects it with ``quantization_config`` in its ``config.json``::
     {"quant_method": "fp4rl",
      "rollout": {"weights": "hif4", "activations": "hif4",
                  "recovery": {"method": "resq", "sparsity": "2:4"}},
-     "ignore": []}
+     "ignore": [], "weight_storage": "dequantized"}
 
 (:func:`quantization_config` builds it; ``fp4rl export --format vllm`` writes it), or an
 engine is built with ``LLM(..., quantization="fp4rl", hf_overrides={"quantization_config":
@@ -18,10 +18,13 @@ activation dtype (bf16 on FP4 operands that bf16 holds exactly, fp32 accumulatio
 Merged linears (``qkv_proj``, ``gate_up_proj``) quantize each logical layer's rows on
 their own, so NVFP4's per-tensor scale is the one fp4rl's separate layer would have.
 
-The weight of such a linear is held in float32, the trainer's master precision, so that
-``Q(W)`` is computed from the same values fp4rl's rollout mode quantizes; a bf16
-checkpoint loads into it exactly too. :func:`refit` loads new weights into a running
-engine and re-quantizes once, with no restart.
+No layer holds FP32: ``weight_storage`` ``dequantized`` (the default) keeps ``Q(W)``
+once in the compute dtype (on a CPU, as vLLM's prepacked GEMM weight: no more memory
+than a bf16 engine), ``packed`` the format's 4-bit codes and scales, decoded per forward.
+:func:`refit` hands a running engine the ``Q(W)`` the trainer computed from its FP32
+masters, through vLLM's ``collective_rpc`` and fp4rl's worker extension, so it works
+whether the engine core runs in this process or in its own; the engine installs it
+without re-quantizing.
 
 Recovery methods that keep calibration state or read the high-precision weight
 (SmoothQuant, RHT, OCC, ResQ-W) are refused with one line: fp4rl's own engine runs them.
@@ -32,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +43,19 @@ from typing import Any
 import torch
 
 from fp4rl.errors import UserError
+from fp4rl.gemm import Operand, PackedOperand, pack_operand
 from fp4rl.nn.recipe import Recipe, preset
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
 #: recovery methods the plug-in runs (ResQ in every sparsity pattern)
 SUPPORTED_RECOVERY = ("none", "resq")
+#: how an engine keeps ``Q(W)``: in the compute dtype, or as the format's packed fields
+WEIGHT_STORAGES = ("dequantized", "packed")
+#: the keys of a ``quantization_config`` of this method
+CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
+#: the worker extension a refit calls (:mod:`fp4rl.integrations.vllm_worker`)
+WORKER_EXTENSION = "fp4rl.integrations.vllm_worker.FP4RLWorkerExtension"
 #: vLLM's merged linears and the Hugging Face layers each one holds, in row order
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -66,14 +76,24 @@ def rollout_recipe(recipe: Recipe | str) -> Recipe:
     return recipe
 
 
-def quantization_config(recipe: Recipe | str) -> dict[str, Any]:
+def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized"
+                        ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
-    rollout policy."""
+    rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
     recipe = rollout_recipe(recipe)
+    check_storage(weight_storage)
     from fp4rl import __version__
 
     return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
-            "ignore": list(recipe.ignore), "fp4rl_version": __version__}
+            "ignore": list(recipe.ignore), "weight_storage": weight_storage,
+            "fp4rl_version": __version__}
+
+
+def check_storage(weight_storage: str) -> str:
+    if weight_storage not in WEIGHT_STORAGES:
+        raise VLLMError(f"weight_storage must be one of {', '.join(WEIGHT_STORAGES)}, got "
+                        f"{weight_storage!r}")
+    return weight_storage
 
 
 def recipe_from_config(config: dict[str, Any]) -> Recipe:
@@ -81,8 +101,18 @@ def recipe_from_config(config: dict[str, Any]) -> Recipe:
     if not isinstance(config, dict) or "rollout" not in config:
         raise VLLMError(f"quantization_config for {QUANT_METHOD!r} needs a 'rollout' "
                         f"mapping (weights, activations, recovery), got {config!r}")
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise VLLMError(f"quantization_config for {QUANT_METHOD!r}: unknown key(s) {unknown}; "
+                        f"allowed: {', '.join(CONFIG_KEYS)}")
     recipe = Recipe.from_dict({"rollout": config["rollout"], "ignore": config.get("ignore")})
     return rollout_recipe(recipe)
+
+
+def storage_from_config(config: dict[str, Any]) -> str:
+    """The ``weight_storage`` a ``quantization_config`` entry asks for (default
+    ``dequantized``)."""
+    return check_storage(config.get("weight_storage", "dequantized"))
 
 
 def require_vllm() -> Any:
@@ -134,16 +164,19 @@ class EngineSpec:
     seed: int = 0
     max_model_len: int = 1024
     kv_cache_bytes: int = 1 << 30
+    weight_storage: str = "dequantized"
 
 
-def method_kwargs(recipe: Recipe | None) -> dict[str, Any]:
+def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
+                  ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
-    policy (none for ``None``: plain vLLM)."""
+    policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
     if recipe is None:
-        return {}
+        return {"worker_extension_cls": WORKER_EXTENSION}
     register()
-    return {"quantization": QUANT_METHOD,
-            "hf_overrides": {"quantization_config": quantization_config(recipe)}}
+    return {"quantization": QUANT_METHOD, "worker_extension_cls": WORKER_EXTENSION,
+            "hf_overrides": {"quantization_config": quantization_config(recipe,
+                                                                        weight_storage)}}
 
 
 @contextlib.contextmanager
@@ -151,7 +184,9 @@ def sharing_the_process() -> Iterator[None]:
     """Build an engine in a trainer's process without taking its threads: vLLM's CPU
     worker drops torch to one thread unless OMP_NUM_THREADS is set, and then turns
     ``torch.set_num_threads`` into a no-op. Also keeps the engine in this process (no
-    worker processes), which a refit reaches into."""
+    worker processes) unless VLLM_ENABLE_V1_MULTIPROCESSING says otherwise: on a CPU
+    shared with a trainer, handing weights over in-process is cheapest; a refit works
+    either way."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     set_num_threads = torch.set_num_threads
@@ -162,18 +197,20 @@ def sharing_the_process() -> Iterator[None]:
 
 
 def make_llm(spec: EngineSpec) -> Any:
-    """A vLLM engine in this process (no worker processes, eager mode) running ``spec``'s
-    rollout policy, with log-probs of the distribution actually sampled."""
+    """A vLLM engine (eager mode) running ``spec``'s rollout policy, with log-probs of the
+    distribution actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
     with sharing_the_process():
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=True, max_model_len=spec.max_model_len,
                         kv_cache_memory_bytes=spec.kv_cache_bytes,
-                        logprobs_mode="processed_logprobs", **method_kwargs(spec.recipe))
+                        logprobs_mode="processed_logprobs",
+                        **method_kwargs(spec.recipe, spec.weight_storage))
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
-    """The ``nn.Module`` a colocated (in-process) engine runs."""
+    """The ``nn.Module`` an engine whose core runs in this process runs (for inspection;
+    a refit goes through :func:`refit`)."""
     executor = llm.llm_engine.model_executor
     worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
     return worker.model_runner.model
@@ -192,35 +229,84 @@ class RefitStats:
                 "sync/tensors": float(self.tensors)}
 
 
-def refit(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> RefitStats:
-    """Load new weights (Hugging Face names) into a running engine, then re-quantize every
-    fp4rl layer once: the next rollout samples from the new policy, with no restart."""
+@dataclass(frozen=True)
+class RefitPayload:
+    """What a refit sends: ``Q(W)`` per fp4rl layer (Hugging Face name, no ``.weight``)
+    as the trainer computed it, and every other tensor (Hugging Face parameter names)."""
+
+    grids: dict[str, Operand | PackedOperand]
+    tensors: list[tuple[str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        grid = sum(g.nbytes if isinstance(g, PackedOperand) else
+                   g.values.numel() * g.values.element_size() + (4 if g.scale is not None
+                                                                 else 0)
+                   for g in self.grids.values())
+        return grid + sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain containers of tensors, strings and numbers (what ``collective_rpc``
+        serializes when the engine core runs in its own process)."""
+        grids = {}
+        for name, g in self.grids.items():
+            scale = None if g.scale is None else float(g.scale.reshape(()))
+            if isinstance(g, PackedOperand):
+                grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
+                               "fields": g.row_fields(), "scale": scale}
+            else:
+                grids[name] = {"values": g.values, "scale": scale}
+        return {"grids": grids, "tensors": [[n, t] for n, t in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> RefitPayload:
+        grids: dict[str, Operand | PackedOperand] = {}
+        for name, g in wire["grids"].items():
+            scale = None if g["scale"] is None else torch.tensor([g["scale"]],
+                                                                 dtype=torch.float32)
+            if "values" in g:
+                grids[name] = Operand(g["values"], scale)
+            else:
+                grids[name] = PackedOperand.from_row_fields(g["format"], tuple(g["shape"]),
+                                                            g["fields"], scale)
+        return cls(grids, [(n, t) for n, t in wire["tensors"]])
+
+
+def refit_payload(model: torch.nn.Module, dtype: torch.dtype, packed: bool = False
+                  ) -> RefitPayload:
+    """The payload that brings an engine to ``model``'s current weights: for every fp4rl
+    layer whose rollout needs only ``Q(W)``, the ``Q(W)`` its rollout mode uses (bit for
+    bit: the cached operand, exact in bf16; ``packed``: the format's 4-bit codes and
+    scales instead, a quarter of the bytes, encoded here); every other floating tensor in
+    the engine's ``dtype``. A model without fp4rl layers sends plain tensors only."""
+    from fp4rl.nn import fp4_layers
+
+    grids: dict[str, Operand | PackedOperand] = {}
+    for name, layer in fp4_layers(model).items():
+        if not layer.rollout_reads_weight_only():
+            continue
+        if packed:
+            w = layer.recovery.transform_weight(layer.weight.detach())
+            grids[name] = pack_operand(w, layer.recipe.rollout.weights)
+        else:
+            grids[name] = layer.rollout_weight(torch.float32).to(torch.bfloat16)
+    skip = {f"{n}.weight" for n in grids}
+    tensors = [(n, p.detach().to(dtype) if p.is_floating_point() else p.detach())
+               for n, p in model.named_parameters() if n not in skip]
+    return RefitPayload(grids, tensors)
+
+
+def refit(llm: Any, model: torch.nn.Module, packed: bool = False) -> RefitStats:
+    """Bring a running engine to ``model``'s current weights (:func:`refit_payload`),
+    through vLLM's ``collective_rpc`` and fp4rl's worker extension: the next rollout
+    samples from the new policy, with no restart."""
     start = time.perf_counter()
-    model = engine_model(llm)
-    sent = {"bytes": 0, "tensors": 0}
-    # the fp4rl layers' weights travel in FP32 (Q(W) is taken from them); every other
-    # tensor in the engine's dtype, which is what the engine keeps of it anyway
-    fp32 = {f"{n}.weight" for prefix, m in model.named_modules()
-            if getattr(m, "fp4rl_shards", None) is not None
-            for n in hf_layer_names(prefix)}
-    dtype = llm.llm_engine.model_config.dtype
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named_tensors:
-            tensor = tensor.detach()
-            if name not in fp32 and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            sent["bytes"] += tensor.numel() * tensor.element_size()
-            sent["tensors"] += 1
-            yield name, tensor
-
+    payload = refit_payload(model, llm.llm_engine.model_config.dtype, packed)
     with torch.no_grad():
-        model.load_weights(counted())
-        from fp4rl.integrations.vllm_method import requantize_model
-
-        requantize_model(model)
+        llm.collective_rpc("fp4rl_refit", args=(payload.to_wire(),))
     llm.reset_prefix_cache()
-    return RefitStats(time.perf_counter() - start, sent["bytes"], sent["tensors"])
+    return RefitStats(time.perf_counter() - start, payload.nbytes,
+                      len(payload.grids) + len(payload.tensors))
 
 
 def model_dir(name_or_path: str) -> str:
@@ -239,7 +325,9 @@ def model_dir(name_or_path: str) -> str:
     return str(path)
 
 
-__all__ = ["MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "EngineSpec", "RefitStats",
-           "VLLMError", "engine_model", "hf_layer_names", "make_llm", "method_kwargs",
-           "model_dir", "quantization_config", "recipe_from_config", "refit", "register",
-           "require_vllm", "rollout_recipe", "sharing_the_process"]
+__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "WEIGHT_STORAGES",
+           "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMError",
+           "check_storage", "engine_model", "hf_layer_names", "make_llm", "method_kwargs",
+           "model_dir", "quantization_config", "recipe_from_config", "refit",
+           "refit_payload", "register", "require_vllm", "rollout_recipe",
+           "sharing_the_process", "storage_from_config"]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4rl.gemm import Operand, mm, quantize_operand
+from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
 from fp4rl.nn.recipe import Recipe, TrainPrecision
 from fp4rl.precision import active_compute_dtype
 from fp4rl.recovery import RolloutRecovery, make_recovery
@@ -151,6 +151,13 @@ class FP4Linear(nn.Linear):
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = (key, self._quantized_rollout_weight().to(dtype))
         return self._weight_cache[1]
+
+    def rollout_reads_weight_only(self) -> bool:
+        """Whether ``Q(W)`` (the rollout-quantized weight) is all this layer's rollout
+        needs of its weight: what a rollout engine can be sent instead of the weight.
+        Not where the rollout weight is unquantized, nor where the recovery method reads
+        the high-precision weight (SmoothQuant, RHT, OCC)."""
+        return self.recipe.rollout.weights != UNQUANTIZED and not self.recovery.reads_weight
 
     def receive_rollout_weight(self, qw: Operand) -> None:
         """Use ``qw`` (the rollout weight quantized elsewhere, e.g. decoded from the 4-bit

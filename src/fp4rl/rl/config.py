@@ -25,6 +25,9 @@ from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 
 #: the rollout engines ``rollout.engine`` names
 ROLLOUT_ENGINES = ("hf", "vllm")
+#: the keys of ``rollout.vllm``; ``weight_storage`` as in the vLLM method's config
+VLLM_KEYS = ("weight_storage",)
+WEIGHT_STORAGES = ("dequantized", "packed")
 
 
 class _Section(BaseModel):
@@ -156,6 +159,13 @@ class TrainConfig(_Section):
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ValueError(f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got "
                              f"{self.rollout_engine!r}")
+        unknown = sorted(set(self.rollout.get("vllm") or {}) - set(VLLM_KEYS))
+        if unknown:
+            raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
+                             f"{', '.join(VLLM_KEYS)}")
+        if self.vllm_settings().get("weight_storage", "dequantized") not in WEIGHT_STORAGES:
+            raise ValueError(f"rollout.vllm.weight_storage must be one of "
+                             f"{', '.join(WEIGHT_STORAGES)}")
         if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
             from fp4rl.integrations.vllm import VLLMError, rollout_recipe
 
@@ -171,10 +181,23 @@ class TrainConfig(_Section):
         or ``vllm`` (a colocated vLLM engine with the fp4rl quantization method)."""
         return self.rollout.get("engine", "hf")
 
+    def vllm_settings(self) -> dict[str, Any]:
+        """``rollout.vllm``: how the vLLM engine runs (``weight_storage``)."""
+        return dict(self.rollout.get("vllm") or {})
+
     def recipe(self) -> Recipe:
-        rollout = {k: v for k, v in self.rollout.items() if k != "engine"}
-        return Recipe.from_dict({"train": self.train, "rollout": rollout,
-                                 "ignore": self.ignore})
+        return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})
+
+
+def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
+    """The quantization recipe of a training config (as a run saves it): its ``train``,
+    ``rollout`` and ``ignore``. ``rollout.engine`` says where the rollout ran, not what
+    policy it ran (nor do the engine's settings, ``rollout.vllm``), so it is not part of
+    the recipe."""
+    rollout = {k: v for k, v in (config.get("rollout") or {}).items()
+               if k not in ("engine", "vllm")}
+    return Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
+                             "ignore": config.get("ignore")}, strict=strict)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

@@ -15,7 +15,7 @@ from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, preset
 from fp4rl.rl import checkpoint as ckpt
-from fp4rl.rl.config import DataConfig
+from fp4rl.rl.config import DataConfig, recipe_of
 from fp4rl.rl.datasets import encode_examples, load_split
 
 
@@ -57,8 +57,7 @@ def load_trained(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
     config = ckpt.read_torch(path / "state.pt")["config"]
     net, tok = load_model(config["model"], device=device)
     ckpt.load_weights(path, net)
-    recipe = Recipe.from_dict({"train": config["train"], "rollout": config["rollout"],
-                               "ignore": config.get("ignore")}, strict=False)
+    recipe = recipe_of(config, strict=False)
     return TrainedPolicy(net, tok, path, recipe)
 
 

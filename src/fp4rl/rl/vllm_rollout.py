@@ -1,12 +1,12 @@
 """The rollout in vLLM (``rollout.engine: vllm``): a colocated engine refit every step.
 
-The engine lives in the trainer's process and serves the rollout policy through the
-``fp4rl`` quantization method (:mod:`fp4rl.integrations.vllm`). Before each step's
-rollout the trainer's current FP32 weights are loaded into it and re-quantized once, with
-no restart. Every response is sampled by vLLM's sampler under its own seed (the run's seed,
-the step, the prompt's position and the sample's index, as the ``hf`` engine seeds its
-rows), and each sampled token's log-probability comes from vLLM's processed log-probs:
-the distribution actually sampled (temperature, top-k, top-p applied). Those are the
+The engine serves the rollout policy through the ``fp4rl`` quantization method
+(:mod:`fp4rl.integrations.vllm`). Before each step's rollout it receives ``Q(W)`` of the
+trainer's current FP32 weights, computed here as fp4rl's own rollout computes it, and
+installs it without re-quantizing, with no restart. Every response is sampled by vLLM's
+sampler under its own seed (the run's seed, the step, the prompt's position and the
+sample's index, as the ``hf`` engine seeds its rows), and each sampled token's
+log-probability comes from vLLM's processed log-probs: the distribution actually sampled (temperature, top-k, top-p applied). Those are the
 rollout log-probs mu that truncated importance sampling divides by, so TIS corrects the
 real vLLM/trainer mismatch.
 """
@@ -27,16 +27,18 @@ class VLLMRollout:
     """A vLLM engine running ``recipe``'s rollout policy for a trainer."""
 
     def __init__(self, model: str, recipe: Recipe, dtype: torch.dtype, seed: int,
-                 max_model_len: int, pad_token_id: int) -> None:
+                 max_model_len: int, pad_token_id: int,
+                 weight_storage: str = "dequantized") -> None:
         self.spec = EngineSpec(model_dir(model), recipe, dtype=dtype, seed=seed,
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len, weight_storage=weight_storage)
         self.pad_token_id = pad_token_id
         #: the engine, built now (seconds) so that no step's timings include its start
         self.llm = make_llm(self.spec)
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
-        """Load ``model``'s current weights into the engine and re-quantize once."""
-        return refit(self.llm, model.named_parameters())
+        """Hand the engine ``Q(W)`` of ``model``'s current weights (4-bit codes and scales
+        where the engine keeps them packed) and the other tensors."""
+        return refit(self.llm, model, packed=self.spec.weight_storage == "packed")
 
     def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
                  seeds: Sequence[Sequence[int]], config: SamplingConfig,

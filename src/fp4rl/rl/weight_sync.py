@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fp4rl.formats import get_format
 from fp4rl.formats.base import NumberFormat
 from fp4rl.formats.packing import PackedTensor
-from fp4rl.gemm import UNQUANTIZED, Operand
+from fp4rl.gemm import Operand
 from fp4rl.nn import FP4Linear, fp4_layers
 
 
@@ -44,7 +44,7 @@ class SyncBytes:
 
 def packable(layer: FP4Linear) -> bool:
     """Whether the 4-bit rollout weight is all this layer's rollout needs."""
-    return layer.recipe.rollout.weights != UNQUANTIZED and not layer.recovery.reads_weight
+    return layer.rollout_reads_weight_only()
 
 
 def sync_rollout_weights(model: torch.nn.Module, policy: torch.nn.Module,

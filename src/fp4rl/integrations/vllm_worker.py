@@ -1,0 +1,51 @@
+"""The worker side of a refit: methods vLLM mixes into its workers.
+
+An engine built with ``worker_extension_cls=WORKER_EXTENSION`` (what
+:func:`fp4rl.integrations.vllm.make_llm` does) gives each worker these methods, which
+``LLM.collective_rpc`` calls by name. The call travels the same way whether the engine core
+runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or in its own (vLLM's
+default on GPUs), so a refit never reaches into vLLM's objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fp4rl.integrations.vllm import RefitPayload, VLLMError, hf_layer_names
+
+
+class FP4RLWorkerExtension:
+    """What fp4rl adds to a vLLM worker: installing a trainer's weights."""
+
+    model_runner: Any  # the worker's, set by vLLM
+
+    def fp4rl_refit(self, payload: dict[str, Any]) -> int:
+        """Load a :class:`RefitPayload` (in its wire form): plain tensors through the
+        model's own ``load_weights``, then each fp4rl layer's ``Q(W)`` as sent, never
+        re-quantized; returns how many fp4rl layers took new weights."""
+        from fp4rl.integrations.vllm_method import LayerState, install, process_model
+
+        sent = RefitPayload.from_wire(payload)
+        model = self.model_runner.model
+        with torch.no_grad():
+            if sent.tensors:
+                model.load_weights(sent.tensors)
+            for prefix, module in model.named_modules():
+                if not isinstance(getattr(module, "fp4rl", None), LayerState):
+                    continue
+                names = hf_layer_names(prefix)
+                present = [n in sent.grids for n in names]
+                if any(present) and not all(present):
+                    raise VLLMError(f"a refit sent Q(W) for only some of {', '.join(names)}"
+                                    " (one merged vLLM layer): send all of them")
+                if all(present):
+                    install(module, [sent.grids[n] for n in names])
+            return process_model(model)
+
+
+#: the qualified name vLLM resolves in each worker
+WORKER_EXTENSION = f"{FP4RLWorkerExtension.__module__}.{FP4RLWorkerExtension.__qualname__}"
+
+__all__ = ["WORKER_EXTENSION", "FP4RLWorkerExtension"]
