@@ -11,6 +11,7 @@ from test_export import stored_tensors
 from torch import nn
 
 from fp4rl.cli import main
+from fp4rl.errors import ConfigError
 from fp4rl.export import ExportError, export_model
 from fp4rl.gemm import PackedOperand, quantize_operand
 from fp4rl.integrations.vllm import VLLMError, quantization_config
@@ -173,5 +174,5 @@ def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
     for fmt in EXPORT_FORMATS:
         assert main(["export", "--checkpoint", str(run), "--format", fmt,
                      "--output", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
-    with pytest.raises(Exception, match="rollout.vllm: unknown key"):
+    with pytest.raises(ConfigError, match=r"rollout\.vllm: unknown key"):
         load_config(None, ["rollout.vllm={storage: packed}"])

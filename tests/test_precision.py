@@ -198,6 +198,17 @@ def test_trainer_resolves_precision_and_keeps_fp32_masters(tmp_path):
 def test_auto_follows_native_bf16(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(precision, "cpu_info", lambda: ("test CPU", ("avx512_bf16",)))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert precision.resolve_mixed_precision("auto", cpu) == "bf16"
+    # the flag is there, but torch or oneDNN are held to the avx2 code path
+    for capability, isa in (("AVX2", "ALL"), ("AVX512", "AVX2")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert precision.resolve_mixed_precision("auto", cpu) == "no"
+        assert "unused" in precision.describe_cpu()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     assert precision.resolve_mixed_precision("auto", cpu) == "bf16"
     assert precision.slow_bf16_note("bf16", cpu) is None
     monkeypatch.setattr(precision, "cpu_info", lambda: ("test CPU", ()))

@@ -29,11 +29,12 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.bench.rollout import check_engines, default_batch
     from fp4rl.errors import UserError
 
-    if args.what in ("formats", "linear") and args.engine != ["hf"]:
+    if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
-    if args.what != "rollout" and args.batch is not None:
-        raise UserError("--batch applies to bench rollout only")
-    engines = check_engines(args.engine)  # vLLM missing: one line, before any loading
+    if args.what not in ("rollout", "engine") and args.batch is not None:
+        raise UserError("--batch applies to bench rollout and bench engine only")
+    engines = check_engines(["vllm"] if args.what == "engine" else args.engine)  # vLLM
+    # missing: one line, before any loading
     extra: dict[str, object] = {}
     if args.what == "rollout":
         batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
@@ -53,6 +54,18 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
                                     repeats=args.repeats, device=device, engines=engines)
         bench.render(results, tokens, console)
+    elif args.what == "engine":
+        from fp4rl.bench import engine as bench
+
+        rows = bench.run(args.model, batch=args.batch or 8, new_tokens=args.tokens or 16,
+                         repeats=args.repeats)
+        bench.render(rows, console)
+        console.print(f"machine: {common.machine()}")
+        if args.json:
+            write_json(args.json, {"benchmark": "engine", "cpu": describe_cpu(),
+                                   "machine": common.machine(), "rows": rows})
+            console.print(f"wrote {args.json}")
+        return 0
     elif args.what == "linear":
         from fp4rl.bench import linear as bench
 
@@ -850,7 +863,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_experiment)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
-    bench.add_argument("what", choices=["formats", "linear", "rollout", "train"])
+    bench.add_argument("what", choices=["formats", "linear", "rollout", "train", "engine"],
+                       help="engine: the vLLM rollout engine's memory, refit bytes and "
+                       "speed, bf16 against the fp4rl method's two weight storages")
     bench.add_argument("--model", default="smollm2-135m", help="model for rollout / train")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",

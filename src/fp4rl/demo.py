@@ -253,7 +253,12 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     console.print(result.transfer_line(label))
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
     _report(out, cfg, config, label, zeros, result, minutes, len(tests[0]), setting)
-    console.print(f"report: {out / 'report.md'}")
+    (out / "outcome.json").write_text(json.dumps({
+        "seed": seed, "rollout_engine": cfg.rollout_engine, "steps": size.steps,
+        "mixed_precision": precision, "minutes": minutes,
+        "before": {k: v.as_dict() for k, v in before.items()},
+        "after": {k: v.as_dict() for k, v in after.items()}}, indent=1))
+    console.print(f"report: {out / 'report.md'} (per-prompt scores: outcome.json)")
     return 0
 
 

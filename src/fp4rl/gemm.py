@@ -22,6 +22,7 @@ from fp4rl.formats import get_format
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.kernels import quantize_rows_bf16
 from fp4rl.kernels.decode import decode_rows
+from fp4rl.kernels.encode import encode_rows
 
 UNQUANTIZED = "bf16"
 
@@ -128,9 +129,12 @@ def pack_operand(x: torch.Tensor, fmt: str) -> PackedOperand:
     :func:`quantize_operand` computes along the rows, stored in 4 bits."""
     f = get_format(fmt)
     scale = f.tensor_scale(x)
-    if scale is None:
-        return PackedOperand(f.encode(x.float(), dim=-1))
-    return PackedOperand(f.encode(x.float() / scale, dim=-1, per_tensor_scale=False), scale)
+    rows = x.float() if scale is None else x.float() / scale
+    packed = encode_rows(fmt, rows) if rows.dim() == 2 else None
+    if packed is None:
+        opts = {} if scale is None else {"per_tensor_scale": False}
+        packed = f.encode(rows, dim=-1, **opts)
+    return PackedOperand(packed, scale)
 
 
 def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,

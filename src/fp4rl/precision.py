@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import platform
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,16 +55,29 @@ def describe_cpu() -> str:
     """One line for benchmark output: model and bf16 capability."""
     model, flags = cpu_info()
     native = ", ".join(flags) if flags else "none (bf16 GEMMs are emulated, slower than fp32)"
+    if flags and not _kernels_use_bf16():
+        native += (f" (unused: torch's kernels run {torch.backends.cpu.get_cpu_capability()}"
+                   f", oneDNN ISA {os.environ.get('ONEDNN_MAX_CPU_ISA', 'ALL')})")
     return f"CPU: {model}; native bf16 flags: {native}"
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run natively on ``device``."""
+    """Whether bf16 matmuls run natively on ``device``: on a CPU, one of
+    :data:`BF16_CPU_FLAGS` and kernels allowed to use it (``ATEN_CPU_CAPABILITY=avx2`` or
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` hold torch and oneDNN to the avx2 code path, where bf16 is
+    emulated, as on a CPU without the flags)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(cpu_info()[1])
+        return bool(cpu_info()[1]) and _kernels_use_bf16()
     return False
+
+
+def _kernels_use_bf16() -> bool:
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512"):
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return isa == "ALL" or "AVX512_CORE_BF16" in isa or "AMX" in isa
 
 
 def resolve_device(spec: str | torch.device = "auto") -> torch.device:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +15,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
                            "these tests in an environment of its own")
 
 from fp4rl.cli import main  # noqa: E402
+from fp4rl.models import load_model  # noqa: E402
 
 
 def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_path, capsys):
@@ -24,8 +28,10 @@ def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_pat
     gc.collect()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    bf16_bytes = sum(2 * p.numel() for p in load_model("smollm2-135m")[0].parameters())
     for r in rows:
         assert r["time/refit"] > 0 and r["sync/bytes"] > 0  # refit before every rollout
+        assert r["sync/bytes"] <= 0.5 * bf16_bytes  # the packed Q(W) on the wire
         assert r["completions/mean_length"] > 0
     trained = [r for r in rows if r["active_fraction"] > 0]
     assert trained, "the smoke preset earns reward within two steps"
@@ -62,3 +68,24 @@ def test_resume_reproduces_the_uninterrupted_vllm_run(tmp_path):
              .splitlines()] for run in ("a", "b"))
     for key in ("reward_mean", "completions/mean_length", "loss", "grad_norm"):
         assert a[1][key] == pytest.approx(b[1][key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_engine_core_in_its_own_process_gives_the_same_run(tmp_path):
+    """vLLM's default on GPUs runs the engine core in a process of its own; the refit goes
+    through vLLM's worker interface, so the run is the same as with the core in the
+    trainer's process: every metric but the timings."""
+    runs = {}
+    for multi in ("0", "1"):
+        out = tmp_path / f"mp{multi}"
+        done = subprocess.run(
+            [sys.executable, "-m", "fp4rl.cli", "train", "--config", "smoke", "--output",
+             str(out), "--steps", "2", "rollout.engine=vllm", "run.keep_checkpoints=1"],
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multi},
+            capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[multi] = [json.loads(line) for line in (out / "metrics.jsonl").read_text()
+                       .splitlines()]
+    timing = ("time/", "tokens_per_second/")
+    for a, b in zip(runs["0"], runs["1"], strict=True):
+        same = {k: v for k, v in a.items() if not k.startswith(timing)}
+        assert same == {k: v for k, v in b.items() if not k.startswith(timing)}

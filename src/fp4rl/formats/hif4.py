@@ -26,7 +26,18 @@ class HiF4(BlockFormat):
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()
-        v16 = a.unflatten(-1, (16, 4)).amax(-1)
+        s, r, d8, d16 = self.hierarchy(a.unflatten(-1, (16, 4)).amax(-1))
+        d = d8.repeat_interleave(8, -1) + d16.repeat_interleave(4, -1)
+        t = a * r * pow2(2 - d)
+        m4 = torch.floor(t + (0.5 if noise is None else noise))
+        m4 = torch.where(m4 >= 8, 7.0, m4).to(torch.int64)
+        return {"scale": s, "d8": d8, "d16": d16, "m4": m4, "neg": torch.signbit(blocks)}
+
+    @staticmethod
+    def hierarchy(v16: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The block's scales from the largest magnitude of each group of 4 (``(N, 16)``
+        float64): the E6M2 scale ``s``, its bf16 reciprocal ``r`` and the level-2 and
+        level-3 exponent bits ``d8`` ``(N, 8)`` and ``d16`` ``(N, 16)``."""
         v8 = v16.unflatten(-1, (8, 2)).amax(-1)
         vmax = v8.amax(-1, keepdim=True)
         s = bf16_round(vmax * C).clamp(SCALE_MIN, SCALE_MAX)
@@ -34,11 +45,7 @@ class HiF4(BlockFormat):
         r = bf16_round(1.0 / s)
         d8 = (v8 * r >= 4).to(torch.int64)
         d16 = (v16 * r * pow2(-d8.repeat_interleave(2, -1)) >= 2).to(torch.int64)
-        d = d8.repeat_interleave(8, -1) + d16.repeat_interleave(4, -1)
-        t = a * r * pow2(2 - d)
-        m4 = torch.floor(t + (0.5 if noise is None else noise))
-        m4 = torch.where(m4 >= 8, 7.0, m4).to(torch.int64)
-        return {"scale": s, "d8": d8, "d16": d16, "m4": m4, "neg": torch.signbit(blocks)}
+        return s, r, d8, d16
 
     def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
         d = fields["d8"].repeat_interleave(8, -1) + fields["d16"].repeat_interleave(4, -1)

@@ -245,31 +245,49 @@ class RefitPayload:
                    for g in self.grids.values())
         return grid + sum(t.numel() * t.element_size() for _, t in self.tensors)
 
-    def to_wire(self) -> dict[str, Any]:
-        """Plain containers of tensors, strings and numbers (what ``collective_rpc``
-        serializes when the engine core runs in its own process)."""
-        grids = {}
+    def to_wire(self, as_bytes: bool = False) -> dict[str, Any]:
+        """Plain containers of tensors, strings and numbers; ``as_bytes``: every tensor
+        inside one safetensors blob, for an engine core in another process
+        (``collective_rpc`` serializes bytes as they are, tensors only where the
+        receiver declares them)."""
+        grids: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for name, g in self.grids.items():
             scale = None if g.scale is None else float(g.scale.reshape(()))
             if isinstance(g, PackedOperand):
                 grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
-                               "fields": g.row_fields(), "scale": scale}
+                               "scale": scale, "fields": sorted(g.packed.fields)}
+                tensors.update({f"g/{name}/{k}": v for k, v in g.row_fields().items()})
             else:
-                grids[name] = {"values": g.values, "scale": scale}
-        return {"grids": grids, "tensors": [[n, t] for n, t in self.tensors]}
+                grids[name] = {"scale": scale}
+                tensors[f"g/{name}/values"] = g.values
+        tensors.update({f"t/{n}": t for n, t in self.tensors})
+        wire = {"grids": grids, "tensors": [n for n, _ in self.tensors]}
+        if as_bytes:
+            from safetensors.torch import save
+
+            return {**wire, "blob": save({k: v.contiguous() for k, v in tensors.items()})}
+        return {**wire, "data": tensors}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> RefitPayload:
+        if "blob" in wire:
+            from safetensors.torch import load
+
+            data = load(wire["blob"])
+        else:
+            data = wire["data"]
         grids: dict[str, Operand | PackedOperand] = {}
         for name, g in wire["grids"].items():
             scale = None if g["scale"] is None else torch.tensor([g["scale"]],
                                                                  dtype=torch.float32)
-            if "values" in g:
-                grids[name] = Operand(g["values"], scale)
-            else:
+            if "format" in g:
+                fields = {k: data[f"g/{name}/{k}"] for k in g["fields"]}
                 grids[name] = PackedOperand.from_row_fields(g["format"], tuple(g["shape"]),
-                                                            g["fields"], scale)
-        return cls(grids, [(n, t) for n, t in wire["tensors"]])
+                                                            fields, scale)
+            else:
+                grids[name] = Operand(data[f"g/{name}/values"], scale)
+        return cls(grids, [(n, data[f"t/{n}"]) for n in wire["tensors"]])
 
 
 def refit_payload(model: torch.nn.Module, dtype: torch.dtype, packed: bool = False
@@ -302,8 +320,9 @@ def refit(llm: Any, model: torch.nn.Module, packed: bool = False) -> RefitStats:
     samples from the new policy, with no restart."""
     start = time.perf_counter()
     payload = refit_payload(model, llm.llm_engine.model_config.dtype, packed)
+    in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
     with torch.no_grad():
-        llm.collective_rpc("fp4rl_refit", args=(payload.to_wire(),))
+        llm.collective_rpc("fp4rl_refit", args=(payload.to_wire(as_bytes=not in_process),))
     llm.reset_prefix_cache()
     return RefitStats(time.perf_counter() - start, payload.nbytes,
                       len(payload.grids) + len(payload.tensors))

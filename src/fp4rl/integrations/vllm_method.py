@@ -24,6 +24,8 @@ in :mod:`fp4rl.integrations.vllm_worker`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,6 +237,11 @@ def install(layer: torch.nn.Module, parts: list[Part]) -> None:
     if [p.values.shape[0] if isinstance(p, Operand) else p.rows for p in parts] != state.shards:
         raise VLLMError(f"a refit sent parts of {len(parts)} layers for an fp4rl layer of "
                         f"parts {state.shards}")
+    if state.storage == "packed" and state.fmt != UNQUANTIZED and \
+            any(isinstance(p, Operand) for p in parts):
+        raise VLLMError("an engine with weight_storage=packed keeps the 4-bit codes it is "
+                        "sent: refit it with the packed wire (refit(..., packed=True), "
+                        "rollout.vllm.refit_wire=packed)")
     state.ready = parts
 
 
@@ -247,6 +254,7 @@ def process(layer: torch.nn.Module) -> bool:
     if layer.weight.numel():
         layer.weight.data = torch.empty(0, state.in_features, dtype=state.dtype,
                                         device=layer.weight.device)
+        release_freed_memory()
     if parts is None:
         return False
     state.store = WeightStore.build(parts, state.storage, state.dtype)
@@ -291,8 +299,15 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
 def process_model(model: torch.nn.Module) -> int:
     """:func:`process` every fp4rl layer of an engine's model; returns how many stored
     something new."""
-    return sum(process(m) for m in model.modules() if isinstance(getattr(m, "fp4rl", None),
-                                                                    LayerState))
+    return sum(process(m) for m in model.modules()
+               if isinstance(getattr(m, "fp4rl", None), LayerState))
+
+
+def release_freed_memory() -> None:
+    """Hand the load-time weights this process freed back to the system (glibc keeps freed
+    blocks for reuse otherwise, and the engine would look as large as at its peak)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 # ----- the stores ----------------------------------------------------------------------

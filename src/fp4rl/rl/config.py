@@ -25,9 +25,12 @@ from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 
 #: the rollout engines ``rollout.engine`` names
 ROLLOUT_ENGINES = ("hf", "vllm")
-#: the keys of ``rollout.vllm``; ``weight_storage`` as in the vLLM method's config
-VLLM_KEYS = ("weight_storage",)
+#: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config, and
+#: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
+#: scales, or its values in bf16)
+VLLM_KEYS = ("weight_storage", "refit_wire")
 WEIGHT_STORAGES = ("dequantized", "packed")
+REFIT_WIRES = ("packed", "bf16")
 
 
 class _Section(BaseModel):
@@ -163,9 +166,13 @@ class TrainConfig(_Section):
         if unknown:
             raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
                              f"{', '.join(VLLM_KEYS)}")
-        if self.vllm_settings().get("weight_storage", "dequantized") not in WEIGHT_STORAGES:
-            raise ValueError(f"rollout.vllm.weight_storage must be one of "
-                             f"{', '.join(WEIGHT_STORAGES)}")
+        for key, allowed in (("weight_storage", WEIGHT_STORAGES), ("refit_wire", REFIT_WIRES)):
+            if self.vllm_settings().get(key, allowed[0]) not in allowed:
+                raise ValueError(f"rollout.vllm.{key} must be one of {', '.join(allowed)}")
+        if self.vllm_settings()["weight_storage"] == "packed" and \
+                self.vllm_settings()["refit_wire"] != "packed":
+            raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
+                             "sent: set rollout.vllm.refit_wire=packed")
         if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
             from fp4rl.integrations.vllm import VLLMError, rollout_recipe
 
@@ -182,8 +189,10 @@ class TrainConfig(_Section):
         return self.rollout.get("engine", "hf")
 
     def vllm_settings(self) -> dict[str, Any]:
-        """``rollout.vllm``: how the vLLM engine runs (``weight_storage``)."""
-        return dict(self.rollout.get("vllm") or {})
+        """``rollout.vllm``: how the vLLM engine keeps and receives ``Q(W)``, defaults
+        filled in."""
+        return {"weight_storage": WEIGHT_STORAGES[0], "refit_wire": REFIT_WIRES[0],
+                **(self.rollout.get("vllm") or {})}
 
     def recipe(self) -> Recipe:
         return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})

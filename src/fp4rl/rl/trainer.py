@@ -240,8 +240,7 @@ class Trainer:
             raise ConfigError(f"rollout.engine=vllm: vLLM cannot run on {self.device}")
         return VLLMRollout(cfg.model, self.recipe, compute_dtype(self.mixed_precision),
                            cfg.run.seed, cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
-                           self.tok.pad_token_id,
-                           cfg.vllm_settings().get("weight_storage", "dequantized"))
+                           self.tok.pad_token_id, **cfg.vllm_settings())
 
     def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
         """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:

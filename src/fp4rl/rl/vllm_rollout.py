@@ -6,9 +6,9 @@ trainer's current FP32 weights, computed here as fp4rl's own rollout computes it
 installs it without re-quantizing, with no restart. Every response is sampled by vLLM's
 sampler under its own seed (the run's seed, the step, the prompt's position and the
 sample's index, as the ``hf`` engine seeds its rows), and each sampled token's
-log-probability comes from vLLM's processed log-probs: the distribution actually sampled (temperature, top-k, top-p applied). Those are the
-rollout log-probs mu that truncated importance sampling divides by, so TIS corrects the
-real vLLM/trainer mismatch.
+log-probability comes from vLLM's processed log-probs: the distribution actually sampled
+(temperature, top-k, top-p applied). Those are the rollout log-probs mu that truncated
+importance sampling divides by, so TIS corrects the real vLLM/trainer mismatch.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ class VLLMRollout:
 
     def __init__(self, model: str, recipe: Recipe, dtype: torch.dtype, seed: int,
                  max_model_len: int, pad_token_id: int,
-                 weight_storage: str = "dequantized") -> None:
+                 weight_storage: str = "dequantized", refit_wire: str = "packed") -> None:
         self.spec = EngineSpec(model_dir(model), recipe, dtype=dtype, seed=seed,
                                max_model_len=max_model_len, weight_storage=weight_storage)
+        self.packed_wire = refit_wire == "packed"
         self.pad_token_id = pad_token_id
         #: the engine, built now (seconds) so that no step's timings include its start
         self.llm = make_llm(self.spec)
 
     def refit(self, model: torch.nn.Module) -> RefitStats:
-        """Hand the engine ``Q(W)`` of ``model``'s current weights (4-bit codes and scales
-        where the engine keeps them packed) and the other tensors."""
-        return refit(self.llm, model, packed=self.spec.weight_storage == "packed")
+        """Hand the engine ``Q(W)`` of ``model``'s current weights (as 4-bit codes and
+        scales, or their values in bf16) and the other tensors."""
+        return refit(self.llm, model, packed=self.packed_wire)
 
     def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
                  seeds: Sequence[Sequence[int]], config: SamplingConfig,

@@ -1,0 +1,70 @@
+"""The ``fp4rl`` method's two weight storages: the same logits bit for bit, and the memory
+each takes against a plain bf16 engine (each engine measured in a fresh process)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
+                           "these tests in an environment of its own")
+
+from fp4rl.cli import main  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
+
+RECIPES = ("hif4+resq-2:4", "nvfp4")
+PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
+
+
+@pytest.fixture(scope="module", params=RECIPES)
+def exported(request, tmp_path_factory) -> tuple[str, str]:
+    out = tmp_path_factory.mktemp("storage") / request.param
+    assert main(["export", "--model", "smollm2-135m", "--format", "vllm", "--recipe",
+                 request.param, "--output", str(out)]) == 0
+    return request.param, str(out)
+
+
+def logprobs(llm) -> list:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    return [[*o.prompt_logprobs[1:], *o.outputs[0].logprobs]
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def as_floats(rows: list) -> list:
+    return [[{t: lp.logprob for t, lp in d.items()} for d in row] for row in rows]
+
+
+def test_packed_and_dequantized_storage_give_the_same_logits(exported):
+    recipe, directory = exported
+    out = {}
+    for storage in ("dequantized", "packed"):
+        llm = make_llm(EngineSpec(directory, recipe, dtype=torch.bfloat16, max_model_len=256,
+                                  kv_cache_bytes=128 << 20, weight_storage=storage))
+        layers = [m for m in engine_model(llm).modules() if hasattr(m, "fp4rl")]
+        assert layers and all(m.weight.numel() == 0 for m in layers)  # no weight beside Q(W)
+        stores = {m.fp4rl.store.storage for m in layers}
+        assert stores == {storage}
+        out[storage] = as_floats(logprobs(llm))
+        del llm
+        gc.collect()
+    assert out["packed"] == out["dequantized"]
+
+
+def test_engine_memory_against_a_bf16_engine():
+    """Process memory a built and refit engine adds: the default storage no more than a
+    plain bf16 engine (vLLM's prepacked weight is the one copy of Q(W)), packed storage
+    at least 100 MB less for SmolLM2-135M (4.5 bits per block-linear value, not 16)."""
+    from fp4rl.bench.engine import run
+
+    rows = {r["engine"]: r for r in run(batch=2, new_tokens=2, repeats=1)}
+    mib = 2 ** 20
+    print({k: round(r["rss_bytes"] / mib) for k, r in rows.items()})
+    assert rows["dequantized"]["rss_bytes"] <= rows["bf16"]["rss_bytes"] + 16 * mib
+    assert rows["packed"]["rss_bytes"] <= rows["bf16"]["rss_bytes"] - 100 * mib
+    assert rows["packed"]["block_bytes_per_param"] <= 0.3 * 2
+    assert rows["dequantized"]["refit_bytes"] <= 0.5 * rows["bf16"]["refit_bytes"]
