@@ -3,8 +3,9 @@
 
 Each engine is measured in a fresh process of its own (memory a process once took is not
 reliably given back, so engines measured one after another in one process would be
-charged for each other): the trainer's model is loaded and patched first, then the
-engine is built and refit once from it, as the trainer does before its first rollout.
+charged for each other): the trainer's model is loaded, patched and read once (its
+weights may be mapped from the model cache's file, and are resident in a trainer), then
+the engine is built and refit once from it, as the trainer does before its first rollout.
 Per engine:
 
 - ``rss_bytes``: the process's resident memory added by building and refitting the engine
@@ -72,6 +73,9 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
     texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(batch)]
     prompts = [vllm.TokensPrompt(prompt_token_ids=ids[0].tolist())
                for ids in encode_prompts(tok, texts)]
+    with torch.no_grad():  # the trainer's weights resident (they may be mapped from a file)
+        for p in model.parameters():
+            p.sum()
     release_freed_memory()
     before = rss()
     spec = EngineSpec(model_dir(model_name), recipe, dtype=torch.bfloat16,

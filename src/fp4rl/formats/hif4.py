@@ -44,7 +44,8 @@ class HiF4(BlockFormat):
         s = round_minifloat(s, 2)
         r = bf16_round(1.0 / s)
         d8 = (v8 * r >= 4).to(torch.int64)
-        d16 = (v16 * r * pow2(-d8.repeat_interleave(2, -1)) >= 2).to(torch.int64)
+        halved = torch.where(d8.repeat_interleave(2, -1) == 1, 0.5, 1.0)  # 2^-d8, exactly
+        d16 = (v16 * r * halved >= 2).to(torch.int64)
         return s, r, d8, d16
 
     def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from fp4rl.formats import get_format
-from fp4rl.formats._exact import nonfinite_blocks, pow2
+from fp4rl.formats._exact import pow2
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.mxfp4 import shared_exponent
 from fp4rl.formats.nvfp4 import E4M3_MAX, e4m3_round
@@ -34,8 +34,11 @@ def _hif4(fmt: BlockFormat, blocks: torch.Tensor) -> tuple[dict[str, torch.Tenso
                                                           torch.Tensor]:
     v16 = blocks.abs().unflatten(-1, (16, 4)).amax(-1).double()
     s, _, d8, d16 = fmt.hierarchy(v16)  # type: ignore[attr-defined]
-    factor = (pow2(d8.repeat_interleave(2, -1) + d16 - 2) * s).float()
+    factor = _QUARTERS[d8.repeat_interleave(2, -1) + d16] * s.float()  # 2^(d - 2) * s
     return {"scale": s, "d8": d8, "d16": d16}, factor.unsqueeze(-1)
+
+
+_QUARTERS = torch.tensor([0.25, 0.5, 1.0])
 
 
 def _mxfp4(fmt: BlockFormat, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor],
@@ -68,7 +71,7 @@ def _element_codes(fmt_name: str, blocks: torch.Tensor, q: torch.Tensor,
     """Packed 4-bit codes: ``|q| / scale`` (exact) with the sign of ``blocks`` in bit 3,
     two per byte, the low nibble first."""
     shaped = q.abs().view(q.shape[0], scale.shape[1], -1)
-    m = torch.where(scale > 0, shaped / torch.where(scale > 0, scale, 1.0), 0.0)
+    m = shaped / torch.where(scale > 0, scale, 1.0)  # a zero scale's block is all zeros
     codes = _magnitude_codes(fmt_name, m.view(q.shape))
     codes |= torch.signbit(blocks).to(torch.uint8) << 3
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -87,11 +90,12 @@ def encode_rows(fmt_name: str, rows: torch.Tensor) -> PackedTensor | None:
     q = quantize_rows(fmt.name, rows, None)
     if q is None:
         return None
-    length, bs = rows.shape[1], fmt.block_size
+    shape, length, bs = tuple(rows.shape), rows.shape[1], fmt.block_size
     pad = -length % bs
-    blocks = torch.nn.functional.pad(rows, (0, pad)).reshape(-1, bs)
-    qb = torch.nn.functional.pad(q, (0, pad)).reshape(-1, bs)
-    nan = nonfinite_blocks(blocks)
+    if pad:
+        rows, q = (torch.nn.functional.pad(t, (0, pad)) for t in (rows, q))
+    blocks, qb = rows.reshape(-1, bs), q.reshape(-1, bs)
+    nan = ~torch.isfinite(blocks.abs().amax(-1, keepdim=True))  # NaN and Inf reach the max
     if bool(nan.any()):
         blocks, qb = torch.where(nan, 0.0, blocks), torch.where(nan, 0.0, qb)
     fields, scale = scales_of(fmt, blocks)
@@ -100,8 +104,7 @@ def encode_rows(fmt_name: str, rows: torch.Tensor) -> PackedTensor | None:
         {"q": empty.double(), "neg": empty.bool()}
     buffers = fmt.pack({**fields, **element_fields}, nan.squeeze(-1))
     buffers["codes"] = _element_codes(fmt.name, blocks, qb, scale)
-    return PackedTensor(fmt.name, tuple(rows.shape), 1, rows.dtype, buffers, None,
-                        {"length": length})
+    return PackedTensor(fmt.name, shape, 1, rows.dtype, buffers, None, {"length": length})
 
 
 __all__ = ["encode_rows"]
