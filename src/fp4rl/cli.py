@@ -633,6 +633,16 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
                     config=args.config, rollout_engine=args.rollout_engine)
 
 
+def _env(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl import env
+
+    sections = env.report()
+    console.print(env.render(sections), markup=False, highlight=False, soft_wrap=True)
+    if args.json:
+        write_json(args.json, sections)
+    return 0
+
+
 def _presets(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.presets import list_presets
 
@@ -861,6 +871,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--report-only", action="store_true",
                      help="write the tables from the finished runs without running any")
     exp.set_defaults(func=_experiment)
+
+    envp = sub.add_parser("env", help="versions, devices and kernels, for a bug report")
+    envp.add_argument("--json", help="also write the report to this JSON file")
+    envp.set_defaults(func=_env)
 
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
     bench.add_argument("what", choices=["formats", "linear", "rollout", "train", "engine"],

@@ -127,3 +127,33 @@ def test_refit_is_the_same_with_the_engine_core_in_its_own_process(smollm_dir, p
     model, _ = updated_model()
     bf16_bytes = sum(p.numel() * 2 for p in model.parameters())
     assert results["1"]["bytes"] <= (0.5 if packed else 1.0) * bf16_bytes
+
+
+def test_plain_weights_through_vllms_own_load_and_processing_every_step(smollm_dir):
+    """What verl's sync does: bf16 buckets through the model's ``load_weights``, then
+    vLLM's ``process_weights_after_loading`` over the whole model, every step. The engine
+    quantizes what it was given; with weights bf16 holds exactly, that is the refit's Q(W)
+    bit for bit, step after step."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from fp4rl.integrations.vllm import engine_model
+
+    spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+                      kv_cache_bytes=256 << 20)
+    plain, refitted = make_llm(spec), make_llm(spec)
+    for seed in (0, 1):  # two steps
+        model, tok = updated_model(seed)
+        with torch.no_grad():  # masters that bf16 holds exactly: both paths see the same W
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        engine = engine_model(plain)
+        with torch.no_grad():
+            engine.load_weights((n, p.detach().to(torch.bfloat16))
+                                for n, p in model.named_parameters())
+        process_weights_after_loading(engine, plain.llm_engine.model_config,
+                                      torch.device("cpu"))
+        plain.reset_prefix_cache()
+        refit(refitted, model, packed=True)
+        assert prompt_logprobs(plain, tok) == prompt_logprobs(refitted, tok), seed
+    del plain, refitted
+    gc.collect()

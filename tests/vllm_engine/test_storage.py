@@ -56,15 +56,20 @@ def test_packed_and_dequantized_storage_give_the_same_logits(exported):
 
 
 def test_engine_memory_against_a_bf16_engine():
-    """Process memory a built and refit engine adds: the default storage no more than a
-    plain bf16 engine (vLLM's prepacked weight is the one copy of Q(W)), packed storage
-    at least 100 MB less for SmolLM2-135M (4.5 bits per block-linear value, not 16)."""
+    """Process memory a built and refit engine adds. The default storage holds the block
+    linears in exactly a bf16 engine's bytes (vLLM's prepacked weight is the one copy of
+    Q(W)), and its process takes what a bf16 engine's does, give or take fp4rl's code and
+    per-layer state (2%; measured: +1%); packed storage takes at least 100 MB less for
+    SmolLM2-135M (4.5 bits per block-linear value, not 16). A refit moves at most half
+    the model's bf16 bytes."""
     from fp4rl.bench.engine import run
 
     rows = {r["engine"]: r for r in run(batch=2, new_tokens=2, repeats=1)}
     mib = 2 ** 20
     print({k: round(r["rss_bytes"] / mib) for k, r in rows.items()})
-    assert rows["dequantized"]["rss_bytes"] <= rows["bf16"]["rss_bytes"] + 16 * mib
+    assert rows["dequantized"]["block_bytes_per_param"] == rows["bf16"]["block_bytes_per_param"]
+    assert rows["dequantized"]["rss_bytes"] <= 1.02 * rows["bf16"]["rss_bytes"]
     assert rows["packed"]["rss_bytes"] <= rows["bf16"]["rss_bytes"] - 100 * mib
     assert rows["packed"]["block_bytes_per_param"] <= 0.3 * 2
-    assert rows["dequantized"]["refit_bytes"] <= 0.5 * rows["bf16"]["refit_bytes"]
+    for storage in ("dequantized", "packed"):
+        assert rows[storage]["refit_bytes"] <= 0.5 * rows["bf16"]["refit_bytes"]

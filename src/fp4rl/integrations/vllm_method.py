@@ -120,13 +120,26 @@ class LayerState:
     #: ``Q(W)`` parts handed over ready-made (:func:`install`)
     ready: list[Part] | None = None
 
-    def part_index(self, shard_id: Any) -> int:
-        """The part a loader's shard id names (None: the whole of a one-part layer)."""
+    def parts_of(self, shard_id: Any) -> set[int]:
+        """The parts a loader's shard id names: None the whole layer (a checkpoint that
+        stores a merged layer fused), "q"/"k"/"v" or an index one part, a tuple several."""
         if shard_id is None:
-            return 0
+            return set(range(len(self.shards)))
+        if isinstance(shard_id, tuple):
+            return set().union(*(self.parts_of(s) for s in shard_id))
         if isinstance(shard_id, str):
-            return "qkv".index(shard_id)
-        return int(shard_id)
+            return {"qkv".index(shard_id)}
+        return {int(shard_id)}
+
+
+def _shard_id(loaded: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The shard id a vLLM loader was called with (positional, keyword, or, as vLLM's
+    weights mapper does, an attribute of the loaded tensor)."""
+    if args:
+        return args[0]
+    if "loaded_shard_id" in kwargs:
+        return kwargs["loaded_shard_id"]
+    return getattr(loaded, "shard_id", None)
 
 
 class FP4RLLinearMethod(LinearMethodBase):
@@ -151,12 +164,12 @@ class FP4RLLinearMethod(LinearMethodBase):
         layer.fp4rl = state
         shape = (sum(state.shards), input_size_per_partition)
 
-        def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any) -> Any:
+        def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> Any:
             if param.numel() == 0:
                 param.data = torch.empty(shape, dtype=params_dtype, device=param.device)
-            shard = args[0] if args else getattr(loaded, "shard_id", None)
-            state.written.add(state.part_index(shard))
-            return weight_loader(param, loaded, *args)
+            state.written |= state.parts_of(_shard_id(loaded, args, kwargs))
+            return weight_loader(param, loaded, *args, **kwargs)
 
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),
@@ -217,14 +230,18 @@ def _field_dtype(name: str) -> torch.dtype:
 def _field_loader(state: LayerState, name: str) -> Callable[..., None]:
     """A loader that keeps a packed field of one part until processing assembles it."""
 
-    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any) -> None:
+    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
+             **kwargs: Any) -> None:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         if get_tensor_model_parallel_world_size() != 1:
             raise VLLMError("packed fp4rl weights load with tensor_parallel_size=1 only; "
                             "export with --format bf16 for a sharded engine")
-        shard = args[0] if args else getattr(loaded, "shard_id", None)
-        state.incoming.setdefault(state.part_index(shard), {})[name] = loaded.detach().clone()
+        parts = state.parts_of(_shard_id(loaded, args, kwargs))
+        if len(parts) != 1:
+            raise VLLMError(f"packed fp4rl field {name} arrived for parts {sorted(parts)} "
+                            "at once; an fp4rl export stores each of q/k/v, gate/up apart")
+        state.incoming.setdefault(parts.pop(), {})[name] = loaded.detach().clone()
 
     return load
 

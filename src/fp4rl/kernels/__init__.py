@@ -73,6 +73,26 @@ def _backend(fmt_name: str, device: torch.device, op: str) -> ModuleType | None:
     return None
 
 
+def kernel_choice(fmt_name: str, device: torch.device | str) -> tuple[str, str]:
+    """Which path quantizes ``fmt_name`` rows on ``device`` (``"c"``, ``"triton"`` or
+    ``"reference"``) and why, for ``fp4rl env`` and bug reports."""
+    device = torch.device(device)
+    if os.environ.get("FP4RL_DISABLE_KERNELS") == "1":
+        return "reference", "FP4RL_DISABLE_KERNELS=1"
+    if fmt_name not in _SUPPORT:
+        return "reference", "no kernel knows this format"
+    if device.type == "cuda" or os.environ.get("FP4RL_KERNELS") == "triton":
+        why = "CUDA tensor" if device.type == "cuda" else "FP4RL_KERNELS=triton"
+        if _triton() is None:
+            return "reference", f"{why}, but Triton does not import"
+        return "triton", why
+    if device.type != "cpu":
+        return "reference", f"no kernel for {device.type} tensors"
+    if cpu.load_library() is None:
+        return "reference", "the C kernel could not be compiled (no C compiler?)"
+    return "c", f"fused C kernel, {cpu._library_path().name}"
+
+
 def has_kernel(fmt_name: str, device: torch.device | str, axis: int = 1) -> bool:
     """Whether a kernel quantizes ``fmt_name`` along ``axis`` (1: rows, 0: columns) of a
     matrix on ``device``; False for formats the kernels do not know."""
