@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -371,17 +372,29 @@ DEFAULT_TRAIN_PRESET = "smoke"
 
 def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int:
     from fp4rl.paths import check_writable
+    from fp4rl.rundir_lock import exclusive
 
     out = Path(args.output)
     check_writable(out, "--output", directory=True)
-    cfg = _resume_config(args, out, console) if args.resume else _new_run_config(args, out)
     created = not out.exists()
+    # one writer per run directory; under torchrun the ranks share rank 0's lock
+    lock = exclusive(out, warn=console.print) if is_main else contextlib.nullcontext()
     try:
-        return _train_with(cfg, out, args.resume, console, is_main)
-    except BaseException:
-        if created and is_main:
+        with lock:
+            cfg = _resume_config(args, out, console) if args.resume else \
+                _new_run_config(args, out)
+            return _train_with(cfg, out, args.resume, console, is_main)
+    except BaseException as err:
+        if created and is_main and not _refused_by_lock(err):
             _remove_unstarted(out)
         raise
+
+
+def _refused_by_lock(err: BaseException) -> bool:
+    """Whether ``err`` is a second writer's refusal (the directory is the holder's)."""
+    from fp4rl.errors import OutputError
+
+    return isinstance(err, OutputError) and " is in use by " in str(err)
 
 
 def _train_with(cfg: TrainConfig, out: Path, resume: bool, console: Console,
@@ -588,9 +601,18 @@ def _experiment(args: argparse.Namespace, console: Console) -> int:
     chosen = ex.select_cells(grid, args.cells) if args.cells else cut
     cells = cut + [c for c in chosen if c not in cut]  # what the report covers
     runs = ex.seeded_cells(chosen, exp.run_seeds)
-    exp.output.mkdir(parents=True, exist_ok=True)
+    from fp4rl.rundir_lock import exclusive
+
+    with exclusive(exp.output, warn=console.print):  # one writer per experiment directory
+        return _experiment_in(args, exp, cells, chosen, runs, console)
+
+
+def _experiment_in(args: argparse.Namespace, exp: Experiment, cells: list[Cell],
+                   chosen: list[Cell], runs: list, console: Console) -> int:
+    from fp4rl import experiments as ex
+
     if not args.report_only:
-        console.print(f"{args.kind} grid, {preset.name} preset: {len(chosen)} of {len(cells)} "
+        console.print(f"{args.kind} grid, {exp.preset.name} preset: {len(chosen)} of {len(cells)} "
                       f"cells x seeds {', '.join(map(str, exp.run_seeds))} in {exp.output} "
                       f"({args.jobs} at a time)")
         _run_grid(exp, runs, args.jobs, console)
