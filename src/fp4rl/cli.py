@@ -13,6 +13,7 @@ from rich.console import Console
 
 from fp4rl.errors import UserError
 from fp4rl.paths import write_json
+from fp4rl.progress import status
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -46,20 +47,24 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.what == "formats":
         from fp4rl.bench import formats as bench
 
-        results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS, size=args.size,
-                            repeats=args.repeats, device=args.device, dim=args.dim)
+        with status(console, "benchmarking the quantizers"):
+            results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS,
+                                size=args.size, repeats=args.repeats, device=args.device,
+                                dim=args.dim)
         bench.render(results, console, args.size)
     elif args.what == "rollout":
         from fp4rl.bench import rollout as bench
 
-        results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
-                                    repeats=args.repeats, device=device, engines=engines)
+        with status(console, f"benchmarking generation ({', '.join(engines)})"):
+            results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
+                                        repeats=args.repeats, device=device, engines=engines)
         bench.render(results, tokens, console)
     elif args.what == "engine":
         from fp4rl.bench import engine as bench
 
-        rows = bench.run(args.model, batch=args.batch or 8, new_tokens=args.tokens or 16,
-                         repeats=args.repeats)
+        with status(console, "benchmarking vLLM engines, one process each"):
+            rows = bench.run(args.model, batch=args.batch or 8,
+                             new_tokens=args.tokens or 16, repeats=args.repeats)
         bench.render(rows, console)
         console.print(f"machine: {common.machine()}")
         if args.json:
@@ -73,13 +78,16 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         fmt = (args.formats or ["hif4"])[0]
         shapes = bench.SHAPES if args.tokens is None else tuple(
             (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
-        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
+        with status(console, f"benchmarking the {fmt} linear"):
+            results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats,
+                                device=device)
         bench.render(results, console)
     else:  # train
         from fp4rl.bench import train as bench
 
-        results = bench.run(args.model, repeats=args.repeats, device=str(device),
-                            engine="vllm" if "vllm" in engines else "hf")
+        with status(console, "benchmarking a GRPO step"):
+            results = bench.run(args.model, repeats=args.repeats, device=str(device),
+                                engine="vllm" if "vllm" in engines else "hf")
         bench.render(results, console)
     console.print(f"machine: {common.machine()}")
     if args.json:
@@ -123,9 +131,9 @@ def _diagnose(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     from fp4rl.precision import resolve_device
 
-    with console.status(f"loading {args.model}"):
+    with status(console, f"loading {args.model}"):
         model, tok = load_model(args.model, device=resolve_device(args.device))
-    with console.status(f"capturing block linear inputs over {len(prompts)} prompts"):
+    with status(console, f"capturing block linear inputs over {len(prompts)} prompts"):
         acts = capture_linear_inputs(model, encode_prompts(tok, prompts))
     layers = [diagnose.diagnose_activations(n, x, formats)
               for n, x in track(acts.items(), "diagnosing layers", console)]
@@ -205,9 +213,9 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
 
     formats = [get_format(f).name for f in (args.formats or ["hif4", "mxfp4"])]
     out = Path(args.out)
-    with console.status(f"loading {args.model}"):
+    with status(console, f"loading {args.model}"):
         model, tok = load_model(args.model, device=resolve_device(args.device))
-    with console.status(f"sampling {args.n} x {args.num_generations} responses ({formats[0]} "
+    with status(console, f"sampling {args.n} x {args.num_generations} responses ({formats[0]} "
                         "rollout policy)"):
         batch = gradients.sample_batch(
             model, tok, formats[0], prompts=args.n, group=args.num_generations,
@@ -221,9 +229,9 @@ def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
                   f"tokens ({facts['response_tokens']} "
                   f"response tokens); mean reward {facts['reward_mean']:.3f}; advantages: "
                   f"{facts['advantages']}")
-    with console.status("differentiating") as status:
+    with status(console, "differentiating") as live:
         results = gradients.diagnose_gradients(
-            model, batch, formats, progress=lambda v: status.update(f"differentiating: {v}"))
+            model, batch, formats, progress=lambda v: live.update(f"differentiating: {v}"))
     out.mkdir(parents=True, exist_ok=True)  # once there is something to put there
     for result in results:
         plots.plot_gemm_sqnr(result.layers, gradients.SCHEMES,
@@ -325,16 +333,16 @@ def _fidelity(args: argparse.Namespace, console: Console) -> int:
     _check_outputs(json=args.json, plot=args.plot)
     from fp4rl.precision import resolve_device
 
-    with console.status(f"loading {args.model}"):
+    with status(console, f"loading {args.model}"):
         model, tok = load_model(args.model, device=resolve_device(args.device))
     examples, prompts = encode_examples(
         synthetic_dataset("test", n=args.n, levels=args.levels, seed=args.seed), tok,
         max_prompt_length=4096, log=console.print)
-    with console.status("scoring methods") as status:
+    with status(console, "scoring methods") as live:
         rows = fidelity.run_fidelity(
             model, tok, prompts, [e.answer for e in examples], methods,
             max_new_tokens=args.max_new_tokens,
-            progress=lambda m: status.update(f"scoring {m}"))
+            progress=lambda m: live.update(f"scoring {m}"))
     table = Table(title=f"rollout fidelity on {len(examples)} arithmetic prompts "
                         f"(levels {args.levels})")
     for col in ("method", "KL vs unquantized", "KL vs FP4 train", "|dlogp| vs unquantized",
@@ -561,7 +569,7 @@ def _export(args: argparse.Namespace, console: Console) -> int:
 
     _check_outputs(output=args.output)
     source = args.checkpoint or args.model
-    with console.status(f"exporting {source} as {args.format}"):
+    with status(console, f"exporting {source} as {args.format}"):
         export = export_checkpoint if args.checkpoint else export_pretrained
         result = export(source, args.format, args.output, recipe=args.recipe)
     console.print(result.summary(), markup=False, highlight=False, soft_wrap=True)

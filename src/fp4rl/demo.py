@@ -37,7 +37,7 @@ from fp4rl.analysis.activations import capture_linear_inputs, zero_fractions
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.experiments.stats import Estimate, bootstrap, difference_of_means, verdict
 from fp4rl.nn import quantize_model
-from fp4rl.progress import progress_bar
+from fp4rl.progress import progress_bar, status
 from fp4rl.rl.config import TrainConfig, load_config
 from fp4rl.rl.datasets import encode_examples, load_split
 from fp4rl.rl.evaluate import EvalResult, evaluate
@@ -214,7 +214,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     where = resolve_device(cfg.device)
     precision = resolve_mixed_precision(cfg.mixed_precision, where)
     label = _recipe_label(cfg)
-    with console.status(f"loading {cfg.model} (the first run converts its GGUF file, ~30 s)"):
+    with status(console, f"loading {cfg.model} (the first run converts its GGUF file, ~30 s)"):
         net, tok = load_model(cfg.model, device=where)
     console.rule("1. zero collapse of mlp.down_proj inputs")
     zeros = _zero_collapse(net, tok)
@@ -225,7 +225,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     console.rule(f"2. starting accuracy ({cfg.data.source}, greedy Mean@1)")
     tests = _held_out(cfg, tok, seed, size.eval_prompts)
     words = _held_out(cfg, tok, seed, size.eval_prompts, TRANSFER_DATA)
-    with console.status(f"evaluating {len(tests[0])} test prompts, FP4 and unquantized, and "
+    with status(console, f"evaluating {len(tests[0])} test prompts, FP4 and unquantized, and "
                         f"{len(words[0])} word problems"):
         before = _evaluate_all(net, tok, cfg, tests, words, precision, size.reward_samples)
     console.print(f"  {label} rollout {before['fp4'].mean:.1%}   bf16 (unquantized) "
@@ -244,7 +244,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
                .splitlines()]
 
     console.rule("4. accuracy after training")
-    with console.status("evaluating again"):
+    with status(console, "evaluating again"):
         after = _evaluate_all(net, tok, cfg, tests, words, precision, size.reward_samples)
     result = Outcome(before, after, history)
     minutes = (time.perf_counter() - started) / 60
