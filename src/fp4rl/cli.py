@@ -384,13 +384,15 @@ def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int
 
     out = Path(args.output)
     check_writable(out, "--output", directory=True)
+    # a mistake is refused before the directory is touched, lock file included
+    cfg = _resume_config(args, out, console) if args.resume else _new_run_config(args, out)
     created = not out.exists()
     # one writer per run directory; under torchrun the ranks share rank 0's lock
     lock = exclusive(out, warn=console.print) if is_main else contextlib.nullcontext()
     try:
         with lock:
-            cfg = _resume_config(args, out, console) if args.resume else \
-                _new_run_config(args, out)
+            if not args.resume:
+                _refuse_a_run(out)  # one that started between the check and the lock
             return _train_with(cfg, out, args.resume, console, is_main)
     except BaseException as err:
         if created and is_main and not _refused_by_lock(err):
@@ -447,13 +449,18 @@ def _holds_run(out: Path) -> bool:
 def _new_run_config(args: argparse.Namespace, out: Path) -> TrainConfig:
     """A new run's config: ``--config`` (default :data:`DEFAULT_TRAIN_PRESET`) with the
     overrides; refused where ``out`` already holds a run."""
-    from fp4rl.errors import OutputError
     from fp4rl.rl.config import load_config
+
+    _refuse_a_run(out)
+    return load_config(args.config or DEFAULT_TRAIN_PRESET, args.overrides, _steps(args))
+
+
+def _refuse_a_run(out: Path) -> None:
+    from fp4rl.errors import OutputError
 
     if _holds_run(out):
         raise OutputError(f"{out} already holds a run: pass --resume to continue it, or "
                           "choose another --output")
-    return load_config(args.config or DEFAULT_TRAIN_PRESET, args.overrides, _steps(args))
 
 
 def _resume_config(args: argparse.Namespace, out: Path, console: Console) -> TrainConfig:
