@@ -91,8 +91,13 @@ def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
         with pytest.raises(UserError, match=f"--set {item.split('=')[0]}: each cell's recipe"):
             cell_config(bad, cells["hif4"])
     paper = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",))
+    cfg = cell_config(paper, grid_cells("recovery", ("hif4",))[1])  # runs as it is: Hub ids
+    assert cfg.model == "Qwen/Qwen2.5-3B"
+    assert cfg.data.train_path.startswith("hf://datasets/openai/gsm8k/")
+    placeholder = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",),
+                             ("model=/path/to/Qwen2.5-3B",))
     with pytest.raises(ConfigError, match="--set model="):
-        cell_config(paper, grid_cells("recovery", ("hif4",))[1])
+        cell_config(placeholder, grid_cells("recovery", ("hif4",))[1])
 
 
 def test_grid_runs_resumes_and_never_reruns_a_finished_cell(tmp_path, tiny_llama_dir, monkeypatch):

@@ -222,39 +222,53 @@ def load_examples(
     strict: bool = False,
     limit: int | None = None,
 ) -> list[Example]:
-    """Read a local ``.jsonl`` or ``.parquet`` file laid out as ``layout``.
+    """Read a ``.jsonl`` or ``.parquet`` file laid out as ``layout``.
 
     Args:
         layout: a dataset name (see ``LAYOUTS``) or a custom :class:`Layout`.
-        path: the file; its suffix picks the reader.
+        path: a local file, or a Hub file ``hf://datasets/ORG/NAME[@REV]/PATH-IN-REPO``
+            read through huggingface_hub's cache (``PATH`` may be a glob: every match, in
+            name order, as one dataset); its suffix picks the reader.
         fields: ``{"problem": ..., "answer": ...}`` field names overriding the layout's
             candidates, for releases that renamed them.
         strict: raise :class:`DataError` on the first bad record instead of skipping it.
         limit: stop after this many good examples.
 
     Returns:
-        The examples in file order; ``Example.index`` is the record's 0-based position.
-        A file without a single usable record raises :class:`DataError`.
+        The examples in file order; ``Example.index`` is the record's 0-based position
+        (across the files of a glob). A dataset without a single usable record raises
+        :class:`DataError`; bad records are reported by file and line or row, wherever
+        the file came from.
     """
+    from fp4rl.hub import dataset_files, is_dataset_url
+
     spec = _resolve(layout, fields)
-    path = Path(path)
-    file_format = _format_of(path)
+    files = dataset_files(str(path)) if is_dataset_url(path) else [Path(path)]
+    formats = [(f, _format_of(f)) for f in files]
     examples: list[Example] = []
     skipped: list[str] = []
-    for index, raw in file_format.records(path):
+    offset = 0
+    for file, file_format in formats:
+        count = 0
+        for index, raw in file_format.records(file):
+            count = index + 1
+            if limit is not None and len(examples) >= limit:
+                break
+            try:
+                examples.append(record_to_example(spec, file_format.decode(raw),
+                                                  offset + index))
+            except _BadRecord as err:
+                where = f"{file_format.unit} {index + file_format.first_number}"
+                if strict:
+                    raise DataError(f"{file}: {where}: {err}") from None
+                skipped.append(f"{file}: {where}: {err}")
+        offset += count
         if limit is not None and len(examples) >= limit:
             break
-        try:
-            examples.append(record_to_example(spec, file_format.decode(raw), index))
-        except _BadRecord as err:
-            where = f"{file_format.unit} {index + file_format.first_number}"
-            if strict:
-                raise DataError(f"{path}: {where}: {err}") from None
-            skipped.append(f"{where}: {err}")
     if not examples:  # nothing to train or score on: one error, not a warning per row
         why = (f"all {len(skipped)} records skipped; first: {skipped[0]}" if skipped
                else "no records")
         raise DataError(f"{path}: no usable {spec.name} examples ({why})")
     for message in skipped:
-        warnings.warn(f"{path}: {message}; skipped", DataWarning, stacklevel=2)
+        warnings.warn(f"{message}; skipped", DataWarning, stacklevel=2)
     return examples

@@ -37,7 +37,6 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -329,19 +328,17 @@ def refit(llm: Any, model: torch.nn.Module, packed: bool = False) -> RefitStats:
 
 
 def model_dir(name_or_path: str) -> str:
-    """A local Hugging Face directory vLLM can load for fp4rl's model name or path."""
+    """A local Hugging Face directory vLLM can load for fp4rl's model name, a path, or a
+    Hub id (its snapshot in the Hugging Face cache, as :func:`fp4rl.models.load_model`
+    resolves it)."""
     from fp4rl.models import load_model
-    from fp4rl.models.registry import REGISTRY, cached_model_dir
+    from fp4rl.models.registry import REGISTRY, cached_model_dir, checkpoint_dir
 
     if name_or_path in REGISTRY:
         if cached_model_dir(name_or_path) is None:
             load_model(name_or_path)  # builds the cache entry
         return str(cached_model_dir(name_or_path))
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise VLLMError(f"{name_or_path!r} is not a model name or a Hugging Face directory "
-                        "(config.json missing), so vLLM cannot load it")
-    return str(path)
+    return str(checkpoint_dir(name_or_path))
 
 
 __all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "WEIGHT_STORAGES",

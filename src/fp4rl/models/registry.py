@@ -74,12 +74,14 @@ DEFAULT_MODEL = "smollm2-135m"
 def load_model(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> ModelAndTokenizer:
-    """Load a causal LM and its tokenizer by registered name or checkpoint directory.
+    """Load a causal LM and its tokenizer by registered name, checkpoint directory or Hub id.
 
     A registered name is dequantized from its GGUF file once and served from the cache
-    afterwards (see ``fp4rl.models``). Any other argument must be a local Hugging Face
-    checkpoint directory; it is loaded in place, offline. Names take precedence over
-    directories of the same name (write ``./smollm2-135m`` for the directory).
+    afterwards (see ``fp4rl.models``). Any other argument is a local Hugging Face
+    checkpoint directory, loaded in place, or a Hub id ``ORG/NAME[@REVISION]``, whose
+    snapshot comes from the Hugging Face cache (fetched there unless HF_HUB_OFFLINE is
+    set). Precedence: registered names, then directories, then Hub ids (write
+    ``./smollm2-135m`` for a directory of a registered name's spelling).
 
     The model is in eval mode, in ``dtype``, on ``device``. The tokenizer has a pad token
     (its eos token if it had none); its padding side is left as saved, because the rollout
@@ -87,7 +89,7 @@ def load_model(
     """
     source = REGISTRY.get(name_or_path)
     if source is None:
-        return load_checkpoint(_checkpoint_dir(name_or_path), dtype, device)
+        return load_checkpoint(checkpoint_dir(name_or_path), dtype, device)
     gguf = source.locate(name_or_path)
     build = partial(_dequantize_gguf, gguf)
     return load_cached(name_or_path, source.fingerprint(gguf), build, dtype, device)
@@ -120,8 +122,15 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def _checkpoint_dir(name_or_path: str) -> Path:
+def checkpoint_dir(name_or_path: str) -> Path:
+    """The local Hugging Face directory a path or a Hub id (``ORG/NAME[@REVISION]``,
+    resolved through the Hub cache, see :mod:`fp4rl.hub`) names. A local directory wins
+    over a Hub id of the same spelling."""
+    from fp4rl.hub import is_model_id, model_snapshot
+
     path = Path(name_or_path).expanduser()
+    if not path.is_dir() and is_model_id(name_or_path):
+        path = model_snapshot(name_or_path)
     if not path.is_dir():
         raise ModelNotFoundError(_unknown_message(name_or_path))
     if not (path / "config.json").is_file():
@@ -136,6 +145,7 @@ def _unknown_message(name_or_path: str) -> str:
     known = ", ".join(sorted(REGISTRY))
     return (
         f"{name_or_path!r} is neither a known model name nor an existing directory. "
-        f"Known names: {known}. To load another model, pass the path of a local Hugging Face "
-        "checkpoint directory (with config.json, model weights and tokenizer files)."
+        f"Known names: {known}. To load another model, pass a Hub id (ORG/NAME) or the path "
+        "of a local Hugging Face checkpoint directory (with config.json, model weights and "
+        "tokenizer files)."
     )

@@ -25,8 +25,8 @@ def load_split(cfg: DataConfig, split: str, seed: int = 0,
         return synthetic_dataset(split, n=n, levels=cfg.levels, seed=seed, source=cfg.source)
     path = cfg.train_path if split == "train" else cfg.test_path
     if path is None:
-        raise ConfigError(f"data.source={cfg.source!r} needs data.{split}_path (a local .jsonl "
-                         "or .parquet file); nothing is downloaded")
+        raise ConfigError(f"data.source={cfg.source!r} needs data.{split}_path (a .jsonl or "
+                          ".parquet file, local or hf://datasets/ORG/NAME/PATH-IN-REPO)")
     return load_examples(cfg.source, path, fields=cfg.fields, strict=cfg.strict, limit=n)
 
 

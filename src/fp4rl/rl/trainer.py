@@ -184,8 +184,11 @@ class Trainer:
         """A trainer whose model (``config.model``, loaded on the config's device),
         optimizer and examples are built from ``config``."""
         from fp4rl.models import load_model
+        from fp4rl.models.registry import REGISTRY, checkpoint_dir
 
-        examples = load_split(config.data, "train", config.run.seed)  # a data error first
+        if config.model not in REGISTRY:
+            checkpoint_dir(config.model)  # a model that is not there: one line, first
+        examples = load_split(config.data, "train", config.run.seed)  # then a data error
         if config.rollout_engine == "vllm":
             from fp4rl.integrations.vllm import require_vllm
 

@@ -1,0 +1,179 @@
+"""Everything fp4rl checks on a GPU, in one process, with every result written down.
+
+A GPU is lent rarely and for minutes, so the checks must run in one call and survive a
+failing stage: each stage runs, is timed, and writes ``<output>/<stage>.json`` (its
+results, or the error that stopped it); ``<output>/summary.json`` lists every stage with
+the device's name. The stages:
+
+1. ``tests``: the CUDA tests (Triton quantizers bit-exact against the reference for every
+   format, axis and dtype; a CUDA GRPO step against the CPU one) and the Triton kernel
+   tests, through pytest;
+2. ``formats``: ``bench formats`` at 8192 x 8192, with each quantizer's GB/s (one read and
+   one write of every float32 value) and its share of a clone's, the copy bandwidth;
+3. ``linear``: ``bench linear`` at the Qwen2.5-3B shapes, FP4 against bf16;
+4. ``rollout`` and ``train``: ``bench rollout`` and ``bench train`` on the embedded model;
+5. ``demo``: ``fp4rl demo`` on the device, its wall clock and report.
+
+``--device cpu --quick`` runs every stage at toy sizes in well under two minutes on a
+2-core CPU, so the script is known to work before a GPU is ever lent
+(``tests/test_gpu_check.py``)::
+
+    python benchmarks/gpu_check.py --output runs/gpu-check            # on the GPU machine
+    python benchmarks/gpu_check.py --device cpu --quick --output /tmp/check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from fp4rl.bench import common
+from fp4rl.precision import describe_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return describe_cpu()
+
+
+def stage_tests(device: str, quick: bool) -> dict[str, Any]:
+    files = ["tests/test_cuda.py"] if quick else ["tests/test_cuda.py",
+                                                  "tests/test_triton_kernels.py"]
+    env = {**os.environ}
+    if device == "cpu" and not quick:
+        env.update(TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *files], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3000)
+    tail = done.stdout.strip().splitlines()[-1:] or ["no output"]
+    return {"files": files, "exit": done.returncode, "summary": tail[0],
+            "output_tail": done.stdout[-4000:]}
+
+
+def stage_formats(device: str, quick: bool) -> dict[str, Any]:
+    from fp4rl.bench import formats
+
+    size = 256 if quick else 8192
+    rows = formats.run(size=size, repeats=1 if quick else 7, reference_repeats=1,
+                       device=device)
+    moved = 2 * size * size * 4  # one float32 read and one write per value
+    bandwidth = {}
+    for r in rows:
+        if r.name.endswith("fast_vs_clone"):
+            fmt = r.name.split(".")[0]
+            fast, clone = median(r.candidate_times), median(r.baseline_times)
+            bandwidth[fmt] = {"GB/s": moved / fast / 1e9, "clone GB/s": moved / clone / 1e9,
+                              "share of copy bandwidth": clone / fast}
+    return {"size": size, "bandwidth": bandwidth, **common.report(rows)}
+
+
+def stage_linear(device: str, quick: bool) -> dict[str, Any]:
+    from fp4rl.bench import linear
+
+    shapes = tuple(s for s in linear.SHAPES if s[0].startswith("qwen2.5-3b"))
+    if quick:
+        shapes = tuple((name, 16, d, n) for name, _, d, n in shapes[:1])
+    return common.report(linear.run("hif4", shapes, repeats=1 if quick else 5,
+                                    device=device))
+
+
+def stage_rollout(device: str, quick: bool) -> dict[str, Any]:
+    from fp4rl.bench import rollout
+
+    results, tokens = rollout.run(batch=2 if quick else 8, new_tokens=4 if quick else 32,
+                                  repeats=1 if quick else 3, device=device)
+    return {"tokens": tokens, **common.report(results)}
+
+
+def stage_train(device: str, quick: bool) -> dict[str, Any]:
+    from fp4rl.bench import train
+
+    changes = {"grpo.batch_size": 1, "grpo.num_generations": 2, "grpo.micro_batch_size": 2,
+               "grpo.max_response_length": 4} if quick else None
+    return common.report(train.run(repeats=1 if quick else 3, changes=changes,
+                                   device=device))
+
+
+def stage_demo(device: str, quick: bool, output: Path) -> dict[str, Any]:
+    from rich.console import Console
+
+    from fp4rl.demo import DemoSize, run_demo
+
+    # quick: one step of the smoke preset's size (the demo preset's step is 4x larger)
+    size = DemoSize(steps=1, eval_prompts=2, reward_samples=1) if quick else DemoSize()
+    started = time.perf_counter()
+    with (output / "demo.log").open("w") as log:
+        code = run_demo(Console(file=log, width=100), output=str(output / "demo"), size=size,
+                        device=device, config="smoke" if quick else "demo")
+    outcome = json.loads((output / "demo" / "outcome.json").read_text())
+    return {"exit": code, "seconds": time.perf_counter() - started,
+            "report": str(output / "demo" / "report.md"),
+            "after": {k: v["mean@" + str(_k(v))] for k, v in outcome["after"].items()},
+            "before": {k: v["mean@" + str(_k(v))] for k, v in outcome["before"].items()}}
+
+
+def _k(result: dict[str, Any]) -> int:
+    return int(next(key for key in result if key.startswith("mean@")).split("@")[1])
+
+
+def run_stage(name: str, fn: Callable[[], dict[str, Any]], output: Path) -> dict[str, Any]:
+    """Run one stage; its results or its error go to ``<output>/<name>.json``."""
+    print(f"{name} ...", flush=True)
+    started = time.perf_counter()
+    try:
+        record = {"status": "ok", **fn()}
+    except Exception as err:  # a stage's failure is a result too; the next stage runs
+        record = {"status": "error", "error": f"{type(err).__name__}: {err}",
+                  "traceback": traceback.format_exc()[-4000:]}
+    record["seconds"] = time.perf_counter() - started
+    (output / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"{name}: {record['status']} in {record['seconds']:.0f} s", flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="toy sizes (a CPU dry run)")
+    parser.add_argument("--output", type=Path, default=Path("runs/gpu-check"))
+    parser.add_argument("--skip", nargs="*", default=[], help="stages to leave out")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; run with --device cpu --quick to check the "
+              "script itself", file=sys.stderr)
+        return 2
+    args.output.mkdir(parents=True, exist_ok=True)
+    d, q, out = args.device, args.quick, args.output
+    stages: dict[str, Callable[[], dict[str, Any]]] = {
+        "tests": lambda: stage_tests(d, q), "formats": lambda: stage_formats(d, q),
+        "linear": lambda: stage_linear(d, q), "rollout": lambda: stage_rollout(d, q),
+        "train": lambda: stage_train(d, q), "demo": lambda: stage_demo(d, q, out)}
+    records = {name: run_stage(name, fn, out) for name, fn in stages.items()
+               if name not in args.skip}
+    summary = {"device": d, "device_name": device_name(d), "quick": q,
+               "machine": common.machine(), "torch": torch.__version__,
+               "stages": {n: {"status": r["status"], "seconds": r["seconds"]}
+                          for n, r in records.items()}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary["stages"]))
+    return 0 if all(r["status"] == "ok" for r in records.values()) else 1
+
+
+__all__ = ["main", "run_stage"]
+
+if __name__ == "__main__":
+    sys.exit(main())

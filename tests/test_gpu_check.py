@@ -1,0 +1,42 @@
+"""The one-call GPU check runs end to end on a CPU at toy sizes, so it is known to work
+before a GPU is lent: every stage ends ``ok`` and writes its record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--device", "cpu", "--quick", "--output", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    summary = json.loads((out / "summary.json").read_text())
+    failed = {name: json.loads((out / f"{name}.json").read_text()).get("error")
+              for name, s in summary["stages"].items() if s["status"] != "ok"}
+    assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
+    assert set(summary["stages"]) == {"tests", "formats", "linear", "rollout", "train", "demo"}
+    assert "CPU:" in summary["device_name"]
+    formats = json.loads((out / "formats.json").read_text())
+    assert formats["bandwidth"]["hif4"]["GB/s"] > 0
+    assert (out / "demo" / "report.md").is_file()
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--output", str(tmp_path / "x")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in done.stderr
