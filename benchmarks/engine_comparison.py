@@ -84,6 +84,14 @@ def main() -> None:
         print(f"{label}: hf {cells[0]}; vllm {cells[1]}; vllm - hf {d.mean:+.3g} "
               f"[{d.lo:+.3g}, {d.hi:+.3g}]")
     minutes = {e: [runs[e, s]["minutes"] for s in args.seeds] for e in ENGINES}
+    table = ["| change over the run (seed-t 95% interval) | fp4rl's engine (hf) | vLLM | "
+             "vLLM - hf |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        table.append(f"| {row['score']} | " + " | ".join(
+            f"{row[k]['mean']:+.3g} [{row[k]['lo']:+.3g}, {row[k]['hi']:+.3g}]"
+            for k in (*ENGINES, "vllm_minus_hf")) + " |")
+    (args.output / "summary.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
     summary = {"cpu": describe_cpu(), "seeds": args.seeds, "steps": args.steps,
                "eval_prompts": args.eval_prompts, "minutes": minutes, "rows": rows}
     (args.output / "summary.json").write_text(json.dumps(summary, indent=1))
