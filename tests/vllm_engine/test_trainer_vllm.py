@@ -17,6 +17,10 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 from fp4rl.cli import main  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
+#: a quarter of the smoke preset's step, for tests that compare two runs (equal metrics
+#: hold whether or not a step earns reward)
+SMALLER = ["grpo.batch_size=4", "grpo.micro_batch_size=8"]
+
 
 def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_path, capsys):
     out = tmp_path / "run"
@@ -56,7 +60,7 @@ def test_resume_reproduces_the_uninterrupted_vllm_run(tmp_path):
     """The engine is rebuilt on resume and refit from the checkpoint's weights; vLLM's
     per-request seeds then draw the same tokens, so step 2 is the same step."""
     base = ["--config", "smoke", "rollout.engine=vllm", "run.save_steps=1",
-            "run.keep_checkpoints=1"]
+            "run.keep_checkpoints=1", *SMALLER]
     assert main(["train", "--output", str(tmp_path / "a"), "--steps", "2", *base]) == 0
     gc.collect()
     shutil.rmtree(tmp_path / "a" / "checkpoints")  # only its metrics are compared
@@ -79,7 +83,8 @@ def test_the_engine_core_in_its_own_process_gives_the_same_run(tmp_path):
         out = tmp_path / f"mp{multi}"
         done = subprocess.run(
             [sys.executable, "-m", "fp4rl.cli", "train", "--config", "smoke", "--output",
-             str(out), "--steps", "2", "rollout.engine=vllm", "run.keep_checkpoints=1"],
+             str(out), "--steps", "2", "rollout.engine=vllm", "run.keep_checkpoints=1",
+             *SMALLER],
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multi},
             capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
