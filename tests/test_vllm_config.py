@@ -52,3 +52,17 @@ def test_the_vllm_engine_without_vllm_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vLLM is not installed" in err[0] and "fp4rl[vllm]" in err[0]
     assert not out.exists()
+
+
+def test_the_worker_extension_is_named_where_it_lives():
+    """vLLM imports the refit's worker extension by name in every worker: the name must
+    be the class's own (checked without vLLM, through the module's source)."""
+    import ast
+    from pathlib import Path
+
+    from fp4rl.integrations import vllm as fp4vllm
+
+    module, _, name = fp4vllm.WORKER_EXTENSION.rpartition(".")
+    path = Path(fp4vllm.__file__).with_name(module.rsplit(".", 1)[1] + ".py")
+    classes = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+    assert module == "fp4rl.integrations.vllm_worker" and name in classes

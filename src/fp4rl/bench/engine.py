@@ -57,12 +57,19 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
     import torch
 
     from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
-    from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, model_dir, refit
+    from fp4rl.integrations.vllm import (
+        EngineSpec,
+        engine_model,
+        make_llm,
+        model_dir,
+        refit,
+        require_vllm,
+    )
     from fp4rl.integrations.vllm_method import release_freed_memory, store_bytes
     from fp4rl.models import load_model
     from fp4rl.nn import fp4_layers, quantize_model
 
-    vllm = __import__("vllm")
+    vllm = require_vllm()
     model, tok = load_model(model_name)
     recipe = None if engine == "bf16" else RECIPE
     if recipe is not None:
