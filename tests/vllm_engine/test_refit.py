@@ -158,3 +158,28 @@ def test_plain_weights_through_vllms_own_load_and_processing_every_step(smollm_d
         assert prompt_logprobs(plain, tok) == prompt_logprobs(refitted, tok), seed
     del plain, refitted
     gc.collect()
+
+
+def test_an_engine_started_on_dummy_weights_takes_its_first_refit(smollm_dir):
+    """verl starts its rollout engine with vLLM's ``dummy`` load format and syncs the
+    weights afterwards: the fp4rl layers start on zero weights (nothing was loaded), and
+    the first refit makes the engine the one a loaded engine refit alike is."""
+    from vllm import LLM
+
+    from fp4rl.integrations.vllm import method_kwargs
+    from fp4rl.nn.recipe import preset
+
+    model, tok = updated_model()
+    dummy = LLM(model=smollm_dir, dtype=torch.bfloat16, enforce_eager=True,
+                max_model_len=256, kv_cache_memory_bytes=256 << 20, load_format="dummy",
+                logprobs_mode="processed_logprobs", **method_kwargs(preset(RECIPE)))
+    refit(dummy, model, packed=True)
+    got = prompt_logprobs(dummy, tok)
+    del dummy
+    gc.collect()
+    loaded = make_llm(EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+                                 kv_cache_bytes=256 << 20))
+    refit(loaded, model, packed=True)
+    assert got == prompt_logprobs(loaded, tok)
+    del loaded
+    gc.collect()

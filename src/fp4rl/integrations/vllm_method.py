@@ -195,8 +195,8 @@ class FP4RLLinearMethod(LinearMethodBase):
         there is one."""
         state: LayerState = layer.fp4rl
         if state.store is None:
-            raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before any weight "
-                            "was loaded into it")
+            raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before vLLM "
+                            "processed its weights")
         x2 = x.reshape(-1, x.shape[-1])
         # the plug-in's methods (none, resq) quantize bf16 rows as they are, in one kernel
         # pass (widening to float32 is exact, so the operands are the same)
@@ -273,6 +273,11 @@ def process(layer: torch.nn.Module) -> bool:
                                         device=layer.weight.device)
         release_freed_memory()
     if parts is None:
+        if state.store is None:  # nothing loaded yet (vLLM's "dummy" load format, which
+            # verl starts from before its first sync): zero weights until the first load
+            zeros = Operand(torch.zeros(sum(state.shards), state.in_features,
+                                        dtype=state.dtype))
+            state.store = WeightStore.build([zeros], "dequantized", state.dtype)
         return False
     state.store = WeightStore.build(parts, state.storage, state.dtype)
     return True
