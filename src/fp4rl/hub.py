@@ -73,7 +73,8 @@ def model_snapshot(model_id: str) -> Path:
                                       allow_patterns=MODEL_FILES))
     except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         why = _advice(f"model {model_id!r}", f"hf download {repo}")
-        raise HubError(f"{why} ({type(err).__name__})") from None
+        raise HubError(f"{why} ({type(err).__name__}; no local directory {model_id!r} "
+                       "exists either)") from None
     if not (path / "config.json").is_file():
         raise HubError(f"model {model_id!r}: its snapshot {path} has no config.json, so it is "
                        "not a Hugging Face checkpoint (a GGUF-only repository?)")
