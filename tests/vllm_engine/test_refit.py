@@ -37,13 +37,12 @@ def prompt_logprobs(llm, tok) -> list[list[dict[int, float]]]:
 
 def updated_model(seed: int = 0):
     """The embedded model, patched, after an update of the size a few optimizer steps
-    make."""
+    make, to every parameter (the embeddings too: the LM head is tied to them)."""
     model, tok = load_model("smollm2-135m")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layers." in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01 * p.abs().mean())
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01 * p.abs().mean())
     quantize_model(model, RECIPE)
     return model, tok
 

@@ -21,15 +21,20 @@ class FP4RLWorkerExtension:
     """What fp4rl adds to a vLLM worker: installing a trainer's weights."""
 
     model_runner: Any  # the worker's, set by vLLM
+    device: Any
 
     def fp4rl_refit(self, payload: dict[str, Any]) -> int:
         """Load a :class:`RefitPayload` (in its wire form): plain tensors through the
-        model's own ``load_weights``, then each fp4rl layer's ``Q(W)`` as sent, never
-        re-quantized; returns how many fp4rl layers took new weights."""
-        from fp4rl.integrations.vllm_method import LayerState, install, process_model
+        model's own ``load_weights``, each fp4rl layer's ``Q(W)`` as sent (never
+        re-quantized), then vLLM's post-load processing; returns how many fp4rl layers
+        took a new ``Q(W)``."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        from fp4rl.integrations.vllm_method import LayerState, install
 
         sent = RefitPayload.from_wire(payload)
         model = self.model_runner.model
+        installed = 0
         with torch.no_grad():
             if sent.tensors:
                 model.load_weights(sent.tensors)
@@ -43,7 +48,14 @@ class FP4RLWorkerExtension:
                                     " (one merged vLLM layer): send all of them")
                 if all(present):
                     install(module, [sent.grids[n] for n in names])
-            return process_model(model)
+                    installed += 1
+            # vLLM's own processing after a load, as verl runs it after each sync: the fp4rl
+            # layers store what they were sent, and vLLM's other layers rebuild what they
+            # derive from their weights (on a CPU the LM head's prepacked GEMM copy, which
+            # would otherwise keep the embeddings of the first load)
+            process_weights_after_loading(model, self.model_runner.model_config,
+                                          torch.device(self.device))
+        return installed
 
 
 __all__ = ["FP4RLWorkerExtension"]
