@@ -318,13 +318,6 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
     return parts
 
 
-def process_model(model: torch.nn.Module) -> int:
-    """:func:`process` every fp4rl layer of an engine's model; returns how many stored
-    something new."""
-    return sum(process(m) for m in model.modules()
-               if isinstance(getattr(m, "fp4rl", None), LayerState))
-
-
 def release_freed_memory() -> None:
     """Hand the load-time weights this process freed back to the system (glibc keeps freed
     blocks for reuse otherwise, and the engine would look as large as at its peak)."""
