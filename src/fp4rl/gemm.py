@@ -40,6 +40,12 @@ class Operand:
             return self.values
         return self.values.float() * self.scale
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values (and the per-tensor scale's 4)."""
+        return self.values.numel() * self.values.element_size() + \
+            (4 if self.scale is not None else 0)
+
     def t(self) -> Operand:
         return Operand(self.values.t(), self.scale)
 

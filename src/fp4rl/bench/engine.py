@@ -89,9 +89,8 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
                       max_model_len=512, kv_cache_bytes=256 << 20,
                       weight_storage="packed" if engine == "packed" else "dequantized")
     llm = make_llm(spec)
-    packed = True  # the trainer's default wire (rollout.vllm.refit_wire)
-    if recipe is not None:
-        refit(llm, model, packed=packed)
+    if recipe is not None:  # packed: the trainer's default wire (rollout.vllm.refit_wire)
+        refit(llm, model, packed=True)
     release_freed_memory()
     added = rss() - before
     if recipe is None:  # vLLM's own CPU linears drop the weight they prepack: no refit
@@ -99,7 +98,7 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
             2 * p.numel() for p in model.parameters()), float("nan")
     else:  # what TRL and verl would send instead: every parameter in bf16
         held = store_bytes(engine_model(llm))
-        refits = [refit(llm, model, packed=packed) for _ in range(repeats)]
+        refits = [refit(llm, model, packed=True) for _ in range(repeats)]
         refit_bytes, refit_seconds = refits[-1].bytes, median(r.seconds for r in refits)
     params = vllm.SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
     times = []

@@ -238,11 +238,8 @@ class RefitPayload:
 
     @property
     def nbytes(self) -> int:
-        grid = sum(g.nbytes if isinstance(g, PackedOperand) else
-                   g.values.numel() * g.values.element_size() + (4 if g.scale is not None
-                                                                 else 0)
-                   for g in self.grids.values())
-        return grid + sum(t.numel() * t.element_size() for _, t in self.tensors)
+        return sum(g.nbytes for g in self.grids.values()) + \
+            sum(t.numel() * t.element_size() for _, t in self.tensors)
 
     def to_wire(self, as_bytes: bool = False) -> dict[str, Any]:
         """Plain containers of tensors, strings and numbers; ``as_bytes``: every tensor
@@ -306,7 +303,7 @@ def refit_payload(model: torch.nn.Module, dtype: torch.dtype, packed: bool = Fal
             w = layer.recovery.transform_weight(layer.weight.detach())
             grids[name] = pack_operand(w, layer.recipe.rollout.weights)
         else:
-            grids[name] = layer.rollout_weight(torch.float32).to(torch.bfloat16)
+            grids[name] = layer.rollout_weight(torch.bfloat16)  # cached, as the hf rollout
     skip = {f"{n}.weight" for n in grids}
     tensors = [(n, p.detach().to(dtype) if p.is_floating_point() else p.detach())
                for n, p in model.named_parameters() if n not in skip]
