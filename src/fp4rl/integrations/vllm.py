@@ -303,7 +303,7 @@ def refit_payload(model: torch.nn.Module, dtype: torch.dtype, packed: bool = Fal
             w = layer.recovery.transform_weight(layer.weight.detach())
             grids[name] = pack_operand(w, layer.recipe.rollout.weights)
         else:
-            grids[name] = layer.rollout_weight(torch.bfloat16)  # cached, as the hf rollout
+            grids[name] = layer.rollout_weight(torch.float32).to(torch.bfloat16)
     skip = {f"{n}.weight" for n in grids}
     tensors = [(n, p.detach().to(dtype) if p.is_floating_point() else p.detach())
                for n, p in model.named_parameters() if n not in skip]
