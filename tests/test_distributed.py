@@ -194,7 +194,7 @@ def test_resume_after_a_rank_dies_equals_the_uninterrupted_run(tmp_path, tiny_ll
 
 
 PACKED_SYNC = textwrap.dedent("""
-    import copy, sys
+    import copy, gc, sys
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -204,9 +204,8 @@ PACKED_SYNC = textwrap.dedent("""
     from fp4rl.nn.recipe import preset
     from fp4rl.rl.weight_sync import sync_rollout_weights
 
-    dist.init_process_group("gloo")
-    try:
-        recipe = preset(sys.argv[1])
+    def main(name: str) -> None:
+        recipe = preset(name)
         torch.manual_seed(0)
         llama, _ = tiny_model("llama")
         odd = torch.nn.Linear(128, 33)  # 33 rows: shards of 17 and 16, one padded
@@ -240,7 +239,14 @@ PACKED_SYNC = textwrap.dedent("""
                 assert torch.equal(p, full[name]), name
         assert 0 < sent.packed < sent.packed_as_bf16 / 3
         print("packed sync ok", sent)
+
+    # The sharded modules hold the group: they die with main's frame (and the collection),
+    # so gloo's worker threads are joined now, not during interpreter shutdown.
+    dist.init_process_group("gloo")
+    try:
+        main(sys.argv[1])
     finally:
+        gc.collect()
         dist.destroy_process_group()
 """)
 

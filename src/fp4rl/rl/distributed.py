@@ -10,6 +10,7 @@ averaged by ``DistributedDataParallel``; metrics are reduced here and written by
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,8 +97,12 @@ _JOINED: list[bool] = []
 
 def teardown() -> None:
     """Leave the process group :func:`setup` joined (every launched process must, or the
-    launcher hangs); a group someone else created is theirs to destroy."""
+    launcher hangs); a group someone else created is theirs to destroy.
+
+    Sharded modules and meshes keep the group alive; collecting them first lets gloo join
+    its worker threads now rather than during interpreter shutdown, where they abort."""
     if _JOINED and dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
         _JOINED.clear()
 
