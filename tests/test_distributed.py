@@ -202,7 +202,7 @@ PACKED_SYNC = textwrap.dedent("""
     from fp4rl.models import tiny_model
     from fp4rl.nn import FP4Linear, fp4_layers, quantize_model
     from fp4rl.nn.recipe import preset
-    from fp4rl.rl.weight_sync import sync_rollout_weights
+    from fp4rl.rollout.weight_sync import sync_rollout_weights
 
     def main(name: str) -> None:
         recipe = preset(name)

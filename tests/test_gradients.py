@@ -18,7 +18,7 @@ from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Recipe, TrainPrecision, fp4_layers, preset, quantize_model
 from fp4rl.rl.grpo import LossConfig, grpo_loss
 from fp4rl.rl.logprobs import response_logprobs
-from fp4rl.rl.rollout import RolloutBatch
+from fp4rl.rollout import RolloutBatch
 
 
 def _np_sqnr(approx: torch.Tensor, ref: torch.Tensor) -> float:

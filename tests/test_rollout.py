@@ -10,7 +10,7 @@ import torch
 
 import fp4rl
 from fp4rl.models import tiny_model
-from fp4rl.rl.rollout import (
+from fp4rl.rollout import (
     RolloutBatch,
     SamplingConfig,
     generate,

@@ -58,11 +58,12 @@ def test_the_worker_extension_is_named_where_it_lives():
     """vLLM imports the refit's worker extension by name in every worker: the name must
     be the class's own (checked without vLLM, through the module's source)."""
     import ast
+    import importlib.util
     from pathlib import Path
 
     from fp4rl.integrations import vllm as fp4vllm
 
     module, _, name = fp4vllm.WORKER_EXTENSION.rpartition(".")
-    path = Path(fp4vllm.__file__).with_name(module.rsplit(".", 1)[1] + ".py")
+    path = Path(importlib.util.find_spec(module).origin)
     classes = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
-    assert module == "fp4rl.integrations.vllm_worker" and name in classes
+    assert module == "fp4rl.rollout.vllm.worker" and name in classes

@@ -180,7 +180,7 @@ def greedy_agreement(smollm_dir, model, tok, recipe: str, dtype: torch.dtype
     from vllm import SamplingParams, TokensPrompt
 
     from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
-    from fp4rl.rl.rollout import SamplingConfig, generate
+    from fp4rl.rollout import SamplingConfig, generate
 
     texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] + ("" if i < len(BUILTIN_PROMPTS)
                                                           else f" ({i})") for i in range(32)]

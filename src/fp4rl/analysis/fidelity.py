@@ -24,7 +24,7 @@ import torch
 from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
 from fp4rl.recovery import recovery_variants
 from fp4rl.rl.rewards import get_reward_fn
-from fp4rl.rl.rollout import SamplingConfig, generate
+from fp4rl.rollout import SamplingConfig, generate
 
 
 def default_methods(formats: Sequence[str] = ("hif4", "mxfp4")) -> list[str]:

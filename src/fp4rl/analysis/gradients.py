@@ -67,7 +67,7 @@ from fp4rl.rl.datasets import encode_examples, stop_token_ids
 from fp4rl.rl.grpo import LossConfig, aggregate, group_advantages, tis_weights
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.rewards import get_reward_fn
-from fp4rl.rl.rollout import (
+from fp4rl.rollout import (
     RolloutBatch,
     SamplingConfig,
     generate,

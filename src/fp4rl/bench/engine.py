@@ -65,9 +65,9 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
         refit,
         require_vllm,
     )
-    from fp4rl.integrations.vllm_method import release_freed_memory, store_bytes
     from fp4rl.models import load_model
     from fp4rl.nn import fp4_layers, quantize_model
+    from fp4rl.rollout.vllm.method import release_freed_memory, store_bytes
 
     vllm = require_vllm()
     model, tok = load_model(model_name)

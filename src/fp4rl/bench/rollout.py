@@ -5,7 +5,9 @@ the fp4rl plug-in (``vllm``).
 The same prompts (the built-in ones, cycled up to the batch, encoded once, fed to vLLM as
 token ids), greedy, EOS disabled so every configuration produces the same number of tokens;
 every policy of every engine is interleaved inside each repeat, after all of them were
-built. In ``hf`` the baseline is the unquantized model under bf16 autocast (what a user
+built. Each engine is driven through :mod:`fp4rl.rollout`'s interface, by the same
+``generate`` call the trainer makes (per-row seeds, the sampled tokens' log-probs).
+In ``hf`` the baseline is the unquantized model under bf16 autocast (what a user
 would otherwise run); the FP4 policies run under the same autocast, and an fp32 row shows
 what bf16 itself buys on this machine. Weights are quantized once per policy version (the
 rollout cache), so what remains is the per-token activation work. In ``vllm`` the
@@ -33,12 +35,9 @@ from rich.table import Table
 
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.bench.common import Comparison, compare, measure
-from fp4rl.errors import UserError
-from fp4rl.nn import quantize_model, rollout_mode
-from fp4rl.precision import autocast
-from fp4rl.rl.rollout import SamplingConfig, generate
+from fp4rl.nn import quantize_model
+from fp4rl.rollout import ENGINES, KVCacheEngine, RolloutEngine, SamplingConfig, engine_name
 
-ENGINES = ("hf", "vllm")
 POLICIES = ("hif4", "hif4+resq-2:4")
 #: the policy whose targets the rows state, and the one the two engines are compared on
 RESQ = "hif4+resq-2:4"
@@ -47,13 +46,11 @@ CROSS_TARGET = ">= 2 (vLLM tokens/s over hf's)"
 
 
 def check_engines(engines: Sequence[str]) -> tuple[str, ...]:
-    """The engines asked for, in the order hf, vllm; vLLM's absence is one line."""
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown or not engines:
-        raise UserError(f"unknown engine {unknown[0] if unknown else '(none)'}: choose from "
-                        f"{', '.join(ENGINES)}")
+    """The engines asked for (aliases read as their engine), in the registry's order;
+    an unknown name, or vLLM's absence, is one line."""
+    engines = {engine_name(e) for e in engines or ["(none)"]}
     if "vllm" in engines:
-        from fp4rl.integrations.vllm import require_vllm
+        from fp4rl.rollout.vllm.config import require_vllm
 
         require_vllm()
     return tuple(e for e in ENGINES if e in engines)
@@ -80,7 +77,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     else:
         from transformers import AutoTokenizer
 
-        from fp4rl.integrations.vllm import model_dir
+        from fp4rl.rollout.vllm.engine import model_dir
 
         tok = AutoTokenizer.from_pretrained(model_dir(model_name))
     texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(batch)]
@@ -88,7 +85,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     if hf_fns is not None:
         fns.update(hf_fns(prompts, new_tokens))
     if "vllm" in engines:
-        fns.update(_vllm(model_name, prompts, new_tokens))
+        fns.update(_vllm(model_name, prompts, tok.pad_token_id, new_tokens))
     timings = measure(fns, repeats)
     results = []
     for engine in engines:
@@ -112,32 +109,32 @@ def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
     def fns(prompts: list[list[int]], new_tokens: int) -> dict[str, Callable[[], None]]:
         sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 
-        def sample(model: torch.nn.Module, precision: str) -> None:
-            with autocast(dev, precision):
-                generate(model, prompts, sampling, pad_token_id=tok.pad_token_id,
-                         eos_token_ids=[])
+        def sample(engine: RolloutEngine) -> None:
+            engine.generate([prompts], [list(range(len(prompts)))], sampling)
+
+        def engine(model: torch.nn.Module, precision: str) -> KVCacheEngine:
+            return KVCacheEngine(model, tok.pad_token_id, [], mixed_precision=precision)
 
         def policy(name: str) -> Callable[[], None]:
             """One rollout of a new policy version: weights quantized once, then cached."""
             def go() -> None:
                 quantize_model(patched, name)
-                with rollout_mode(patched):
-                    sample(patched, "bf16")
+                sample(engine(patched, "bf16"))
             return go
 
-        return {"hf.bf16": lambda: sample(plain, "bf16"), "hf.fp32": lambda: sample(plain, "no"),
+        return {"hf.bf16": lambda: sample(engine(plain, "bf16")),
+                "hf.fp32": lambda: sample(engine(plain, "no")),
                 **{f"hf.{n}": policy(n) for n in POLICIES}}
 
     return fns, tok
 
 
-def _vllm(model_name: str, prompts: list[list[int]],
+def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
           new_tokens: int) -> dict[str, Callable[[], None]]:
     """vLLM: one engine per policy (plain vLLM for bf16), all built before any is timed."""
-    from fp4rl.integrations.vllm import EngineSpec, make_llm, model_dir, require_vllm
     from fp4rl.nn.recipe import preset
+    from fp4rl.rollout.vllm.engine import EngineSpec, VLLMEngine, model_dir
 
-    vllm = require_vllm()
     directory = model_dir(model_name)
     longest = max(map(len, prompts)) + new_tokens
     sizes = {"max_model_len": max(longest, 256),
@@ -145,17 +142,16 @@ def _vllm(model_name: str, prompts: list[list[int]],
     specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
              **{p: EngineSpec(directory, preset(p), dtype=torch.bfloat16, **sizes)
                 for p in POLICIES}}
-    llms = {name: make_llm(spec) for name, spec in specs.items()}
-    params = vllm.SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
-    inputs = [vllm.TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    engines = {name: VLLMEngine.from_spec(spec, pad_token_id, []) for name, spec in specs.items()}
+    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 
-    def rollout(llm: Any) -> Callable[[], None]:
+    def rollout(engine: VLLMEngine) -> Callable[[], None]:
         def go() -> None:
-            llm.reset_prefix_cache()
-            llm.generate(inputs, params, use_tqdm=False)
+            engine.llm.reset_prefix_cache()
+            engine.generate([prompts], [list(range(len(prompts)))], sampling)
         return go
 
-    return {f"vllm.{name}": rollout(llm) for name, llm in llms.items()}
+    return {f"vllm.{name}": rollout(engine) for name, engine in engines.items()}
 
 
 def _kv_cache_bytes(directory: str, tokens: int) -> int:

@@ -1,6 +1,6 @@
 """The ``vllm`` export format: a Hugging Face directory vLLM serves as fp4rl's rollout policy.
 
-config.json carries ``quantization_config`` = :func:`fp4rl.integrations.vllm.quantization_config`
+config.json carries ``quantization_config`` = :func:`fp4rl.rollout.vllm.config.quantization_config`
 of the rollout recipe, so that vLLM, with fp4rl installed (its ``vllm.general_plugins``
 entry point registers the ``fp4rl`` method), quantizes the block linears as fp4rl's rollout
 mode does. Writing it needs no vLLM: the config is plain JSON.
@@ -24,8 +24,8 @@ from transformers import PreTrainedModel
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError, block_linears
 from fp4rl.gemm import UNQUANTIZED, pack_operand
-from fp4rl.integrations.vllm import MERGED, quantization_config, rollout_recipe
 from fp4rl.nn.recipe import Recipe
+from fp4rl.rollout.vllm.config import MERGED, quantization_config, rollout_recipe
 
 #: the rollout recipe ``fp4rl export --format vllm`` writes when none is given
 DEFAULT_VLLM_RECIPE = "hif4+resq-2:4"

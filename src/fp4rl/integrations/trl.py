@@ -52,7 +52,7 @@ from torch import nn
 
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.nn import Recipe, begin_step, preset, quantize_model, rollout_mode
-from fp4rl.rl.rollout import SamplingConfig, generate
+from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
 TRL_REQUIREMENT = "trl>=1.16,<1.17"
@@ -72,8 +72,10 @@ except ModuleNotFoundError as error:
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
-RolloutEngine = Literal["fp4rl", "transformers"]
-ROLLOUT_ENGINES: tuple[str, ...] = get_args(RolloutEngine)
+#: ``fp4_rollout_engine``: fp4rl's KV-cache engine by its one name (``hf``, or its alias
+#: ``fp4rl``), or transformers' ``generate``; vLLM is TRL's own switch (``use_vllm``)
+TRLEngine = Literal["hf", "fp4rl", "transformers"]
+TRL_ENGINES: tuple[str, ...] = get_args(TRLEngine)
 
 #: GRPOTrainer arguments this trainer cannot honour, and why
 _REFUSED_ARGUMENTS = {
@@ -110,12 +112,19 @@ def resolve_recipe(recipe: Recipe | str) -> Recipe:
                       f"got {type(recipe).__name__}")
 
 
-def _check_engine(engine: str, args: GRPOConfig | None) -> None:
-    if engine not in ROLLOUT_ENGINES:
+def _check_engine(engine: str, args: GRPOConfig | None) -> str:
+    """``engine``'s one name (``hf`` or ``transformers``), checked against ``args``'
+    generation options."""
+    if engine not in TRL_ENGINES:
+        hint = (": vLLM is TRL's switch, use_vllm=True with vllm_mode='colocate'"
+                if engine == "vllm" else did_you_mean(engine, TRL_ENGINES))
         raise UserError(f"fp4_rollout_engine {engine!r} is not one of "
-                        f"{', '.join(ROLLOUT_ENGINES)}{did_you_mean(engine, ROLLOUT_ENGINES)}")
-    if engine != "fp4rl" or args is None:
-        return
+                        f"{', '.join(TRL_ENGINES)}{hint}")
+    if engine == "transformers":
+        return engine
+    engine = engine_name(engine)
+    if args is None:
+        return engine
     extras = {"min_p": args.min_p is not None, "repetition_penalty": args.repetition_penalty != 1,
               "generation_kwargs": bool(args.generation_kwargs)}
     chosen = [name for name, used in extras.items() if used]
@@ -123,6 +132,7 @@ def _check_engine(engine: str, args: GRPOConfig | None) -> None:
         raise UserError(f"{', '.join(chosen)}: fp4rl's rollout engine samples with temperature, "
                         "top_p and top_k only; pass fp4_rollout_engine='transformers' to sample "
                         "with transformers' generate, which applies them")
+    return engine
 
 
 def _check_config(args: GRPOConfig) -> None:
@@ -226,10 +236,12 @@ def _lengths_through_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> 
 def sample_with_fp4rl(model: nn.Module, prompt_ids: Sequence[Sequence[int]],
                       config: SamplingConfig, pad_token_id: int,
                       eos_token_ids: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """One completion per prompt from fp4rl's KV-cache engine, with each token's log-prob
-    under the filtered distribution it was drawn from."""
-    batch = generate(model, prompt_ids, config, pad_token_id=pad_token_id,
-                     eos_token_ids=list(eos_token_ids))
+    """One completion per prompt from fp4rl's KV-cache engine (``hf``), with each token's
+    log-prob under the filtered distribution it was drawn from. Each row's seed is drawn
+    from torch's global generator, so TRL's ``seed`` fixes the completions."""
+    seeds = torch.randint(0, 2**62, (len(prompt_ids),)).tolist()
+    [batch] = KVCacheEngine(model, pad_token_id, eos_token_ids).generate(
+        [prompt_ids], [seeds], config)
     return _trim(batch.response_ids, batch.logprobs, batch.response_lengths())
 
 
@@ -275,11 +287,11 @@ class FP4GRPOTrainer(GRPOTrainer):
 
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any = None,
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
-                 fp4_rollout_engine: RolloutEngine = "fp4rl", **kwargs: Any) -> None:
+                 fp4_rollout_engine: TRLEngine = "hf", **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
         on_vllm = args is not None and args.use_vllm
         # vLLM's sampler applies every generation option of GRPOConfig
-        _check_engine(fp4_rollout_engine, None if on_vllm else args)
+        engine = _check_engine(fp4_rollout_engine, None if on_vllm else args)
         if args is not None:
             _check_config(args)
         if on_vllm:
@@ -290,7 +302,7 @@ class FP4GRPOTrainer(GRPOTrainer):
         with _engine_with_fp4rl_method(recipe, args) if on_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
         self.fp4_recipe = recipe
-        self.fp4_rollout_engine = "vllm" if on_vllm else fp4_rollout_engine
+        self.fp4_rollout_engine = "vllm" if on_vllm else engine
         self._patch_policies(recipe)
         # TRL applies its sampler-mismatch correction only under this flag (see the module
         # docstring); unless args.use_vllm, TRL built no vLLM engine.
@@ -346,12 +358,14 @@ class FP4GRPOTrainer(GRPOTrainer):
         only samples; the refit time and bytes are logged with TRL's metrics."""
         if self.state.global_step == self._last_loaded_step:
             return
-        from fp4rl.integrations.vllm import refit
+        from fp4rl.rollout import VLLMEngine
 
-        stats = refit(self.vllm_generation.llm, self.accelerator.unwrap_model(self.model))
+        engine = VLLMEngine(self.vllm_generation.llm, self.generation_config.pad_token_id,
+                            self.eos_token_ids, refit_wire="bf16")
+        metrics = engine.sync(self.accelerator.unwrap_model(self.model))
         self._last_loaded_step = self.state.global_step
         mode = "train" if self.model.training else "eval"
-        for key, value in stats.metrics().items():
+        for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
     def _sampling_config(self) -> SamplingConfig:
@@ -359,6 +373,6 @@ class FP4GRPOTrainer(GRPOTrainer):
                               top_k=self.top_k or 0, max_new_tokens=self.max_completion_length)
 
 
-__all__ = ["INSTALL", "ROLLOUT_ENGINES", "TRL_REQUIREMENT", "FP4GRPOTrainer", "RolloutEngine",
+__all__ = ["INSTALL", "TRL_ENGINES", "TRL_REQUIREMENT", "FP4GRPOTrainer", "TRLEngine",
            "TRLVersionError", "check_trl_version", "resolve_recipe", "sample_with_fp4rl",
            "sample_with_transformers"]

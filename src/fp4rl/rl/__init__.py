@@ -4,8 +4,8 @@ from fp4rl.rl.config import ConfigError, TrainConfig, load_config
 from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.grpo import LossConfig, group_advantages, grpo_loss
 from fp4rl.rl.rewards import get_reward_fn, register_reward
-from fp4rl.rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
 from fp4rl.rl.trainer import Trainer, read_metrics
+from fp4rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
 
 __all__ = [
            "ConfigError",

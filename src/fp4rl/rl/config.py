@@ -22,14 +22,13 @@ from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import Recipe
 from fp4rl.presets import preset_path
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
+from fp4rl.rollout.registry import EngineError, engine_name
+from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, VLLMError, rollout_recipe
 
-#: the rollout engines ``rollout.engine`` names
-ROLLOUT_ENGINES = ("hf", "vllm")
 #: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config, and
 #: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
 #: scales, or its values in bf16)
 VLLM_KEYS = ("weight_storage", "refit_wire")
-WEIGHT_STORAGES = ("dequantized", "packed")
 REFIT_WIRES = ("packed", "bf16")
 
 
@@ -159,9 +158,10 @@ class TrainConfig(_Section):
             self.recipe()
         except RecipeError as err:
             raise ValueError(str(err)) from None
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got "
-                             f"{self.rollout_engine!r}")
+        try:
+            engine_name(self.rollout.get("engine", "hf"))
+        except EngineError as err:
+            raise ValueError(f"rollout.engine: {err}") from None
         unknown = sorted(set(self.rollout.get("vllm") or {}) - set(VLLM_KEYS))
         if unknown:
             raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
@@ -174,8 +174,6 @@ class TrainConfig(_Section):
             raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
                              "sent: set rollout.vllm.refit_wire=packed")
         if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
-            from fp4rl.integrations.vllm import VLLMError, rollout_recipe
-
             try:
                 rollout_recipe(self.recipe())
             except VLLMError as err:
@@ -185,8 +183,9 @@ class TrainConfig(_Section):
     @property
     def rollout_engine(self) -> str:
         """Where the rollout runs: ``hf`` (fp4rl's KV-cache engine on the trainer's model)
-        or ``vllm`` (a colocated vLLM engine with the fp4rl quantization method)."""
-        return self.rollout.get("engine", "hf")
+        or ``vllm`` (a colocated vLLM engine with the fp4rl quantization method); an alias
+        (``fp4rl``) reads as the engine's one name."""
+        return engine_name(self.rollout.get("engine", "hf"))
 
     def vllm_settings(self) -> dict[str, Any]:
         """``rollout.vllm``: how the vLLM engine keeps and receives ``Q(W)``, defaults

@@ -11,7 +11,6 @@ prompt (a paired comparison), which separates far smaller gaps than two means ca
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,11 +20,16 @@ from typing import Any
 import torch
 
 from fp4rl.data import Example
-from fp4rl.nn import fp4_layers, rollout_mode
-from fp4rl.precision import autocast, resolve_mixed_precision
+from fp4rl.precision import resolve_mixed_precision
 from fp4rl.rl.datasets import stop_token_ids
 from fp4rl.rl.rewards import get_reward_fn
-from fp4rl.rl.rollout import SamplingConfig, generate
+from fp4rl.rollout import (
+    KVCacheEngine,
+    RolloutEngine,
+    SamplingConfig,
+    concat_batches,
+    sample_seed,
+)
 
 
 @dataclass
@@ -62,20 +66,26 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
              max_new_tokens: int = 256, seed: int = 0, batch_size: int = 32,
              reward: str | None = None, eos_token_ids: list[int] | None = None,
              progress: bool | Callable[[int], None] = False,
-             mixed_precision: str = "no") -> EvalResult:
+             mixed_precision: str = "no", engine: RolloutEngine | None = None) -> EvalResult:
     """Score ``examples`` (with their encoded ``prompts``) by Mean@k, on the model's device
-    and in the compute dtype of ``mixed_precision`` (no, bf16 or auto)."""
+    and in the compute dtype of ``mixed_precision`` (no, bf16 or auto).
+
+    Sample j of prompt i draws under its own seed (``seed``, i, j), in chunks of
+    ``batch_size`` rows, from ``engine`` (default: fp4rl's KV-cache engine on ``model``,
+    as its rollout policy if it is patched)."""
     device = next(model.parameters()).device
-    precision = resolve_mixed_precision(mixed_precision, device)
+    if engine is None:
+        engine = KVCacheEngine(model, tokenizer.pad_token_id,
+                               eos_token_ids or stop_token_ids(tokenizer),
+                               mixed_precision=resolve_mixed_precision(mixed_precision, device))
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                               greedy=k == 1)
-    repeated = [p for p in prompts for _ in range(k)]
-    mode = rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext()
-    with autocast(device, precision), mode:
-        batch = generate(model, repeated, sampling, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_ids=eos_token_ids or stop_token_ids(tokenizer),
-                         generator=torch.Generator(device).manual_seed(seed),
-                         batch_size=batch_size, progress=progress)
+    rows = [(p, sample_seed(seed, i, j)) for i, p in enumerate(prompts) for j in range(k)]
+    chunks = [rows[c:c + batch_size] for c in range(0, len(rows), batch_size)]
+    batch = concat_batches(engine.generate([[p for p, _ in c] for c in chunks],
+                                           [[s for _, s in c] for c in chunks], sampling,
+                                           progress=progress),
+                           tokenizer.pad_token_id)
     texts = batch.texts(tokenizer)
     scores = torch.tensor([
         get_reward_fn(reward or e.reward)(texts[i * k + j], e.answer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4rl.rl.rollout import position_ids
+from fp4rl.rollout import position_ids
 
 
 def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,

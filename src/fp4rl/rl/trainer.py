@@ -43,7 +43,6 @@ from fp4rl.nn import (
     fp4_layers,
     load_rollout_states,
     quantize_model,
-    rollout_mode,
     rollout_states,
     train_mode,
 )
@@ -61,15 +60,16 @@ from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_sta
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
 from fp4rl.rl.rewards import get_reward_fn
-from fp4rl.rl.rollout import (
+from fp4rl.rollout import (
     RolloutBatch,
+    RolloutEngine,
+    RolloutSetup,
     SamplingConfig,
+    build_engine,
     concat_batches,
-    generate,
-    row_generators,
+    engine_class,
     sample_seed,
 )
-from fp4rl.rl.weight_sync import sync_rollout_weights
 
 METRICS = "metrics.jsonl"
 
@@ -175,8 +175,9 @@ class Trainer:
         self.step = 0
         self.eos_ids = stop_token_ids(tokenizer)
         self.last_timings = StepTimings()
-        #: the colocated vLLM engine under ``rollout.engine: vllm`` (None: the hf engine)
-        self.vllm = self._vllm_engine()
+        #: the rollout engine ``rollout.engine`` names (:mod:`fp4rl.rollout`), built now
+        #: so that no step's timings include its start
+        self.engine = self._rollout_engine()
 
     @classmethod
     def from_config(cls, config: TrainConfig, output_dir: str | Path,
@@ -189,11 +190,10 @@ class Trainer:
         if config.model not in REGISTRY:
             checkpoint_dir(config.model)  # a model that is not there: one line, first
         examples = load_split(config.data, "train", config.run.seed)  # then a data error
-        if config.rollout_engine == "vllm":
-            from fp4rl.integrations.vllm import require_vllm
-
-            require_vllm()  # before minutes of loading
-        _, device = _setup_distributed(config)
+        d, device = _setup_distributed(config)
+        # an engine that cannot serve the run (vLLM absent, on several processes): one
+        # line before minutes of loading
+        engine_class(config.rollout_engine).check(config.recipe(), device, d.world_size)
         model, tokenizer = load_model(config.model, device=device)
         return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
 
@@ -225,25 +225,19 @@ class Trainer:
         size = g.micro_batch_size * 4
         return [rows[k:k + size] for k in range(0, len(rows), size)]
 
-    def _vllm_engine(self) -> Any:
-        """The vLLM rollout engine the config asks for, or None (the config has already
-        refused recipes vLLM cannot run); a missing vLLM or a setting it cannot serve is
-        one line, before any step."""
+    def _rollout_engine(self) -> RolloutEngine:
+        """The engine ``rollout.engine`` names, serving ``self.policy``; one that cannot
+        serve this run (the config has already refused recipes it cannot run) is one
+        line, before any step."""
         cfg = self.cfg
-        if cfg.rollout_engine != "vllm":
-            return None
-        from fp4rl.integrations.vllm import require_vllm
-        from fp4rl.rl.vllm_rollout import VLLMRollout
-
-        require_vllm()
-        if self.dist.active:
-            raise ConfigError("rollout.engine=vllm runs one colocated engine in one process; "
-                              "with several processes use rollout.engine=hf")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"rollout.engine=vllm: vLLM cannot run on {self.device}")
-        return VLLMRollout(cfg.model, self.recipe, compute_dtype(self.mixed_precision),
-                           cfg.run.seed, cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
-                           self.tok.pad_token_id, **cfg.vllm_settings())
+        engine = engine_class(cfg.rollout_engine)
+        engine.check(self.recipe, self.device, self.dist.world_size)
+        return build_engine(cfg.rollout_engine, RolloutSetup(
+            model=cfg.model, policy=self.policy, recipe=self.recipe,
+            mixed_precision=self.mixed_precision, seed=cfg.run.seed,
+            max_model_len=cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
+            pad_token_id=self.tok.pad_token_id, eos_token_ids=tuple(self.eos_ids),
+            world_size=self.dist.world_size, options=cfg.vllm_settings()))
 
     def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
         """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:
@@ -255,22 +249,12 @@ class Trainer:
         g = self.cfg.grpo
         sampling = SamplingConfig(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                   max_new_tokens=g.max_response_length)
-        out = {}
-        if self.vllm is not None:  # the whole step's rows in one engine call
-            batches = self.vllm.generate(
-                [[self.train_prompts[i] for i, _, _ in chunk] for chunk in chunks],
-                [[sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunk]
-                 for chunk in chunks], sampling, self.eos_ids)
-            return {c: _to_device(b, self.device) for c, b in enumerate(batches)}
-        with self.compute(), rollout_mode(self.policy):
-            for c in range(self.dist.rank, len(chunks), self.dist.world_size):
-                seeds = [sample_seed(self.cfg.run.seed, self.step, pos, j)
-                         for _, pos, j in chunks[c]]
-                out[c] = generate(self.policy, [self.train_prompts[i] for i, _, _ in chunks[c]],
-                                  sampling, pad_token_id=self.tok.pad_token_id,
-                                  eos_token_ids=self.eos_ids,
-                                  generator=row_generators(seeds, self.device))
-        return out
+        mine = list(range(self.dist.rank, len(chunks), self.dist.world_size))
+        batches = self.engine.generate(
+            [[self.train_prompts[i] for i, _, _ in chunks[c]] for c in mine],
+            [[sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunks[c]]
+             for c in mine], sampling)
+        return {c: _to_device(b, self.device) for c, b in zip(mine, batches, strict=True)}
 
     def rewards(self, examples: list[Example], batch: RolloutBatch) -> torch.Tensor:
         """One reward per response (on the CPU), from its example's reward function."""
@@ -472,14 +456,8 @@ class Trainer:
         """Bring the rollout side up to the current weights, once per step: under
         ``rollout.engine: vllm`` refit the engine (``time/refit``, ``sync/*``); under FSDP
         refresh the rollout copy from the shards, the FP4 rollout weights as packed 4-bit
-        codes (:mod:`fp4rl.rl.weight_sync`). Returns the bytes moved, as metrics."""
-        if self.vllm is not None:
-            return self.vllm.refit(self.model).metrics()
-        if self.policy is self.model:
-            return {}
-        start = time.perf_counter()
-        sent = sync_rollout_weights(self.model, self.policy, self.dist.world_size)
-        return {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
+        codes (:mod:`fp4rl.rollout.weight_sync`). Returns the bytes moved, as metrics."""
+        return self.engine.sync(self.model)
 
     def _reference_model(self) -> torch.nn.Module:
         ref = copy.deepcopy(self.policy)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from fp4rl.integrations.vllm import RefitPayload, VLLMError, hf_layer_names
+from fp4rl.rollout.vllm.config import VLLMError, hf_layer_names
+from fp4rl.rollout.vllm.refit import RefitPayload
 
 
 class FP4RLWorkerExtension:
@@ -30,7 +31,7 @@ class FP4RLWorkerExtension:
         took a new ``Q(W)``."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from fp4rl.integrations.vllm_method import LayerState, install
+        from fp4rl.rollout.vllm.method import LayerState, install
 
         sent = RefitPayload.from_wire(payload)
         model = self.model_runner.model

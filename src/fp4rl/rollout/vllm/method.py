@@ -19,7 +19,7 @@ frees it. What stays is the layer's :class:`WeightStore`:
 A layer can also receive ``Q(W)`` ready-made, never re-quantized: the packed fields of an
 fp4rl export (parameters ``weight_<field>``, loaded by vLLM's loader), or the grid a
 trainer computed from its FP32 masters (:func:`install`, called by the worker extension
-in :mod:`fp4rl.integrations.vllm_worker`).
+in :mod:`fp4rl.rollout.vllm.worker`).
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import get_format
 from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, mm, pack_operand, quantize_operand
-from fp4rl.integrations.vllm import (
+from fp4rl.nn.patch import BLOCK_PREFIX
+from fp4rl.nn.recipe import Recipe
+from fp4rl.recovery import RolloutRecovery, make_recovery
+from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     VLLMError,
     hf_layer_names,
     recipe_from_config,
     storage_from_config,
 )
-from fp4rl.nn.patch import BLOCK_PREFIX
-from fp4rl.nn.recipe import Recipe
-from fp4rl.recovery import RolloutRecovery, make_recovery
 
 #: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
 Part = Operand | PackedOperand

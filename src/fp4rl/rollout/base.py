@@ -1,0 +1,84 @@
+"""The rollout-engine interface: what the trainer, ``fp4rl bench rollout``, evaluation and
+the TRL plug-in ask of whichever engine samples the rollout policy.
+
+An engine does two things. ``sync(model)`` brings it to the trainer's current weights
+(nothing for an engine that runs the trainer's own module; a packed all-gather for an
+FSDP rollout copy; a refit for vLLM) and returns what that moved and cost, as metrics.
+``generate(chunks, seeds, sampling)`` samples one response per prompt, the prompt
+``chunks[c][i]`` under the seed ``seeds[c][i]``, and returns one
+:class:`~fp4rl.rollout.batch.RolloutBatch` per chunk with each sampled token's
+log-probability under the distribution it was drawn from. An engine may run the chunks
+one after another (fp4rl's KV-cache engine: a chunk is a micro-batch) or all in one call
+(vLLM schedules them itself); the batches come back chunk by chunk either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
+
+if TYPE_CHECKING:
+    from fp4rl.nn.recipe import Recipe
+
+ProgressFn = Callable[[int], None]
+"""Called as sampling goes with the number of tokens produced since the last call."""
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What an engine needs to serve a run's rollout policy; each engine reads its part.
+
+    ``policy`` is the module holding the rollout policy (the trainer's model, or its FSDP
+    rollout copy); ``model`` the name, directory or Hub id it was loaded from (an engine
+    that loads the weights itself starts from there). ``mixed_precision`` is resolved
+    (``no`` or ``bf16``); ``max_model_len`` is the longest prompt plus response;
+    ``world_size`` the processes sharing the step's rollout; ``options`` the engine's own
+    settings (``rollout.vllm`` for vLLM)."""
+
+    model: str
+    policy: torch.nn.Module
+    recipe: Recipe
+    mixed_precision: str
+    seed: int
+    max_model_len: int
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    world_size: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """One rollout engine (see the module docstring); :mod:`fp4rl.rollout.registry` names
+    the implementations."""
+
+    #: the engine's name in ``rollout.engine`` and ``--engine``
+    name: ClassVar[str]
+
+    @classmethod
+    def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:
+        """Refuse, in one line, a run this engine cannot serve (before any loading)."""
+
+    @classmethod
+    def from_setup(cls, setup: RolloutSetup) -> RolloutEngine:
+        """The engine serving ``setup``'s rollout policy."""
+
+    def sync(self, model: torch.nn.Module) -> dict[str, float]:
+        """Bring the engine to ``model``'s current weights; what that moved and cost."""
+
+    def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
+                 seeds: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 progress: bool | ProgressFn = False) -> list[RolloutBatch]:
+        """One response per prompt, ``chunks[c][i]`` sampled under ``seeds[c][i]``."""
+
+
+def check_seeds(chunks: Sequence[Sequence[Sequence[int]]],
+                seeds: Sequence[Sequence[int]]) -> None:
+    """Every prompt has its seed: a row's draw must not depend on its neighbours."""
+    if [len(c) for c in chunks] != [len(s) for s in seeds]:
+        raise ValueError(f"chunks of {[len(c) for c in chunks]} prompts got seeds for "
+                         f"{[len(s) for s in seeds]}")

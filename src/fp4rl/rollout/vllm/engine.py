@@ -1,0 +1,215 @@
+"""The rollout in vLLM (``rollout.engine: vllm``): a colocated engine serving fp4rl's
+rollout policy through the ``fp4rl`` quantization method, refit every step.
+
+Before each step's rollout the engine receives ``Q(W)`` of the trainer's current FP32
+weights, computed as fp4rl's own rollout computes it (:mod:`fp4rl.rollout.vllm.refit`),
+and installs it without re-quantizing, with no restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from fp4rl.errors import ConfigError
+from fp4rl.precision import compute_dtype
+from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
+from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
+from fp4rl.rollout.vllm.config import (
+    QUANT_METHOD,
+    WORKER_EXTENSION,
+    quantization_config,
+    require_vllm,
+    rollout_recipe,
+)
+from fp4rl.rollout.vllm.plugin import register
+from fp4rl.rollout.vllm.refit import refit
+
+if TYPE_CHECKING:
+    from fp4rl.nn.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How a colocated engine is built: model directory, rollout recipe, compute dtype,
+    sampling seed and the longest sequence (prompt + response) it serves."""
+
+    model_dir: str
+    recipe: Recipe | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 1 << 30
+    weight_storage: str = "dequantized"
+
+
+def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
+                  ) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
+    policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
+    if recipe is None:
+        return {"worker_extension_cls": WORKER_EXTENSION}
+    register()
+    return {"quantization": QUANT_METHOD, "worker_extension_cls": WORKER_EXTENSION,
+            "hf_overrides": {"quantization_config": quantization_config(recipe,
+                                                                        weight_storage)}}
+
+
+@contextlib.contextmanager
+def sharing_the_process() -> Iterator[None]:
+    """Build an engine in a trainer's process without taking its threads: vLLM's CPU
+    worker drops torch to one thread unless OMP_NUM_THREADS is set, and then turns
+    ``torch.set_num_threads`` into a no-op. Also keeps the engine in this process (no
+    worker processes) unless VLLM_ENABLE_V1_MULTIPROCESSING says otherwise: on a CPU
+    shared with a trainer, handing weights over in-process is cheapest; a refit works
+    either way."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+
+
+def make_llm(spec: EngineSpec) -> Any:
+    """A vLLM engine (eager mode) running ``spec``'s rollout policy, with log-probs of the
+    distribution actually sampled and fp4rl's worker extension for refits."""
+    vllm = require_vllm()
+    with sharing_the_process():
+        return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
+                        enforce_eager=True, max_model_len=spec.max_model_len,
+                        kv_cache_memory_bytes=spec.kv_cache_bytes,
+                        logprobs_mode="processed_logprobs",
+                        **method_kwargs(spec.recipe, spec.weight_storage))
+
+
+def engine_model(llm: Any) -> torch.nn.Module:
+    """The ``nn.Module`` an engine whose core runs in this process runs (for inspection;
+    a refit goes through :func:`refit`)."""
+    executor = llm.llm_engine.model_executor
+    worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
+    return worker.model_runner.model
+
+
+def model_dir(name_or_path: str) -> str:
+    """A local Hugging Face directory vLLM can load for fp4rl's model name, a path, or a
+    Hub id (its snapshot in the Hugging Face cache, as :func:`fp4rl.models.load_model`
+    resolves it)."""
+    from fp4rl.models import load_model
+    from fp4rl.models.registry import REGISTRY, cached_model_dir, checkpoint_dir
+
+    if name_or_path in REGISTRY:
+        if cached_model_dir(name_or_path) is None:
+            load_model(name_or_path)  # builds the cache entry
+        return str(cached_model_dir(name_or_path))
+    return str(checkpoint_dir(name_or_path))
+
+
+
+
+class VLLMEngine:
+    """A vLLM engine running a recipe's rollout policy for a trainer, refit every step.
+
+    Every response is sampled by vLLM's sampler under its own seed (as the ``hf`` engine
+    seeds its rows), and each sampled token's log-probability comes from vLLM's processed
+    log-probs: the distribution actually sampled (temperature, top-k, top-p applied).
+    Those are the rollout log-probs mu that truncated importance sampling divides by, so
+    TIS corrects the real vLLM/trainer mismatch."""
+
+    name: ClassVar[str] = "vllm"
+
+    def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
+                 refit_wire: str = "packed") -> None:
+        """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
+        :func:`make_llm`, or TRL's colocated engine)."""
+        self.llm = llm
+        self.packed_wire = refit_wire == "packed"
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, pad_token_id: int, eos_token_ids: Sequence[int],
+                  refit_wire: str = "packed") -> VLLMEngine:
+        """An engine built now (seconds), so that no step's timings include its start."""
+        return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire)
+
+    @classmethod
+    def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:
+        """vLLM installed, the recipe's rollout one the plug-in runs, one process, and a
+        device vLLM runs on."""
+        require_vllm()
+        rollout_recipe(recipe)
+        if world_size > 1:
+            raise ConfigError("rollout.engine=vllm runs one colocated engine in one process; "
+                              "with several processes use rollout.engine=hf")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"rollout.engine=vllm: vLLM cannot run on {device}")
+
+    @classmethod
+    def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
+        """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
+        compute dtype; ``options``: ``weight_storage`` and ``refit_wire``."""
+        options = {"weight_storage": "dequantized", "refit_wire": "packed", **setup.options}
+        spec = EngineSpec(model_dir(setup.model), setup.recipe,
+                          dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
+                          max_model_len=setup.max_model_len,
+                          weight_storage=options["weight_storage"])
+        return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
+                             options["refit_wire"])
+
+    def sync(self, model: torch.nn.Module) -> dict[str, float]:
+        """Refit the engine with ``Q(W)`` of ``model``'s current weights (as 4-bit codes and
+        scales, or their values in bf16) and the other tensors."""
+        return refit(self.llm, model, packed=self.packed_wire).metrics()
+
+    def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
+                 seeds: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 progress: bool | ProgressFn = False) -> list[RolloutBatch]:
+        """Every chunk in one call (vLLM batches them as it sees fit), returned chunk by
+        chunk, laid out as the ``hf`` engine lays out its batches; a ``progress`` callable
+        hears the tokens once the call returns."""
+        from vllm import SamplingParams, TokensPrompt
+
+        check_seeds(chunks, seeds)
+        prompts = [p for chunk in chunks for p in chunk]
+        params = [SamplingParams(
+            n=1, temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k or -1,
+            max_tokens=sampling.max_new_tokens, seed=seed, logprobs=0, detokenize=False,
+            # stop exactly where fp4rl's engine stops: at its stop tokens, not at vLLM's own
+            ignore_eos=True, stop_token_ids=self.eos_token_ids)
+            for chunk_seeds in seeds for seed in chunk_seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 params, use_tqdm=progress is True)
+        batches, start, eos = [], 0, set(self.eos_token_ids)
+        for chunk in chunks:
+            part = [o.outputs[0] for o in outs[start:start + len(chunk)]]
+            batches.append(self._batch(chunk, part, eos))
+            start += len(chunk)
+        if callable(progress):
+            progress(sum(int(b.response_mask.sum()) for b in batches))
+        return batches
+
+    def _batch(self, prompts: Sequence[Sequence[int]], outputs: list[Any],
+               eos: set[int]) -> RolloutBatch:
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        width = max(1, max(len(o.token_ids) for o in outputs))
+        n = len(outputs)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        finished = torch.zeros(n, dtype=torch.bool)
+        for row, out in enumerate(outputs):
+            tokens = list(out.token_ids)
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, :len(tokens)] = 1
+            logprobs[row, :len(tokens)] = torch.tensor(
+                [step[t].logprob for t, step in zip(tokens, out.logprobs, strict=True)])
+            finished[row] = bool(tokens) and tokens[-1] in eos
+        return RolloutBatch(prompt_ids, prompt_mask, ids, mask, logprobs, finished)

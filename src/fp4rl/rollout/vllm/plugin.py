@@ -1,0 +1,23 @@
+"""Registering the ``fp4rl`` quantization method with vLLM: the target of the
+``vllm.general_plugins`` entry point, which vLLM calls in every one of its processes."""
+
+from __future__ import annotations
+
+from fp4rl.rollout.vllm.config import QUANT_METHOD, require_vllm
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the ``fp4rl`` quantization method with vLLM (idempotent): the target of
+    the ``vllm.general_plugins`` entry point."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    require_vllm()
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from fp4rl.rollout.vllm import method
+
+    register_quantization_config(QUANT_METHOD)(method.FP4RLConfig)
+    _REGISTERED = True

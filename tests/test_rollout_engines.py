@@ -1,0 +1,112 @@
+"""The rollout-engine interface: one registry of names, the KV-cache engine behind it, and
+a package below the trainer and the integrations."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4rl
+from fp4rl.models import tiny_model
+from fp4rl.rl.config import load_config
+from fp4rl.rollout import (
+    ENGINES,
+    EngineError,
+    KVCacheEngine,
+    RolloutSetup,
+    SamplingConfig,
+    build_engine,
+    engine_class,
+    engine_name,
+    generate,
+    row_generators,
+)
+
+SAMPLING = SamplingConfig(temperature=0.8, top_k=20, max_new_tokens=8)
+PACKAGE = Path(fp4rl.__file__).parent
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok(t)["input_ids"] for t in ["What is 2+2?", "Hi there", "Count: 1 2 3", "x y"]]
+
+
+def test_one_name_per_engine_and_the_alias():
+    assert list(ENGINES) == ["hf", "vllm"]
+    assert engine_name("fp4rl") == "hf" and engine_class("fp4rl") is KVCacheEngine
+    with pytest.raises(EngineError, match=r"unknown rollout engine 'vlm': choose from hf, "
+                                          r"vllm \(did you mean 'vllm'\?\)"):
+        engine_name("vlm")
+
+
+def test_the_config_reads_the_alias_as_the_engine():
+    assert load_config("smoke", ["rollout.engine=fp4rl"]).rollout_engine == "hf"
+
+
+@pytest.mark.parametrize("recipe", [None, "hif4+resq-2:4"])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_the_kv_cache_engine_is_the_generate_function_per_chunk(recipe, precision):
+    """Each chunk is one micro-batch of :func:`generate`, its rows seeded one by one, under
+    the run's autocast and (for a patched model) in rollout mode: bit for bit."""
+    torch.manual_seed(0)
+    model, tok = tiny_model("llama", initializer_range=0.2)
+    if recipe:
+        fp4rl.quantize_model(model, recipe)
+    prompts = _prompts(tok)
+    chunks, seeds = [prompts[:3], prompts[3:]], [[11, 12, 13], [14]]
+    engine = KVCacheEngine(model, tok.pad_token_id, [tok.eos_token_id],
+                           mixed_precision=precision)
+    got = engine.generate(chunks, seeds, SAMPLING)
+    mode = fp4rl.rollout_mode(model) if recipe else torch.no_grad()
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"), mode:
+        want = [generate(model, c, SAMPLING, pad_token_id=tok.pad_token_id,
+                         eos_token_ids=[tok.eos_token_id], generator=row_generators(s))
+                for c, s in zip(chunks, seeds, strict=True)]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.response_ids, w.response_ids)
+        assert torch.equal(g.logprobs, w.logprobs)
+
+
+def test_a_rows_seed_decides_its_draw():
+    model, tok = tiny_model("llama", initializer_range=0.2)
+    engine = KVCacheEngine(model, tok.pad_token_id, [])
+    prompt = _prompts(tok)[0]
+    same = engine.generate([[prompt, prompt]], [[5, 5]], SAMPLING)[0].response_ids
+    other = engine.generate([[prompt]], [[6]], SAMPLING)[0].response_ids
+    assert torch.equal(same[0], same[1]) and not torch.equal(same[0], other[0])
+    with pytest.raises(ValueError, match=r"chunks of \[2\] prompts got seeds for \[1\]"):
+        engine.generate([[prompt, prompt]], [[5]], SAMPLING)
+
+
+def test_the_registry_builds_the_kv_cache_engine_from_a_setup():
+    model, tok = tiny_model("llama")
+    recipe = fp4rl.nn.preset("hif4")
+    fp4rl.quantize_model(model, recipe)
+    setup = RolloutSetup(model="tiny", policy=model, recipe=recipe, mixed_precision="no",
+                         seed=0, max_model_len=64, pad_token_id=tok.pad_token_id,
+                         eos_token_ids=(tok.eos_token_id,))
+    engine = build_engine("hf", setup)
+    assert isinstance(engine, KVCacheEngine) and engine.policy is model
+    assert engine.sync(model) == {}  # the trainer's own module is always current
+
+
+def _imported(path: Path) -> set[str]:
+    """Every fp4rl module ``path`` imports, at any depth of the file (lazy imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("fp4rl.")}
+
+
+def test_the_rollout_package_imports_no_higher_package():
+    higher = ("fp4rl.rl", "fp4rl.integrations", "fp4rl.bench", "fp4rl.cli", "fp4rl.demo",
+              "fp4rl.experiments", "fp4rl.analysis", "fp4rl.export")
+    bad = {f"{p.relative_to(PACKAGE)}: {m}" for p in (PACKAGE / "rollout").rglob("*.py")
+           for m in _imported(p) if m.startswith(higher)}
+    assert not bad
+
