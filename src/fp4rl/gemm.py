@@ -108,9 +108,8 @@ class PackedOperand:
     @staticmethod
     def layout(fmt: str, cols: int) -> PackedTensor:
         """One packed row of ``cols`` values: the fields' names and per-row shapes."""
-        f = get_format(fmt)
-        opts = {"per_tensor_scale": False} if f.tensor_scale(torch.ones(1)) is not None else {}
-        return f.encode(torch.zeros(1, cols), dim=-1, **opts)
+        opts = {"per_tensor_scale": False} if has_tensor_scale(fmt) else {}
+        return get_format(fmt).encode(torch.zeros(1, cols), dim=-1, **opts)
 
     @classmethod
     def from_row_fields(cls, fmt: str, shape: tuple[int, int],
@@ -130,11 +129,19 @@ class PackedOperand:
         return cls(packed, scale)
 
 
-def pack_operand(x: torch.Tensor, fmt: str) -> PackedOperand:
+def has_tensor_scale(fmt: str) -> bool:
+    """Whether ``fmt`` scales a whole tensor on top of its blocks (NVFP4)."""
+    return get_format(fmt).tensor_scale(torch.ones(1)) is not None
+
+
+def pack_operand(x: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None = None
+                 ) -> PackedOperand:
     """``x`` (rows along the last axis) in the format's packed codes and scales: what
-    :func:`quantize_operand` computes along the rows, stored in 4 bits."""
+    :func:`quantize_operand` computes along the rows, stored in 4 bits. A format with a
+    per-tensor scale takes ``tensor_scale`` when given (the whole weight's, for a shard
+    of it), else computes it from ``x``."""
     f = get_format(fmt)
-    scale = f.tensor_scale(x)
+    scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
     rows = x.float() if scale is None else x.float() / scale
     packed = encode_rows(fmt, rows) if rows.dim() == 2 else None
     if packed is None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fp4rl.formats import get_format
 from fp4rl.formats.base import NumberFormat
 from fp4rl.formats.packing import PackedTensor
-from fp4rl.gemm import Operand
+from fp4rl.gemm import Operand, pack_operand
 from fp4rl.nn import FP4Linear, fp4_layers
 
 
@@ -81,20 +81,19 @@ def _gather_packed(weight: torch.Tensor, fmt_name: str, world_size: int
                    ) -> tuple[Operand, int]:
     """The whole weight's rollout operand, from every rank's packed shard; and the bytes
     this rank received."""
-    fmt = get_format(fmt_name)
     local = weight.to_local().detach().float()
     rows = weight.shape[0]
     per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))
-    scale = _tensor_scale(fmt, local)
-    packed = fmt.encode(padded if scale is None else padded / scale, dim=-1,
-                        **({"per_tensor_scale": False} if scale is not None else {}))
+    mine = pack_operand(padded, fmt_name, _tensor_scale(get_format(fmt_name), local))
+    packed = mine.packed
     names = sorted(packed.fields)
     gathered = {name: _gather_fields(packed, name, world_size) for name in names}
-    decoded = [fmt.decode(replace(packed, fields={n: gathered[n][r] for n in names}))
+    decoded = [get_format(fmt_name).decode(replace(packed, fields={n: gathered[n][r]
+                                                                   for n in names}))
                for r in range(world_size)]
     values = torch.cat(decoded)[:rows]
-    return Operand(values, scale), _received(packed.nbytes * world_size, world_size)
+    return Operand(values, mine.scale), _received(packed.nbytes * world_size, world_size)
 
 
 def _gather_fields(packed: PackedTensor, name: str, world_size: int) -> list[torch.Tensor]:

@@ -36,8 +36,15 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from fp4rl.formats import get_format
-from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, mm, pack_operand, quantize_operand
+from fp4rl.gemm import (
+    UNQUANTIZED,
+    Operand,
+    PackedOperand,
+    has_tensor_scale,
+    mm,
+    pack_operand,
+    quantize_operand,
+)
 from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import RolloutRecovery, make_recovery
@@ -218,9 +225,8 @@ _TENSOR_SCALE = "tensor_scale"
 
 def _field_names(fmt: str, in_features: int) -> list[str]:
     """The packed fields of ``fmt`` (plus NVFP4's per-tensor scale)."""
-    f = get_format(fmt)
     names = list(PackedOperand.layout(fmt, in_features).fields)
-    return [*names, _TENSOR_SCALE] if f.tensor_scale(torch.ones(1)) is not None else names
+    return [*names, _TENSOR_SCALE] if has_tensor_scale(fmt) else names
 
 
 def _field_dtype(name: str) -> torch.dtype:
