@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fp4rl
 from fp4rl import formats, recovery
 
 
-def test_design_names_exist():
-    for name in ("quantize", "quantize_model", "rollout_mode", "train_mode", "get_format"):
-        assert callable(getattr(fp4rl, name))
-    assert callable(formats.get_format)
-    for name in ("sparsify", "resq_matmul"):
-        assert callable(getattr(recovery, name))
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3", "bf16"])
+def test_quantize_is_the_formats_own_along_any_axis(fmt):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 3
+    f = formats.get_format(fmt)
+    assert torch.equal(fp4rl.quantize(x, fmt), f.quantize(x, -1))
+    assert torch.equal(fp4rl.quantize(x.t().contiguous(), fmt, dim=0), f.quantize(x, -1).t())
+    assert torch.equal(f.decode(f.encode(x, -1)), f.quantize(x, -1))
+
+
+def test_quantize_model_patches_block_linears_and_modes_switch_them():
+    from fp4rl.models import tiny_model
+    from fp4rl.nn import FP4Linear, Mode
+
+    model, _ = tiny_model("llama")
+    fp4rl.quantize_model(model, "hif4")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    assert layers and all(".layers." in n for n in layers)
+    assert not isinstance(model.lm_head, FP4Linear)
+    plain = [m for n, m in model.named_modules()
+             if type(m) is torch.nn.Linear and ".layers." in n]
+    assert not plain  # every linear of every block is patched
+    with fp4rl.rollout_mode(model):
+        assert {m.mode for m in layers.values()} == {Mode.ROLLOUT}
+        with fp4rl.train_mode(model):
+            assert {m.mode for m in layers.values()} == {Mode.TRAIN}
+        assert {m.mode for m in layers.values()} == {Mode.ROLLOUT}
 
 
 def test_resq_matmul_is_the_papers_formula():

@@ -250,7 +250,55 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
     assert result.stats["clip_ratio/region_mean"] == 0  # ratio exactly 1
 
 
-def test_mean_at_k_and_best_at_k():
+class _ScriptedEngine:
+    """A rollout engine that answers each prompt's samples from a script, in order: the
+    scoring is then checked on outcomes known in advance."""
+
+    name = "scripted"
+
+    def __init__(self, tok, answers: list[list[str]]) -> None:
+        self.tok, self.answers, self.seeds = tok, answers, []
+
+    def generate(self, chunks, seeds, sampling, progress=False):
+        from fp4rl.rollout import RolloutBatch, left_pad
+
+        out, pending = [], [a for row in self.answers for a in row]
+        for chunk, chunk_seeds in zip(chunks, seeds, strict=True):
+            self.seeds += chunk_seeds
+            texts, pending = pending[:len(chunk)], pending[len(chunk):]
+            ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+            width = max(map(len, ids))
+            response = torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in ids])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+            prompt_ids, prompt_mask = left_pad(chunk, self.tok.pad_token_id, torch.device("cpu"))
+            out.append(RolloutBatch(prompt_ids, prompt_mask, response, mask,
+                                    torch.zeros(response.shape),
+                                    torch.ones(len(chunk), dtype=torch.bool)))
+        return out
+
+
+def test_mean_at_k_and_best_at_k_on_known_outcomes():
+    """Prompt 0 answered right 4 times of 4, prompt 1 once, prompt 2 never: Mean@4 counts
+    samples (5 of 12), best@4 prompts (2 of 3); levels average their prompts; every sample
+    of every prompt has its own seed, whatever the chunking."""
+    from fp4rl.data import Example
+    from fp4rl.rl.evaluate import evaluate
+
+    _, tok = tiny_model("llama")
+    examples = [Example(f"What is {i} + 1?", f"#### {i + 1}", "gsm8k", "t", i,
+                        {"level": 1 + (i > 0)}) for i in range(3)]
+    prompts = [tok(e.prompt)["input_ids"] for e in examples]
+    script = [["#### 1"] * 4, ["#### 7", "#### 2", "no", "#### 3"], ["#### 4"] * 4]
+    engine = _ScriptedEngine(tok, script)
+    res = evaluate(None, tok, examples, prompts, k=4, seed=0, batch_size=5, engine=engine)
+    assert (res.k, res.n, res.name) == (4, 3, "mean@4")
+    assert res.correct == [4, 1, 0]
+    assert res.mean == pytest.approx(5 / 12) and res.best == pytest.approx(2 / 3)
+    assert res.per_level == {"1": 1.0, "2": pytest.approx(0.125)}
+    assert len(set(engine.seeds)) == 12
+
+
+def test_greedy_mean_at_1_is_best_at_1():
     from fp4rl.data import Example
     from fp4rl.rl.evaluate import evaluate
 
@@ -258,9 +306,6 @@ def test_mean_at_k_and_best_at_k():
     examples = [Example(f"What is {i} + 1?", f"#### {i + 1}", "gsm8k", "t", i, {"level": 1})
                 for i in range(3)]
     prompts = [tok(e.prompt)["input_ids"] for e in examples]
-    res = evaluate(model, tok, examples, prompts, k=4, max_new_tokens=4, seed=0)
-    assert res.k == 4 and res.n == 3 and res.name == "mean@4"
-    assert 0.0 <= res.mean <= res.best <= 1.0 and set(res.per_level) == {"1"}
     greedy = evaluate(model, tok, examples, prompts, k=1, max_new_tokens=4)
     assert greedy.mean == greedy.best  # one sample per prompt
 
@@ -287,8 +332,9 @@ def test_optimizer_and_examples_are_chosen_outside(tmp_path):
     from fp4rl.rl.optim import build_optimizer
 
     rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    # a KL term trains every row, whatever the rewards: the update then sees tokens
     cfg = load_config(None, [*OVERRIDES, "run.steps=1", "optimizer.name=sgd",
-                             "optimizer.kwargs={momentum: 0.5}"])
+                             "optimizer.kwargs={momentum: 0.5}", "grpo.beta=0.01"])
     model, tok = tiny_model("llama")
     examples = [Example(f"What is {i} + 1?", str(i + 1), "has_digit", source="test", index=i)
                 for i in range(4)]
@@ -297,7 +343,7 @@ def test_optimizer_and_examples_are_chosen_outside(tmp_path):
     assert trainer.optimizer.param_groups[0]["momentum"] == 0.5
     assert len(trainer.train_examples) == 4
     metrics = trainer.train_step()
-    assert trainer.last_timings.rollout > 0 and trainer.last_timings.train_tokens >= 0
+    assert trainer.last_timings.rollout > 0 and trainer.last_timings.train_tokens > 0
     assert metrics["time/rollout"] == trainer.last_timings.rollout
     assert not [k for k in metrics if k.startswith("_")]
     adam = build_optimizer(model.parameters(), load_config(None, []))

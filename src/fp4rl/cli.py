@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 from rich.console import Console
 
 from fp4rl.errors import UserError
-from fp4rl.paths import write_json
+from fp4rl.paths import write_json, write_text_atomic
 from fp4rl.progress import status
 from fp4rl.rollout.registry import ALIASES, ENGINES
 
@@ -416,7 +416,7 @@ def _train_with(cfg: TrainConfig, out: Path, resume: bool, console: Console,
 
     trainer = Trainer.from_config(cfg, out, log=console.print)
     if is_main:  # as run: device, precision, strategy; the contract of --resume
-        write_text(out / CONFIG_FILE, cfg_yaml(trainer.cfg))
+        write_text_atomic(out / CONFIG_FILE, cfg_yaml(trainer.cfg))
     cfg = trainer.cfg
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
@@ -528,15 +528,6 @@ def _remove_unstarted(out: Path) -> None:
 
     if not _holds_run(out):
         shutil.rmtree(out, ignore_errors=True)
-
-
-def write_text(path: Path, text: str) -> None:
-    """Replace ``path`` atomically: a kill leaves the old config or the new one."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cfg_yaml(cfg: object) -> str:

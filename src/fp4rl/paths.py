@@ -32,6 +32,13 @@ def write_json(path: str | Path, payload: Any, inline_numbers: bool = False) -> 
     text = json.dumps(payload, indent=2)
     if inline_numbers:
         text = _NUMBER_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m[1]) + "]", text)
+    return write_text_atomic(target, text)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` atomically: a reader, or a rerun after a kill, sees
+    the old file or the whole new one, never a part."""
+    target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, target)

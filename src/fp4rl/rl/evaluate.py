@@ -61,7 +61,7 @@ def prompt_digest(examples: list[Example]) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
+def evaluate(model: torch.nn.Module | None, tokenizer: Any, examples: list[Example],
              prompts: list[list[int]], *, k: int = 1, temperature: float = 1.0,
              max_new_tokens: int = 256, seed: int = 0, batch_size: int = 32,
              reward: str | None = None, eos_token_ids: list[int] | None = None,
@@ -72,9 +72,10 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, examples: list[Example],
 
     Sample j of prompt i draws under its own seed (``seed``, i, j), in chunks of
     ``batch_size`` rows, from ``engine`` (default: fp4rl's KV-cache engine on ``model``,
-    as its rollout policy if it is patched)."""
-    device = next(model.parameters()).device
+    as its rollout policy if it is patched; ``model`` may be None when ``engine`` is
+    given)."""
     if engine is None:
+        device = next(model.parameters()).device
         engine = KVCacheEngine(model, tokenizer.pad_token_id,
                                eos_token_ids or stop_token_ids(tokenizer),
                                mixed_precision=resolve_mixed_precision(mixed_precision, device))

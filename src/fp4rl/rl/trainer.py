@@ -46,6 +46,7 @@ from fp4rl.nn import (
     rollout_states,
     train_mode,
 )
+from fp4rl.paths import write_text_atomic
 from fp4rl.precision import (
     autocast,
     compute_dtype,
@@ -695,9 +696,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and _parse_step(line) is not None and _parse_step(line) <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def _parse_step(line: str) -> int | None:
