@@ -38,7 +38,8 @@ def _one_step(device: str, tmp_path, precision: str) -> dict:
     # top_k=1 makes sampling device-independent; the reward is a fixed 0/1 stream, so
     # both runs train on the same advantages
     rng = random.Random(0)
-    rewards.register_reward("coin_flips", lambda c, r: float(rng.random() < 0.5))
+    rewards.register_reward("coin_flips", lambda c, r: float(rng.random() < 0.5),
+                            replace=True)
     model, tok = tiny_model("llama", seed=0)
     cfg = load_config(None, [
         f"device={device}", f"mixed_precision={precision}", "train.weights=hif4",

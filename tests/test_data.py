@@ -26,7 +26,7 @@ from fp4rl.data import (
     synthetic_dataset,
 )
 from fp4rl.errors import UserError
-from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rewards import get_reward
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 
@@ -93,7 +93,7 @@ def test_competition_layouts_accept_each_release_naming(
 
 def test_competition_answers_are_graded_by_their_reward() -> None:
     example = load_examples("amc-2023", FIXTURES / "amc2023.jsonl")[1]
-    reward = get_reward_fn(example.reward)
+    reward = get_reward(example.reward)
     assert reward("So the product is \\boxed{\\frac{15}{2}}.", example.answer) == 1.0
 
 
@@ -299,7 +299,7 @@ def test_smallest_level_is_fully_partitioned() -> None:
 
 
 def test_synthetic_answers_are_exact_and_gradable() -> None:
-    reward = get_reward_fn("gsm8k")
+    reward = get_reward("gsm8k")
     examples = synthetic_dataset("test", 120, levels=tuple(LEVELS), seed=7)
     for example in examples:
         value = eval(example.meta["expression"])  # built by the generator, digits and + - * /
@@ -334,7 +334,7 @@ def test_synthetic_rejects_bad_arguments(kwargs: dict[str, Any], message: str) -
 
 
 def test_word_problems_are_sentences_with_exact_answers() -> None:
-    reward = get_reward_fn("gsm8k")
+    reward = get_reward("gsm8k")
     examples = synthetic_dataset("test", 80, levels=(1, 2, 4, 5), seed=2,
                                  source="synthetic-words")
     assert {(e.source, e.reward) for e in examples} == {("synthetic-words", "gsm8k")}

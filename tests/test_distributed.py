@@ -26,7 +26,8 @@ DRIVER = textwrap.dedent("""
     from fp4rl.rl.trainer import Trainer
 
     # a reward with signal on a random tiny model: the parity of the response's length
-    rewards.register_reward("parity", lambda completion, reference: float(len(completion) % 2))
+    rewards.register_reward("parity", lambda completion, reference: float(len(completion) % 2),
+                            replace=True)
     kill = os.environ.get("KILL_RANK1_AFTER_STEP")
     if kill and os.environ.get("RANK") == "1":  # rank 1 dies after that step's checkpoint
         real = Trainer.save

@@ -128,7 +128,7 @@ def test_batch_keeps_the_sequences_with_advantage(monkeypatch):
     torch.manual_seed(0)
     model, tok = tiny_model("qwen2")
     calls = iter(range(100))
-    monkeypatch.setattr(G, "get_reward_fn", lambda _: lambda *_: float(next(calls) == 1))
+    monkeypatch.setattr(G, "get_reward", lambda _: lambda *_: float(next(calls) == 1))
     batch = G.sample_batch(model, tok, "mxfp4", prompts=3, group=2, max_new_tokens=10)
     assert batch.rewards.tolist() == [0, 1, 0, 0, 0, 0]
     assert batch.advantage_source == "group-normalized rewards"

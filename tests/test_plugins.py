@@ -53,7 +53,7 @@ def test_the_page_has_the_three_examples(plugins):
     assert len(doc_examples()) == 3
     assert fp4rl.recovery.get_method("clip") is plugins.Clip
     assert "mxint4" in fp4rl.formats.list_formats()
-    assert rewards.get_reward_fn("ends_with_answer")("so it is 42", "42") == 1.0
+    assert rewards.get_reward("ends_with_answer")("so it is 42", "42") == 1.0
 
 
 def test_registered_format_is_exact_against_its_reference(plugins):

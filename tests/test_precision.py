@@ -179,7 +179,8 @@ def test_fp32_masters_move_at_paper_learning_rate():
 
 
 def test_trainer_resolves_precision_and_keeps_fp32_masters(tmp_path):
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)),
+                            replace=True)
     model, tok = tiny_model("llama")
     model.to(torch.bfloat16)
     cfg = load_config(None, ["mixed_precision=bf16", "device=cpu", "grpo.num_generations=2",

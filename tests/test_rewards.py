@@ -12,11 +12,11 @@ from fp4rl.data.answers import last_boxed
 from fp4rl.rl import rewards
 from fp4rl.rl.rewards import (
     auto_reward,
-    get_reward_fn,
+    get_reward,
     gsm8k_reward,
+    list_rewards,
     math_reward,
     register_reward,
-    reward_names,
 )
 
 
@@ -150,25 +150,38 @@ def test_math_reward_never_raises_on_math_like_text(completion: str) -> None:
 
 
 def test_registry_names_and_lookup() -> None:
-    assert reward_names() == ("auto", "gsm8k", "math")
-    assert get_reward_fn("gsm8k") is gsm8k_reward
-    assert get_reward_fn("math") is math_reward
-    assert get_reward_fn("auto") is auto_reward
+    assert list_rewards() == ["auto", "gsm8k", "math"]
+    assert get_reward("gsm8k") is gsm8k_reward
+    assert get_reward("math") is math_reward
+    assert get_reward("auto") is auto_reward
 
 
 @pytest.mark.parametrize("name", ["GSM8K", "mathverify", ""])
 def test_unknown_reward_name_lists_choices(name: str) -> None:
     with pytest.raises(ValueError, match=r"unknown reward .*auto, gsm8k, math"):
-        get_reward_fn(name)
+        get_reward(name)
 
 
-def test_registered_rewards_are_found_and_replaceable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registered_rewards_are_found_refused_twice_and_replaceable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rewards, "_REWARDS", dict(rewards._REWARDS))
     register_reward("always", lambda completion, reference: 1.0)
-    assert get_reward_fn("always")(None, "") == 1.0
-    register_reward("always", lambda completion, reference: 0.0)
-    assert get_reward_fn("always")(None, "") == 0.0
-    assert "always" in reward_names()
+    assert get_reward("always")(None, "") == 1.0
+    with pytest.raises(ValueError, match=r"reward 'always' is already registered; pass "
+                                         r"replace=True"):
+        register_reward("always", lambda completion, reference: 0.0)
+    register_reward("always", lambda completion, reference: 0.0, replace=True)
+    assert get_reward("always")(None, "") == 0.0
+    assert list_rewards()[-1] == "always"
+
+    @register_reward("never")
+    def never(completion: str | None, reference: str) -> float:
+        return 0.0
+
+    assert get_reward("never") is never
+    register_reward("never", never)  # the same function again: nothing to refuse
+    with pytest.warns(DeprecationWarning, match="use get_reward"):
+        assert rewards.get_reward_fn("never") is never
     with pytest.raises(ValueError, match="non-empty"):
         register_reward("", gsm8k_reward)
     with pytest.raises(TypeError, match="must be callable"):

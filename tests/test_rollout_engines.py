@@ -13,15 +13,16 @@ import fp4rl
 from fp4rl.models import tiny_model
 from fp4rl.rl.config import load_config
 from fp4rl.rollout import (
-    ENGINES,
     EngineError,
     KVCacheEngine,
     RolloutSetup,
     SamplingConfig,
     build_engine,
-    engine_class,
     engine_name,
     generate,
+    get_engine,
+    list_engines,
+    register_engine,
     row_generators,
 )
 
@@ -34,11 +35,29 @@ def _prompts(tok) -> list[list[int]]:
 
 
 def test_one_name_per_engine_and_the_alias():
-    assert list(ENGINES) == ["hf", "vllm"]
-    assert engine_name("fp4rl") == "hf" and engine_class("fp4rl") is KVCacheEngine
+    assert list_engines() == ["hf", "vllm"]
+    assert engine_name("fp4rl") == "hf" and get_engine("fp4rl") is KVCacheEngine
     with pytest.raises(EngineError, match=r"unknown rollout engine 'vlm': choose from hf, "
                                           r"vllm \(did you mean 'vllm'\?\)"):
         engine_name("vlm")
+
+
+def test_an_engine_of_ones_own_registers_once(monkeypatch):
+    from fp4rl.rollout import registry
+
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
+
+    @register_engine
+    class Echo(KVCacheEngine):
+        name = "echo"
+
+    assert get_engine("echo") is Echo and list_engines()[-1] == "echo"
+    assert load_config("smoke", ["rollout.engine=echo"]).rollout_engine == "echo"
+    register_engine(Echo)  # the same class again: nothing to refuse
+    with pytest.raises(EngineError, match=r"rollout engine 'hf' is already registered"):
+        register_engine(type("Other", (KVCacheEngine,), {"name": "hf"}))
+    with pytest.raises(EngineError, match=r"needs a name of its own, got 'fp4rl'"):
+        register_engine(type("Alias", (KVCacheEngine,), {"name": "fp4rl"}))
 
 
 def test_the_config_reads_the_alias_as_the_engine():

@@ -34,7 +34,8 @@ DRIVER = textwrap.dedent("""
 
     torch.set_num_threads(1)
     out, kill_at, how, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)),
+                            replace=True)
     cfg = load_config(None, sys.argv[5:])
     model, tok = tiny_model("llama")
     trainer = Trainer(cfg, out, model, tok, log=lambda m: None)
@@ -70,7 +71,7 @@ def without_timing(rows):
 def test_one_step_writes_metrics_and_checkpoint(tmp_path):
     from fp4rl.rl import rewards
 
-    rewards.register_reward("parity", lambda c, r: float(len(c) % 2))  # mixed rewards
+    rewards.register_reward("parity", lambda c, r: float(len(c) % 2), replace=True)  # mixed
     model, tok = tiny_model("qwen2")
     cfg = load_config(None, [*OVERRIDES, "run.steps=2", "data.reward=parity"])
     before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
@@ -189,7 +190,8 @@ def test_cli_train_then_resume_keeps_history(tmp_path, tiny_llama_dir):
     from fp4rl.cli import main
     from fp4rl.rl import rewards
 
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)),
+                            replace=True)
     out = tmp_path / "run"
     args = ["train", "--output", str(out), f"model={tiny_llama_dir}", *OVERRIDES]
     assert main([*args, "--steps", "2"]) == 0
@@ -203,7 +205,8 @@ def test_several_updates_per_rollout_batch(tmp_path):
     """Two PPO epochs over two mini-batches: four optimizer steps, ratios leave 1."""
     from fp4rl.rl import rewards
 
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)),
+                            replace=True)
     model, tok = tiny_model("llama")
     cfg = load_config(None, [*OVERRIDES, "run.steps=3", "grpo.ppo_epochs=2",
                              "grpo.mini_batch_size=1", "grpo.loss_agg_mode=token-mean",
@@ -224,7 +227,8 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
     from fp4rl.rl.logprobs import response_logprobs
 
     # mixed rewards on prompts with an odd answer, none on the others (rows that don't train)
-    rewards.register_reward("odd_parity", lambda c, r: float(len(c) % 2) * (int(r[-1]) % 2))
+    rewards.register_reward("odd_parity", lambda c, r: float(len(c) % 2) * (int(r[-1]) % 2),
+                            replace=True)
     model, tok = tiny_model("llama")
     cfg = load_config(None, [*OVERRIDES, "data.reward=odd_parity", "grpo.batch_size=4"])
     trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
@@ -331,7 +335,8 @@ def test_optimizer_and_examples_are_chosen_outside(tmp_path):
     from fp4rl.rl import rewards
     from fp4rl.rl.optim import build_optimizer
 
-    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)))
+    rewards.register_reward("has_digit", lambda c, r: float(any(ch.isdigit() for ch in c)),
+                            replace=True)
     # a KL term trains every row, whatever the rewards: the update then sees tokens
     cfg = load_config(None, [*OVERRIDES, "run.steps=1", "optimizer.name=sgd",
                              "optimizer.kwargs={momentum: 0.5}", "grpo.beta=0.01"])

@@ -14,7 +14,7 @@ from rich.console import Console
 from fp4rl.errors import UserError
 from fp4rl.paths import write_json, write_text_atomic
 from fp4rl.progress import status
-from fp4rl.rollout.registry import ALIASES, ENGINES
+from fp4rl.rollout.registry import ALIASES, list_engines
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -752,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GRPO steps (default: sized for ~10 min)")
     demo.add_argument("--eval-prompts", type=positive_int, help="test prompts per evaluation")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--rollout-engine", choices=[*ENGINES, *ALIASES],
+    demo.add_argument("--rollout-engine", choices=[*list_engines(), *ALIASES],
                       help="where GRPO's rollouts run: hf (fp4rl's engine) or vllm (a "
                       "colocated vLLM engine with the fp4rl method); default: the config's")
     _add_device_args(demo, "auto")
@@ -921,7 +921,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="formats: the axis to quantize along")
     bench.add_argument("--tokens", type=positive_int, help="linear: tokens per linear "
                        "(default 512); rollout: new tokens per prompt (default 32)")
-    bench.add_argument("--engine", nargs="+", default=["hf"], choices=[*ENGINES, *ALIASES],
+    bench.add_argument("--engine", nargs="+", default=["hf"], choices=[*list_engines(), *ALIASES],
                        help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
                        "(vllm), or both, measured side by side (default hf); train: vllm "
                        "compares the FP4 step with its rollout in vLLM against fp4rl's engine")

@@ -23,7 +23,7 @@ import torch
 
 from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
 from fp4rl.recovery import recovery_variants
-from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import SamplingConfig, generate
 
 
@@ -104,7 +104,7 @@ def run_fidelity(model: torch.nn.Module, tokenizer: object, prompts: list[list[i
                  reward: str = "gsm8k",
                  progress: Callable[[str], None] = lambda _: None) -> list[FidelityRow]:
     """Score every method on the same sequences; ``model`` is patched in place."""
-    reward_fn = get_reward_fn(reward)
+    reward_fn = get_reward(reward)
     completions = greedy_completions(model, tokenizer, prompts, max_new_tokens)
     batch = make_batch(prompts, completions, tokenizer.pad_token_id)  # type: ignore[attr-defined]
     tokens = batch.input_ids[:, 1:][batch.scored[:, 1:]]

@@ -66,7 +66,7 @@ from fp4rl.nn.linear import backward_axes
 from fp4rl.rl.datasets import encode_examples, stop_token_ids
 from fp4rl.rl.grpo import LossConfig, aggregate, group_advantages, tis_weights
 from fp4rl.rl.logprobs import response_logprobs
-from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import (
     RolloutBatch,
     SamplingConfig,
@@ -239,7 +239,7 @@ def sample_batch(model: nn.Module, tokenizer: Any, fmt: str, *, prompts: int = 4
                            generator=row_generators([sample_seed(seed, i, j) for i, j in rows],
                                                     device))
     texts = rollout.texts(tokenizer)
-    rewards = torch.tensor([get_reward_fn(examples[i].reward)(t, examples[i].answer)
+    rewards = torch.tensor([get_reward(examples[i].reward)(t, examples[i].answer)
                             for (i, _), t in zip(rows, texts, strict=True)])
     advantages, source = _advantages(rewards, group, seed)
     chosen = (advantages != 0).nonzero().squeeze(-1)[:max(group, max_sequences // group * group)]

@@ -39,7 +39,7 @@ from rich.table import Table
 from fp4rl.errors import UserError
 
 #: the engines compared: plain vLLM in bf16, and the fp4rl method in each storage
-ENGINES = ("bf16", "dequantized", "packed")
+ENGINE_KINDS = ("bf16", "dequantized", "packed")
 RECIPE = "hif4+resq-2:4"
 
 
@@ -114,7 +114,7 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
 
 
 def run(model_name: str = "smollm2-135m", batch: int = 8, new_tokens: int = 16,
-        repeats: int = 3, engines: tuple[str, ...] = ENGINES) -> list[dict[str, Any]]:
+        repeats: int = 3, engines: tuple[str, ...] = ENGINE_KINDS) -> list[dict[str, Any]]:
     """Each engine's figures, each from a fresh process."""
     from fp4rl.integrations.vllm import require_vllm
 
@@ -155,4 +155,4 @@ def render(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
-__all__ = ["ENGINES", "measure_engine", "render", "rss", "run"]
+__all__ = ["ENGINE_KINDS", "measure_engine", "render", "rss", "run"]

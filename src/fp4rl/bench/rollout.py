@@ -36,7 +36,13 @@ from rich.table import Table
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.bench.common import Comparison, compare, measure
 from fp4rl.nn import quantize_model
-from fp4rl.rollout import ENGINES, KVCacheEngine, RolloutEngine, SamplingConfig, engine_name
+from fp4rl.rollout import (
+    KVCacheEngine,
+    RolloutEngine,
+    SamplingConfig,
+    engine_name,
+    list_engines,
+)
 
 POLICIES = ("hif4", "hif4+resq-2:4")
 #: the policy whose targets the rows state, and the one the two engines are compared on
@@ -53,7 +59,7 @@ def check_engines(engines: Sequence[str]) -> tuple[str, ...]:
         from fp4rl.rollout.vllm.config import require_vllm
 
         require_vllm()
-    return tuple(e for e in ENGINES if e in engines)
+    return tuple(e for e in list_engines() if e in engines)
 
 
 def default_batch(engines: Sequence[str]) -> int:

@@ -52,7 +52,8 @@ def _trainer(model_name: str, key: str, recipe: str, engine: str, out: str,
     from fp4rl.rl.rewards import register_reward
     from fp4rl.rl.trainer import Trainer
 
-    register_reward(f"bench_coin_flips_{key}", _coin_flips(0))
+    # a fresh generator per trainer: each measured step flips the same coins
+    register_reward(f"bench_coin_flips_{key}", _coin_flips(0), replace=True)
     rec = preset(recipe).to_dict()
     cfg = load_config(None, None, {"model": model_name, **SMALL, **changes,
                                    "data.reward": f"bench_coin_flips_{key}",

@@ -16,7 +16,7 @@ class Example:
 
     ``prompt`` is the bare problem text, or, for datasets that ship their own chat
     prompt (DAPO-Math-17K), the messages to send verbatim. ``answer`` is the ground
-    truth in the form that ``reward`` (a name for ``fp4rl.rl.rewards.get_reward_fn``)
+    truth in the form that ``reward`` (a name for ``fp4rl.rl.rewards.get_reward``)
     takes as its reference: ``"#### 72"`` for ``gsm8k``, bare LaTeX such as
     ``"\\frac{1}{2}"`` for ``math``. ``source`` and ``index`` (0-based position in the
     source file or generated list) trace the example back to its origin; ``meta`` keeps

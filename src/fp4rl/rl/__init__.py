@@ -3,7 +3,7 @@
 from fp4rl.rl.config import ConfigError, TrainConfig, load_config
 from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.grpo import LossConfig, group_advantages, grpo_loss
-from fp4rl.rl.rewards import get_reward_fn, register_reward
+from fp4rl.rl.rewards import get_reward, get_reward_fn, list_rewards, register_reward
 from fp4rl.rl.trainer import Trainer, read_metrics
 from fp4rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
 
@@ -17,9 +17,11 @@ __all__ = [
            "Trainer",
            "evaluate",
            "generate",
+           "get_reward",
            "get_reward_fn",
            "group_advantages",
            "grpo_loss",
+           "list_rewards",
            "load_config",
            "position_ids",
            "read_metrics",

@@ -22,7 +22,7 @@ import torch
 from fp4rl.data import Example
 from fp4rl.precision import resolve_mixed_precision
 from fp4rl.rl.datasets import stop_token_ids
-from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import (
     KVCacheEngine,
     RolloutEngine,
@@ -89,7 +89,7 @@ def evaluate(model: torch.nn.Module | None, tokenizer: Any, examples: list[Examp
                            tokenizer.pad_token_id)
     texts = batch.texts(tokenizer)
     scores = torch.tensor([
-        get_reward_fn(reward or e.reward)(texts[i * k + j], e.answer)
+        get_reward(reward or e.reward)(texts[i * k + j], e.answer)
         for i, e in enumerate(examples) for j in range(k)]).reshape(len(examples), k)
     levels: dict[str, list[float]] = defaultdict(list)
     for e, row in zip(examples, scores, strict=True):

@@ -18,6 +18,7 @@ comparison and score 0.0.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -137,31 +138,47 @@ _REWARDS: dict[str, RewardFn] = {
 }
 
 
-def register_reward(name: str, fn: RewardFn) -> None:
-    """Add a reward under ``name`` (usable as ``data.reward`` in a config).
+def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = False
+                    ) -> Any:
+    """Add a reward under ``name`` (usable as ``data.reward`` in a config); without ``fn``,
+    a decorator that registers the function it decorates.
 
-    ``fn(completion, reference)`` must return 1.0 or 0.0 and never raise. Registering a
-    name again replaces it, so plugins and tests can redefine their own rewards.
+    ``fn(completion, reference)`` must return 1.0 or 0.0 and never raise. A name already
+    taken by another function is refused unless ``replace``: silently swapping a reward
+    would change what every config naming it trains on.
     """
+    if fn is None:
+        return lambda f: register_reward(name, f, replace=replace)
     if not isinstance(name, str) or not name:
         raise ValueError(f"a reward name must be non-empty text, got {name!r}")
     if not callable(fn):
         raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
+    if _REWARDS.get(name, fn) is not fn and not replace:
+        raise ConfigError(f"reward {name!r} is already registered; pass replace=True to "
+                          "override it")
     _REWARDS[name] = fn
+    return fn
 
 
-def reward_names() -> tuple[str, ...]:
-    """Names accepted by :func:`get_reward_fn`."""
-    return tuple(sorted(_REWARDS))
+def list_rewards() -> list[str]:
+    """Names accepted by :func:`get_reward`, in registration order."""
+    return list(_REWARDS)
 
 
-def get_reward_fn(name: str) -> RewardFn:
+def get_reward(name: str) -> RewardFn:
     """Look up a reward by name; an unknown name is a one-line ``ConfigError`` with the
     nearest name and the choices."""
     try:
         return _REWARDS[name]
     except (KeyError, TypeError):
-        choices = ", ".join(reward_names())
-        raise ConfigError(f"unknown reward {name!r}{did_you_mean(name, reward_names())}; "
+        choices = ", ".join(list_rewards())
+        raise ConfigError(f"unknown reward {name!r}{did_you_mean(name, list_rewards())}; "
                           f"choose one of: {choices} (or register one with "
                           f"fp4rl.rl.rewards.register_reward)") from None
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """Deprecated name of :func:`get_reward`."""
+    warnings.warn("fp4rl.rl.rewards.get_reward_fn is deprecated; use get_reward",
+                  DeprecationWarning, stacklevel=2)
+    return get_reward(name)

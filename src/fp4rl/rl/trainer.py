@@ -60,7 +60,7 @@ from fp4rl.rl.distributed import Dist, all_gather, reduce_metrics, setup
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
-from fp4rl.rl.rewards import get_reward_fn
+from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import (
     RolloutBatch,
     RolloutEngine,
@@ -68,7 +68,7 @@ from fp4rl.rollout import (
     SamplingConfig,
     build_engine,
     concat_batches,
-    engine_class,
+    get_engine,
     sample_seed,
 )
 
@@ -164,7 +164,7 @@ class Trainer:
         self.train_model = _wrap(self.model, self.dist, self.device)
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
         if config.data.reward:
-            get_reward_fn(config.data.reward)  # an unknown name fails now, not after a rollout
+            get_reward(config.data.reward)  # an unknown name fails now, not after a rollout
         self.optimizer = optimizer or build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], config)
         if examples is None:
@@ -194,7 +194,7 @@ class Trainer:
         d, device = _setup_distributed(config)
         # an engine that cannot serve the run (vLLM absent, on several processes): one
         # line before minutes of loading
-        engine_class(config.rollout_engine).check(config.recipe(), device, d.world_size)
+        get_engine(config.rollout_engine).check(config.recipe(), device, d.world_size)
         model, tokenizer = load_model(config.model, device=device)
         return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
 
@@ -231,7 +231,7 @@ class Trainer:
         serve this run (the config has already refused recipes it cannot run) is one
         line, before any step."""
         cfg = self.cfg
-        engine = engine_class(cfg.rollout_engine)
+        engine = get_engine(cfg.rollout_engine)
         engine.check(self.recipe, self.device, self.dist.world_size)
         return build_engine(cfg.rollout_engine, RolloutSetup(
             model=cfg.model, policy=self.policy, recipe=self.recipe,
@@ -260,7 +260,7 @@ class Trainer:
     def rewards(self, examples: list[Example], batch: RolloutBatch) -> torch.Tensor:
         """One reward per response (on the CPU), from its example's reward function."""
         texts = batch.texts(self.tok)
-        return torch.tensor([get_reward_fn(self._reward_name(e))(t, e.answer)
+        return torch.tensor([get_reward(self._reward_name(e))(t, e.answer)
                              for t, e in zip(texts, examples, strict=True)])
 
     def _reward_name(self, example: Example) -> str:

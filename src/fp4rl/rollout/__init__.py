@@ -20,16 +20,17 @@ from fp4rl.rollout.batch import (
 from fp4rl.rollout.kv_cache import KVCacheEngine, generate
 from fp4rl.rollout.registry import (
     ALIASES,
-    ENGINES,
     EngineError,
     build_engine,
-    engine_class,
     engine_name,
+    get_engine,
+    list_engines,
+    register_engine,
 )
 from fp4rl.rollout.sampling import row_generators, sample_next, sample_seed
 from fp4rl.rollout.vllm.engine import VLLMEngine
 
-__all__ = ["ALIASES", "ENGINES", "EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
+__all__ = ["ALIASES", "EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
            "RolloutEngine", "RolloutSetup", "SamplingConfig", "VLLMEngine", "build_engine",
-           "concat_batches", "engine_class", "engine_name", "generate", "left_pad",
-           "position_ids", "row_generators", "sample_next", "sample_seed"]
+           "concat_batches", "engine_name", "generate", "get_engine", "left_pad", "list_engines",
+           "position_ids", "register_engine", "row_generators", "sample_next", "sample_seed"]

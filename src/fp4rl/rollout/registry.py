@@ -1,7 +1,8 @@
 """The rollout engines by name: ``hf`` (fp4rl's KV-cache engine, also accepted as
 ``fp4rl``) and ``vllm`` (vLLM with the fp4rl quantization method). The training config's
 ``rollout.engine``, ``fp4rl demo --rollout-engine``, ``fp4rl bench rollout --engine`` and
-the TRL plug-in's ``fp4_rollout_engine`` all read names from here."""
+the TRL plug-in's ``fp4_rollout_engine`` all read names from here; an engine of one's own
+registers with :func:`register_engine` and is then accepted wherever those are."""
 
 from __future__ import annotations
 
@@ -10,31 +11,54 @@ from fp4rl.rollout.base import RolloutEngine, RolloutSetup
 from fp4rl.rollout.kv_cache import KVCacheEngine
 from fp4rl.rollout.vllm.engine import VLLMEngine
 
-#: every engine, by its one name
-ENGINES: dict[str, type[RolloutEngine]] = {e.name: e for e in (KVCacheEngine, VLLMEngine)}
+_ENGINES: dict[str, type[RolloutEngine]] = {}
 #: other names accepted for an engine (the TRL plug-in's earlier name for fp4rl's own)
 ALIASES = {"fp4rl": "hf"}
 
 
 class EngineError(UserError):
-    """An engine name that names no engine."""
+    """An engine name that names no engine, or one taken twice."""
+
+
+def register_engine(engine: type[RolloutEngine], *, replace: bool = False
+                    ) -> type[RolloutEngine]:
+    """Make ``engine`` (a class with the :class:`RolloutEngine` methods) the engine called
+    ``engine.name``; a name already taken is refused unless ``replace``. Usable as a class
+    decorator."""
+    name = getattr(engine, "name", None)
+    if not isinstance(name, str) or not name or name in ALIASES:
+        raise EngineError(f"a rollout engine needs a name of its own, got {name!r}")
+    if _ENGINES.get(name, engine) is not engine and not replace:
+        raise EngineError(f"rollout engine {name!r} is already registered "
+                          f"({_ENGINES[name].__qualname__}); pass replace=True to override it")
+    _ENGINES[name] = engine
+    return engine
+
+
+def list_engines() -> list[str]:
+    """Engine names, in registration order (``hf`` first)."""
+    return list(_ENGINES)
 
 
 def engine_name(name: str) -> str:
     """The engine's one name for ``name`` (an engine or an alias); else one line listing
     them."""
     name = ALIASES.get(name, name)
-    if name not in ENGINES:
+    if name not in _ENGINES:
         raise EngineError(f"unknown rollout engine {name!r}: choose from "
-                          f"{', '.join(ENGINES)}{did_you_mean(name, [*ENGINES, *ALIASES])}")
+                          f"{', '.join(_ENGINES)}{did_you_mean(name, [*_ENGINES, *ALIASES])}")
     return name
 
 
-def engine_class(name: str) -> type[RolloutEngine]:
+def get_engine(name: str) -> type[RolloutEngine]:
     """The engine class ``name`` (or an alias) stands for."""
-    return ENGINES[engine_name(name)]
+    return _ENGINES[engine_name(name)]
 
 
 def build_engine(name: str, setup: RolloutSetup) -> RolloutEngine:
     """The engine ``name`` serving ``setup``'s rollout policy."""
-    return engine_class(name).from_setup(setup)
+    return get_engine(name).from_setup(setup)
+
+
+register_engine(KVCacheEngine)
+register_engine(VLLMEngine)
