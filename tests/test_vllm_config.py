@@ -36,6 +36,30 @@ def test_recovery_with_state_elsewhere_is_refused_naming_what_runs(name):
         quantization_config(name)
 
 
+def test_a_registered_method_says_itself_whether_vllm_runs_it():
+    from fp4rl.recovery import register, unregister
+    from fp4rl.recovery.base import NoRecovery
+    from fp4rl.rollout.vllm.config import supported_recovery
+
+    class Stateless(NoRecovery):
+        pass
+
+    class Stateful(NoRecovery):
+        serves_in_engines = False
+
+    register("stateless", Stateless)
+    register("stateful", Stateful)
+    try:
+        assert supported_recovery()[-1] == "stateless" and "stateful" not in supported_recovery()
+        assert quantization_config("hif4+stateless")["rollout"]["recovery"]["method"] == \
+            "stateless"
+        with pytest.raises(VLLMError, match="'stateful' cannot run inside vLLM"):
+            quantization_config("hif4+stateful")
+    finally:
+        unregister("stateless")
+        unregister("stateful")
+
+
 def test_merged_linears_name_their_hugging_face_layers():
     assert hf_layer_names("model.layers.3.self_attn.qkv_proj") == [
         "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",

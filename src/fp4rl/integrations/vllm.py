@@ -37,7 +37,6 @@ from fp4rl.rollout.vllm.config import (
     CONFIG_KEYS,
     MERGED,
     QUANT_METHOD,
-    SUPPORTED_RECOVERY,
     WEIGHT_STORAGES,
     WORKER_EXTENSION,
     VLLMError,
@@ -48,6 +47,7 @@ from fp4rl.rollout.vllm.config import (
     require_vllm,
     rollout_recipe,
     storage_from_config,
+    supported_recovery,
 )
 from fp4rl.rollout.vllm.engine import (
     EngineSpec,
@@ -61,9 +61,9 @@ from fp4rl.rollout.vllm.engine import (
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import RefitPayload, RefitStats, refit, refit_payload
 
-__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "SUPPORTED_RECOVERY", "WEIGHT_STORAGES",
+__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",
            "VLLMError", "check_storage", "engine_model", "hf_layer_names", "make_llm",
            "method_kwargs", "model_dir", "quantization_config", "recipe_from_config",
            "refit", "refit_payload", "register", "require_vllm", "rollout_recipe",
-           "sharing_the_process", "storage_from_config"]
+           "sharing_the_process", "storage_from_config", "supported_recovery"]

@@ -71,6 +71,10 @@ class RolloutRecovery(ABC):
     #: transform, a high-precision correction term); if not, the 4-bit weight is all a
     #: rollout engine needs, and a sharded trainer sends it packed
     reads_weight: ClassVar[bool] = False
+    #: whether the method's rollout is its activation operands times ``Q(W)`` with no
+    #: state between calls and no high-precision weight: what a serving engine (fp4rl's
+    #: vLLM method) runs with fp4rl's own code
+    serves_in_engines: ClassVar[bool] = False
 
     def __init__(self, config: RecoveryConfig, act_format: str, in_features: int,
                  seed: int, weight_format: str | None = None) -> None:
@@ -120,6 +124,7 @@ class NoRecovery(RolloutRecovery):
     """Plain FP4 rollout: ``Q(X) Q(W)^T``."""
 
     variants = (("", "--"),)
+    serves_in_engines = True
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         return [self.quantize_act(x)]

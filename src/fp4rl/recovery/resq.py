@@ -97,6 +97,7 @@ class ResQ(RolloutRecovery):
     config_cls = ResQConfig
     variants = (("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
                 ("block:32x64:0.5", "ResQ (block 32x64 0.5)"), ("2:4", "ResQ (2:4)"))
+    serves_in_engines = True
     config: ResQConfig
 
     @cached_property

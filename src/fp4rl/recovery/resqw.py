@@ -51,6 +51,7 @@ class ResQW(ResQ):
     variants = (("2:4", "ResQ-W (2:4, weights too)"),)
     config: ResQWConfig
     reads_weight = True  # the weight residual is computed from the high-precision weight
+    serves_in_engines = False  # its weight residual is a second GEMM operand vLLM lacks
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -19,11 +19,10 @@ from typing import Any
 
 from fp4rl.errors import UserError
 from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.recovery import get_method, list_methods
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
-#: recovery methods the plug-in runs (ResQ in every sparsity pattern)
-SUPPORTED_RECOVERY = ("none", "resq")
 #: how an engine keeps ``Q(W)``: in the compute dtype, or as the format's packed fields
 WEIGHT_STORAGES = ("dequantized", "packed")
 #: the keys of a ``quantization_config`` of this method
@@ -42,12 +41,18 @@ def rollout_recipe(recipe: Recipe | str) -> Recipe:
     """``recipe`` (a preset name or a Recipe) checked for what the plug-in runs."""
     recipe = preset(recipe) if isinstance(recipe, str) else recipe
     method = recipe.rollout.recovery.method
-    if method not in SUPPORTED_RECOVERY:
+    if not get_method(method).serves_in_engines:
         raise VLLMError(f"rollout recovery {method!r} cannot run inside vLLM: the vLLM "
-                        f"plug-in supports {', '.join(SUPPORTED_RECOVERY)} (ResQ with dense, "
-                        "n:m, channel or block sparsity); use rollout.engine=hf for "
+                        f"plug-in supports {', '.join(supported_recovery())} (ResQ with "
+                        "dense, n:m, channel or block sparsity); use rollout.engine=hf for "
                         f"{method}")
     return recipe
+
+
+def supported_recovery() -> list[str]:
+    """The recovery methods the plug-in runs: those whose class says it serves in
+    engines (``RolloutRecovery.serves_in_engines``)."""
+    return [m for m in list_methods() if get_method(m).serves_in_engines]
 
 
 def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized"
