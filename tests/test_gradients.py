@@ -208,7 +208,8 @@ def test_diagnose_gradients_cli(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--gradients", "--prompts", "p.txt"], "--prompts chooses the prompts"),
     (["--n", "3"], "only with --gradients: --n"),
-    (["--gradients", "--num-generations", "1"], "--num-generations must be at least 2"),
+    (["--gradients", "--num-generations", "1"],
+     "argument --num-generations: must be at least 2, got 1"),
     (["--gradients", "--levels", "9"], "--levels: choose among [1, 2, 3"),
 ])
 def test_diagnose_refuses_options_of_the_other_diagnosis(argv, message, capsys):

@@ -1,0 +1,114 @@
+"""``fp4rl bench``: speed and memory benchmarks, ratios measured side by side."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from fp4rl.cli.options import add_device_option, check_outputs, positive_int, torch_gpu_name
+from fp4rl.errors import UserError
+from fp4rl.paths import write_json
+from fp4rl.progress import status
+from fp4rl.rollout.registry import ALIASES, list_engines
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``bench`` command's options."""
+    bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
+    bench.add_argument("what", choices=["formats", "linear", "rollout", "train", "engine"],
+                       help="engine: the vLLM rollout engine's memory, refit bytes and "
+                       "speed, bf16 against the fp4rl method's two weight storages")
+    bench.add_argument("--model", default="smollm2-135m", help="model for rollout / train")
+    bench.add_argument("--json", help="also write the results to this JSON file")
+    bench.add_argument("--format", dest="formats", action="append",
+                       help="limit to this format (repeatable)")
+    bench.add_argument("--size", type=positive_int, default=4096,
+                       help="square tensor side (formats)")
+    add_device_option(bench, "cpu", " (formats on cuda: the Triton kernels)")
+    bench.add_argument("--dim", type=int, default=-1, choices=[0, 1, -1],
+                       help="formats: the axis to quantize along")
+    bench.add_argument("--tokens", type=positive_int, help="linear: tokens per linear "
+                       "(default 512); rollout: new tokens per prompt (default 32)")
+    bench.add_argument("--engine", nargs="+", default=["hf"], choices=[*list_engines(), *ALIASES],
+                       help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
+                       "(vllm), or both, measured side by side (default hf); train: vllm "
+                       "compares the FP4 step with its rollout in vLLM against fp4rl's engine")
+    bench.add_argument("--batch", type=positive_int, help="rollout: prompts per run "
+                       "(default 8, or 32 with --engine vllm)")
+    bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
+    bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from fp4rl.bench import common
+    from fp4rl.precision import describe_cpu, resolve_device
+
+    check_outputs(json=args.json)
+    from fp4rl.bench.rollout import check_engines, default_batch
+
+    if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
+        raise UserError("--engine applies to bench rollout and bench train only")
+    if args.what not in ("rollout", "engine") and args.batch is not None:
+        raise UserError("--batch applies to bench rollout and bench engine only")
+    engines = check_engines(["vllm"] if args.what == "engine" else args.engine)  # vLLM
+    # missing: one line, before any loading
+    extra: dict[str, object] = {}
+    if args.what == "rollout":
+        batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
+        extra = {"engines": list(engines), "batch": batch, "new_tokens": new_tokens}
+    device = resolve_device(args.device)
+    console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
+                                    else ""), markup=False)
+    if args.what == "formats":
+        from fp4rl.bench import formats as bench
+
+        with status(console, "benchmarking the quantizers"):
+            results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS,
+                                size=args.size, repeats=args.repeats, device=args.device,
+                                dim=args.dim)
+        bench.render(results, console, args.size)
+    elif args.what == "rollout":
+        from fp4rl.bench import rollout as bench
+
+        with status(console, f"benchmarking generation ({', '.join(engines)})"):
+            results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
+                                        repeats=args.repeats, device=device, engines=engines)
+        bench.render(results, tokens, console)
+    elif args.what == "engine":
+        from fp4rl.bench import engine as bench
+
+        with status(console, "benchmarking vLLM engines, one process each"):
+            rows = bench.run(args.model, batch=args.batch or 8,
+                             new_tokens=args.tokens or 16, repeats=args.repeats)
+        bench.render(rows, console)
+        console.print(f"machine: {common.machine()}")
+        if args.json:
+            write_json(args.json, {"benchmark": "engine", "cpu": describe_cpu(),
+                                   "machine": common.machine(), "rows": rows})
+            console.print(f"wrote {args.json}")
+        return 0
+    elif args.what == "linear":
+        from fp4rl.bench import linear as bench
+
+        fmt = (args.formats or ["hif4"])[0]
+        shapes = bench.SHAPES if args.tokens is None else tuple(
+            (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
+        with status(console, f"benchmarking the {fmt} linear"):
+            results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats,
+                                device=device)
+        bench.render(results, console)
+    else:  # train
+        from fp4rl.bench import train as bench
+
+        with status(console, "benchmarking a GRPO step"):
+            results = bench.run(args.model, repeats=args.repeats, device=str(device),
+                                engine="vllm" if "vllm" in engines else "hf")
+        bench.render(results, console)
+    console.print(f"machine: {common.machine()}")
+    if args.json:
+        write_json(args.json, common.report(results, benchmark=args.what, size=args.size,
+                                            **extra))
+        console.print(f"wrote {args.json}")
+    return 0
