@@ -16,7 +16,7 @@ import yaml
 
 from fp4rl.cli import main, parse
 from fp4rl.rl import checkpoint as ckpt
-from fp4rl.rl.trainer import METRICS, read_metrics
+from fp4rl.rl.rundir import METRICS, read_metrics
 
 #: a tiny HiF4 run on the smoke preset: fast, and every checkpoint kept
 RUN_OVERRIDES = ["train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",

@@ -17,7 +17,7 @@ import torch
 
 from fp4rl.errors import ConfigError
 from fp4rl.rl.distributed import Dist, reduce_metrics, setup
-from fp4rl.rl.trainer import METRICS, read_metrics
+from fp4rl.rl.rundir import METRICS, read_metrics
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys

@@ -24,7 +24,7 @@ from fp4rl.experiments import (
 from fp4rl.experiments.report import precision_table, recovery_table
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import ConfigError
-from fp4rl.rl.trainer import METRICS, read_metrics
+from fp4rl.rl.rundir import METRICS, read_metrics
 
 SMALL = ["run.steps=2", "run.save_steps=1", "grpo.num_generations=4", "grpo.batch_size=2",
          "grpo.max_response_length=4", "data.train_size=8", "data.test_size=3",

@@ -13,7 +13,8 @@ import torch
 from fp4rl.models import tiny_model
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import ConfigError, load_config
-from fp4rl.rl.trainer import METRICS, Trainer, read_metrics
+from fp4rl.rl.rundir import METRICS, read_metrics
+from fp4rl.rl.trainer import Trainer
 
 OVERRIDES = [
     "train.weights=hif4", "train.activations=hif4", "train.gradients=hif4",
@@ -145,15 +146,19 @@ def test_presets_validate():
 
 
 def test_metrics_lines_are_json(tmp_path):
-    from fp4rl.rl.trainer import _append_metrics, _truncate_metrics
+    from fp4rl.rl.rundir import RunDir
 
-    path = tmp_path / METRICS
+    run = RunDir(tmp_path)
     for step in range(1, 5):
-        _append_metrics(path, {"step": step})
-    with open(path, "a") as f:
+        run.append_metrics({"step": step})
+    with open(run.metrics_file, "a") as f:
         f.write('{"step": 5, "rew')  # a line cut by a kill
-    _truncate_metrics(path, 3)
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3, 4]
+    run.truncate_metrics(3)
+    assert [json.loads(x)["step"] for x in run.metrics_file.read_text().splitlines()] == [1, 2, 3]
+    assert run.holds_run()
+    run.clear_metrics()
+    assert not run.holds_run()
 
 
 @pytest.mark.slow

@@ -11,18 +11,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from fp4rl.cli.options import positive_int
-from fp4rl.paths import write_text_atomic
 
 if TYPE_CHECKING:
     from fp4rl.rl.config import TrainConfig
+    from fp4rl.rl.rundir import RunDir
 
 
 #: the preset ``fp4rl train`` runs without ``--config``: one that runs anywhere in minutes
 DEFAULT_TRAIN_PRESET = "smoke"
-
-
-#: a run directory's settings as run: what ``--resume`` continues, and checks against
-CONFIG_FILE = "config.yaml"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,24 +52,42 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int:
     from fp4rl.paths import check_writable
+    from fp4rl.rl.rundir import RunDir
     from fp4rl.rundir_lock import exclusive
 
-    out = Path(args.output)
-    check_writable(out, "--output", directory=True)
+    run_dir = RunDir(Path(args.output))
+    check_writable(run_dir.path, "--output", directory=True)
     # a mistake is refused before the directory is touched, lock file included
-    cfg = _resume_config(args, out, console) if args.resume else _new_run_config(args, out)
-    created = not out.exists()
+    cfg = _config(args, run_dir, console)
+    created = not run_dir.path.exists()
     # one writer per run directory; under torchrun the ranks share rank 0's lock
-    lock = exclusive(out, warn=console.print) if is_main else contextlib.nullcontext()
+    lock = exclusive(run_dir.path, warn=console.print) if is_main else contextlib.nullcontext()
     try:
         with lock:
             if not args.resume:
-                _refuse_a_run(out)  # one that started between the check and the lock
-            return _train_with(cfg, out, args.resume, console, is_main)
+                run_dir.refuse_a_run()  # one that started between the check and the lock
+            return _train_with(cfg, run_dir, args.resume, console, is_main)
     except BaseException as err:
         if created and is_main and not _refused_by_lock(err):
-            _remove_unstarted(out)
+            run_dir.remove_if_unstarted()
         raise
+
+
+def _config(args: argparse.Namespace, run_dir: RunDir, console: Console) -> TrainConfig:
+    """A new run's config (``--config``, default :data:`DEFAULT_TRAIN_PRESET`, with the
+    overrides), refused where a run already is; or, with ``--resume``, the run's saved
+    config with the overrides that cannot change its trajectory (``--config`` may be
+    given again)."""
+    from fp4rl.rl.config import load_config
+
+    steps = {} if args.steps is None else {"run.steps": args.steps}
+    if not args.resume:
+        run_dir.refuse_a_run()
+        return load_config(args.config or DEFAULT_TRAIN_PRESET, args.overrides, steps)
+    if args.config is None:
+        run_dir.saved_config()  # one line where there is no run to resume
+    requested = load_config(args.config or run_dir.config_file, args.overrides, steps)
+    return run_dir.resumable_config(requested, console.print)
 
 
 def _refused_by_lock(err: BaseException) -> bool:
@@ -83,15 +97,15 @@ def _refused_by_lock(err: BaseException) -> bool:
     return isinstance(err, OutputError) and " is in use by " in str(err)
 
 
-def _train_with(cfg: TrainConfig, out: Path, resume: bool, console: Console,
+def _train_with(cfg: TrainConfig, run_dir: RunDir, resume: bool, console: Console,
                 is_main: bool) -> int:
     from fp4rl.progress import progress_bar
     from fp4rl.rl.report import write_run_report
     from fp4rl.rl.trainer import Trainer
 
-    trainer = Trainer.from_config(cfg, out, log=console.print)
+    trainer = Trainer.from_config(cfg, run_dir.path, log=console.print)
     if is_main:  # as run: device, precision, strategy; the contract of --resume
-        write_text_atomic(out / CONFIG_FILE, cfg_yaml(trainer.cfg))
+        run_dir.write_config(trainer.cfg)
     cfg = trainer.cfg
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=cfg.run.steps, completed=0, info="")
@@ -102,106 +116,6 @@ def _train_with(cfg: TrainConfig, out: Path, resume: bool, console: Console,
 
         trainer.train(resume=resume, progress=show)
     if is_main:
-        write_run_report(out)
-        console.print(f"metrics: {out / 'metrics.jsonl'}  curves: {out / 'curves.png'}")
+        write_run_report(run_dir.path)
+        console.print(f"metrics: {run_dir.metrics_file}  curves: {run_dir.path / 'curves.png'}")
     return 0
-
-
-def _steps(args: argparse.Namespace) -> dict[str, int]:
-    return {} if args.steps is None else {"run.steps": args.steps}
-
-
-def _holds_run(out: Path) -> bool:
-    from fp4rl.rl import checkpoint as ckpt
-    from fp4rl.rl.trainer import METRICS
-
-    return (out / METRICS).exists() or ckpt.latest_checkpoint(out) is not None
-
-
-def _new_run_config(args: argparse.Namespace, out: Path) -> TrainConfig:
-    """A new run's config: ``--config`` (default :data:`DEFAULT_TRAIN_PRESET`) with the
-    overrides; refused where ``out`` already holds a run."""
-    from fp4rl.rl.config import load_config
-
-    _refuse_a_run(out)
-    return load_config(args.config or DEFAULT_TRAIN_PRESET, args.overrides, _steps(args))
-
-
-def _refuse_a_run(out: Path) -> None:
-    from fp4rl.errors import OutputError
-
-    if _holds_run(out):
-        raise OutputError(f"{out} already holds a run: pass --resume to continue it, or "
-                          "choose another --output")
-
-
-def _resume_config(args: argparse.Namespace, out: Path, console: Console) -> TrainConfig:
-    """The run's saved config, with the overrides that cannot change its trajectory
-    (:data:`fp4rl.rl.config.RESUMABLE`); any other change is refused, listing the keys.
-    ``--config`` may be given again: its ``auto`` settings mean what they resolved to."""
-    from fp4rl.errors import ResumeError
-    from fp4rl.rl.config import RESUMABLE, changed_settings, describe_changes, load_config
-
-    saved_path = out / CONFIG_FILE
-    if not saved_path.is_file():
-        raise ResumeError(f"--resume: {out} holds no run to resume (no {CONFIG_FILE}); drop "
-                          "--resume to start one there")
-    saved = load_config(saved_path)
-    requested = _resolved_like(load_config(args.config or saved_path, args.overrides,
-                                           _steps(args)), saved)
-    changed = changed_settings(saved, requested)
-    if changed:
-        raise ResumeError(f"--resume continues {out} with its saved settings ({saved_path}) "
-                          f"and would change {describe_changes(changed)}; only "
-                          f"{', '.join(RESUMABLE)} may change: start a new run under another "
-                          "--output to try other settings")
-    _check_checkpoints(out, console)
-    return requested
-
-
-def _check_checkpoints(out: Path, console: Console) -> None:
-    """Say when a run has no checkpoint yet (it trains from step 0), and refuse one whose
-    every checkpoint is damaged before loading any model; the trainer reports a damaged
-    latest one as it falls back to the previous."""
-    from fp4rl.errors import CheckpointError
-    from fp4rl.rl import checkpoint as ckpt
-
-    found = ckpt.complete_checkpoints(out)
-    if not found:
-        console.print(f"note: {out} has no checkpoint yet: training it from step 0")
-    problems = []
-    for path in found:
-        try:
-            ckpt.verify_checkpoint(path)
-            return
-        except CheckpointError as err:
-            problems.append(str(err))
-    if problems:
-        raise CheckpointError(f"--resume: no checkpoint of {out} is intact: "
-                              + "; ".join(problems))
-
-
-def _resolved_like(requested: TrainConfig, saved: TrainConfig) -> TrainConfig:
-    """``requested`` with each ``auto`` the trainer resolves (device, mixed precision,
-    strategy) taken from ``saved``, which holds what it resolved to."""
-    update: dict[str, object] = {key: getattr(saved, key) for key in ("device", "mixed_precision")
-                                 if getattr(requested, key) == "auto"}
-    if requested.distributed.strategy == "auto":
-        update["distributed"] = requested.distributed.model_copy(
-            update={"strategy": saved.distributed.strategy})
-    return requested.model_copy(update=update)
-
-
-def _remove_unstarted(out: Path) -> None:
-    """Remove the run directory a failed or interrupted command created, unless a step
-    finished in it: an empty run directory only blocks the next attempt's name."""
-    import shutil
-
-    if not _holds_run(out):
-        shutil.rmtree(out, ignore_errors=True)
-
-
-def cfg_yaml(cfg: object) -> str:
-    import yaml
-
-    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)  # type: ignore[attr-defined]

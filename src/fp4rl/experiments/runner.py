@@ -238,7 +238,8 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     """Train and score one cell (resuming it if it was interrupted); returns its result."""
     from fp4rl.nn import quantize_model
     from fp4rl.rl import checkpoint as ckpt
-    from fp4rl.rl.trainer import METRICS, Trainer, read_metrics
+    from fp4rl.rl.rundir import RunDir
+    from fp4rl.rl.trainer import Trainer
 
     directory = exp.cell_dir(cell)
     cfg = cell_config(exp, cell)
@@ -265,7 +266,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     quantize_model(trainer.model, "bf16")
     unquantized = _score(trainer.model, trainer.tok, cfg, sets)
     eval_seconds = time.perf_counter() - start
-    history = read_metrics(run_dir / METRICS)
+    history = RunDir(run_dir).read_metrics()
     initial = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
                else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
     result = {

@@ -4,7 +4,8 @@ from fp4rl.rl.config import ConfigError, TrainConfig, load_config
 from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.grpo import LossConfig, group_advantages, grpo_loss
 from fp4rl.rl.rewards import get_reward, get_reward_fn, list_rewards, register_reward
-from fp4rl.rl.trainer import Trainer, read_metrics
+from fp4rl.rl.rundir import RunDir, read_metrics
+from fp4rl.rl.trainer import Trainer
 from fp4rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
            "EvalResult",
            "LossConfig",
            "RolloutBatch",
+           "RunDir",
            "SamplingConfig",
            "TrainConfig",
            "Trainer",

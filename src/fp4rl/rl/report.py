@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fp4rl.rl.trainer import METRICS, read_metrics
+from fp4rl.rl.rundir import RunDir
 
 PANELS = (
     ("reward_mean", "mean reward"),
@@ -50,7 +50,7 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
 def write_run_report(run_dir: str | Path) -> Path:
     """``curves.png`` of the run's metrics; returns its path."""
     run = Path(run_dir)
-    rows = read_metrics(run / METRICS)
+    rows = RunDir(run).read_metrics()
     path = run / "curves.png"
     plot_curves(rows, path, title=str(run))
     return path

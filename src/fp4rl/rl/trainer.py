@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +44,6 @@ from fp4rl.nn import (
     rollout_states,
     train_mode,
 )
-from fp4rl.paths import write_text_atomic
 from fp4rl.precision import (
     autocast,
     compute_dtype,
@@ -61,6 +58,7 @@ from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_sta
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
 from fp4rl.rl.rewards import get_reward
+from fp4rl.rl.rundir import RunDir
 from fp4rl.rollout import (
     RolloutBatch,
     RolloutEngine,
@@ -71,8 +69,6 @@ from fp4rl.rollout import (
     get_engine,
     sample_seed,
 )
-
-METRICS = "metrics.jsonl"
 
 
 class _Sequences(NamedTuple):
@@ -140,6 +136,8 @@ class Trainer:
         self.dist.share(config.grpo.batch_size)  # equal work: every rank samples as many prompts
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        #: where the run's files go (:mod:`fp4rl.rl.rundir`)
+        self.run_dir = RunDir(self.out)
         self.log = log
         _seed_everything(config.run.seed)
         self.model, self.tok = _fp32_masters(model, log).to(self.device), tokenizer
@@ -544,7 +542,7 @@ class Trainer:
                               f"{describe_changes(changed)}")
         self.load_state(state)
         if self.dist.is_main:
-            _truncate_metrics(self.out / METRICS, self.step)
+            self.run_dir.truncate_metrics(self.step)
         if self.ref_model is not None:  # the reference policy is the initial one
             self.log("note: the KL reference model is rebuilt from the resumed weights")
             self.ref_model = self._reference_model()
@@ -556,13 +554,13 @@ class Trainer:
         """Run until ``steps`` (default ``run.steps``); returns this call's metrics."""
         total = steps or self.cfg.run.steps
         resumed = resume and self.resume()
-        if not resumed and self.dist.is_main and (self.out / METRICS).exists():
-            (self.out / METRICS).unlink()  # lines of a run that never reached a checkpoint
+        if not resumed and self.dist.is_main:
+            self.run_dir.clear_metrics()  # lines of a run that never reached a checkpoint
         history = []
         while self.step < total:
             metrics = self.train_step()
             if self.dist.is_main:
-                _append_metrics(self.out / METRICS, metrics)
+                self.run_dir.append_metrics(metrics)
             history.append(metrics)
             if self.step % self.cfg.run.save_steps == 0 or self.step == total:
                 self.save(consolidate=self.step == total)
@@ -684,34 +682,3 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _append_metrics(path: Path, metrics: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and _parse_step(line) is not None and _parse_step(line) <= step]
-    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
-
-
-def _parse_step(line: str) -> int | None:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None  # a line cut short by a kill
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All complete lines of a metrics.jsonl file."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
