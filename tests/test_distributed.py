@@ -76,11 +76,11 @@ def _run(args: list[str], tmp_path, nproc: int, driver: str = DRIVER, **env_vars
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_share_splits_whole_groups_evenly():
-    assert Dist(1, 2).share(8) == range(4, 8)
-    assert Dist().share(3) == range(0, 3)
+def test_the_batch_must_divide_by_the_processes():
+    Dist(1, 2).check_divides(8)
+    Dist().check_divides(3)
     with pytest.raises(ConfigError, match=r"grpo.batch_size \(5\) does not divide by the 2"):
-        Dist(0, 2).share(5)
+        Dist(0, 2).check_divides(5)
 
 
 def test_one_process_needs_no_process_group(monkeypatch):

@@ -10,8 +10,10 @@ averaged by ``DistributedDataParallel``; metrics are reduced here and written by
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,13 +42,12 @@ class Dist:
     def active(self) -> bool:
         return self.world_size > 1
 
-    def share(self, n: int, what: str = "grpo.batch_size") -> range:
-        """This rank's contiguous share of ``n`` items (``n`` must divide evenly)."""
+    def check_divides(self, n: int, what: str = "grpo.batch_size") -> None:
+        """Refuse ``n`` items the ranks cannot share equally (every rank must do as much
+        work, or the collectives of the slower ones wait)."""
         if n % self.world_size:
             raise ConfigError(f"{what} ({n}) does not divide by the {self.world_size} "
                               f"processes; choose a multiple of {self.world_size}")
-        per = n // self.world_size
-        return range(self.rank * per, (self.rank + 1) * per)
 
 
 def launched_world_size() -> int:
@@ -154,5 +155,62 @@ def reduce_metrics(metrics: dict[str, Any], d: Dist) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Dist", "all_gather", "launched_rank", "launched_world_size",
-           "reduce_metrics", "setup", "teardown"]
+def wrap_model(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
+    """The module the loss's forward runs through: DDP averages gradients over ranks;
+    FSDP2 shards every transformer block and the root (in place).
+
+    FSDP2's parameters stay FP32 (no ``param_dtype``): the FP4 layers quantize from the
+    FP32 masters, as on one process, and autocast gives the bf16 compute; gradients are
+    reduced in FP32."""
+    if d.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if d.strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (d.world_size,))
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the entries of the first ModuleList of the model."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module):
+            return list(module)
+    raise ConfigError("distributed.strategy=fsdp found no transformer blocks to shard")
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Accumulate gradients locally (no communication) unless ``sync``."""
+    if sync:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    else:  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, torch.Tensor]:
+    """The sharded model's full state dict, on every rank or (CPU-offloaded) on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=not everywhere))
+
+
+__all__ = ["Dist", "all_gather", "full_model_state", "gradient_sync", "launched_rank",
+           "launched_world_size", "reduce_metrics", "setup", "teardown", "transformer_blocks",
+           "wrap_model"]

@@ -53,7 +53,15 @@ from fp4rl.precision import (
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import TrainConfig, changed_settings, describe_changes, validate
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
-from fp4rl.rl.distributed import Dist, all_gather, reduce_metrics, setup
+from fp4rl.rl.distributed import (
+    Dist,
+    all_gather,
+    full_model_state,
+    gradient_sync,
+    reduce_metrics,
+    setup,
+    wrap_model,
+)
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
@@ -133,7 +141,7 @@ class Trainer:
             "device": str(self.device), "mixed_precision": self.mixed_precision,
             "distributed": config.distributed.model_copy(
                 update={"strategy": self.dist.strategy})})
-        self.dist.share(config.grpo.batch_size)  # equal work: every rank samples as many prompts
+        self.dist.check_divides(config.grpo.batch_size)  # every rank samples as many prompts
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         #: where the run's files go (:mod:`fp4rl.rl.rundir`)
@@ -159,7 +167,7 @@ class Trainer:
                               "builds the optimizer itself (set optimizer.name/kwargs)")
         #: what the loss's forward runs through: the model, its DDP wrapper, or the model
         #: with FSDP2-sharded layers
-        self.train_model = _wrap(self.model, self.dist, self.device)
+        self.train_model = wrap_model(self.model, self.dist, self.device)
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
         if config.data.reward:
             get_reward(config.data.reward)  # an unknown name fails now, not after a rollout
@@ -352,6 +360,7 @@ class Trainer:
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
         logprob_time = time.perf_counter() - start
         seen = _OldLogprobs(mask, old_logp)
+        data = _UpdateBatch(batch, seqs, advantages, mask, seen, ref_logp)
         stats: dict[str, list[float]] = {}
         tokens = 0
         for epoch in range(g.ppo_epochs):
@@ -361,8 +370,7 @@ class Trainer:
             rows_all = (perm[:, None] * g.num_generations
                         + torch.arange(g.num_generations)).reshape(-1)
             for mini in rows_all.split(seq_per_mini):
-                tokens += self._mini_step(batch, seqs, mini, advantages, seen, ref_logp,
-                                          mask, stats)
+                tokens += self._mini_step(data, mini, stats)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(seen.logp, batch.logprobs, seen.mask, g.tis_imp_ratio_cap))
         return UpdateResult(out, tokens, logprob_time)
@@ -392,9 +400,7 @@ class Trainer:
             parts.update(part)
         return torch.cat([parts[i].to(self.device) for i in range(len(micros))])
 
-    def _mini_step(self, batch: RolloutBatch, seqs: _Sequences, rows: torch.Tensor,
-                   advantages: torch.Tensor, old: _OldLogprobs,
-                   ref_logp: torch.Tensor | None, mask: torch.Tensor,
+    def _mini_step(self, data: _UpdateBatch, rows: torch.Tensor,
                    stats: dict[str, list[float]]) -> int:
         """One optimizer step over ``rows``, accumulating gradients over micro-batches.
 
@@ -407,6 +413,8 @@ class Trainer:
         collectives need.
         """
         loss_cfg, d = self.cfg.grpo, self.dist
+        batch, seqs, advantages, mask, ref_logp = (data.batch, data.seqs, data.advantages,
+                                                   data.mask, data.ref_logp)
         self.optimizer.zero_grad(set_to_none=True)
         active = rows if ref_logp is not None else rows[advantages[rows] != 0]
         seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
@@ -419,11 +427,11 @@ class Trainer:
             weight = 1.0 if i < len(mine) else 0.0  # an idle rank's pass adds nothing
             micro = mine[i] if weight else micros[0]
             sync = i == passes - 1 or not d.active
-            with _gradient_sync(self.train_model, sync):
+            with gradient_sync(self.train_model, sync):
                 logp, entropy = self._logprobs(self.train_model, seqs, micro,
                                                with_entropy=True)
                 m = mask[micro]
-                loss, st = grpo_loss(logp, old.take(micro, logp), batch.logprobs[micro],
+                loss, st = grpo_loss(logp, data.old.take(micro, logp), batch.logprobs[micro],
                                      advantages[micro].to(logp.device), m, loss_cfg,
                                      None if ref_logp is None else ref_logp[micro])
                 share = weight * d.world_size * (
@@ -495,7 +503,7 @@ class Trainer:
                                         self.state(), keep=self.cfg.run.keep_checkpoints)
         whole = None
         if consolidate:
-            full = _full_model_state(self.model, everywhere=False)  # collective
+            full = full_model_state(self.model, everywhere=False)  # collective
             if self.dist.is_main:
                 self.policy.load_state_dict(full)
                 whole = self.policy
@@ -531,7 +539,7 @@ class Trainer:
             raise ConfigError(f"{path} was not written under distributed.strategy=fsdp; "
                               "resume it with the strategy that wrote it")
         state = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer, self.dist.rank)
-        self.policy.load_state_dict(_full_model_state(self.model, everywhere=True))
+        self.policy.load_state_dict(full_model_state(self.model, everywhere=True))
         return state
 
     def _resumed(self, path: Path, state: dict[str, Any]) -> None:
@@ -591,6 +599,20 @@ class _OldLogprobs:
         return self.logp[rows]
 
 
+@dataclass(frozen=True)
+class _UpdateBatch:
+    """What every mini-batch step of one update reads: the step's rollout batch, its
+    sequences, advantages and response mask, the old policy's log-probs and the
+    reference policy's (None without a KL term)."""
+
+    batch: RolloutBatch
+    seqs: _Sequences
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old: _OldLogprobs
+    ref_logp: torch.Tensor | None
+
+
 def _fp32_masters(model: torch.nn.Module, log: Callable[[str], None]) -> torch.nn.Module:
     """Master weights are FP32: a model handed over in another dtype is converted."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -618,62 +640,6 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
 def _setup_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
     d = config.distributed
     return setup(d.strategy, d.backend, config.device, d.timeout_s)
-
-
-def _wrap(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
-    """The module the loss's forward runs through: DDP averages gradients over ranks;
-    FSDP2 shards every transformer block and the root (in place).
-
-    FSDP2's parameters stay FP32 (no ``param_dtype``): the FP4 layers quantize from the
-    FP32 masters, as on one process, and autocast gives the bf16 compute; gradients are
-    reduced in FP32."""
-    if d.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    if d.strategy == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(device.type, (d.world_size,))
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        for block in _blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
-
-
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: the entries of the first ModuleList of the model."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module):
-            return list(module)
-    raise ConfigError("distributed.strategy=fsdp found no transformer blocks to shard")
-
-
-@contextlib.contextmanager
-def _gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
-    """Accumulate gradients locally (no communication) unless ``sync``."""
-    if sync:
-        yield
-    elif hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
-            yield
-    else:  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-
-def _full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, torch.Tensor]:
-    """The sharded model's full state dict, on every rank or (CPU-offloaded) on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=not everywhere))
 
 
 def _seed_everything(seed: int) -> None:
