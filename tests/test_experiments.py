@@ -15,7 +15,7 @@ from fp4rl.experiments import (
     EvalSpec,
     Experiment,
     cell_config,
-    get_preset,
+    get_plan,
     grid_cells,
     load_result,
     run_cells,
@@ -32,7 +32,7 @@ SMALL = ["run.steps=2", "run.save_steps=1", "grpo.num_generations=4", "grpo.batc
 
 
 def _experiment(tmp_path, tiny_llama_dir, kind="recovery", formats=("hif4",)):
-    return Experiment(kind, get_preset("tiny"), tmp_path / "out", formats,
+    return Experiment(kind, get_plan("tiny"), tmp_path / "out", formats,
                       (f"model={tiny_llama_dir}", *SMALL))
 
 
@@ -67,12 +67,17 @@ def test_eval_spec_and_preset_errors():
                                                                     "math500:/d/m.jsonl")
     with pytest.raises(ValueError, match="NAME=LAYOUT:PATH"):
         EvalSpec.parse("math500.jsonl")
-    with pytest.raises(ValueError, match="tiny, tiny3, paper-3b, paper-7b"):
-        get_preset("huge")
+    with pytest.raises(ValueError, match="unknown experiment plan 'huge'; choose one of tiny, "
+                                         "tiny3, paper-3b, paper-7b"):
+        get_plan("huge")
+    from fp4rl.experiments import get_preset
+
+    with pytest.warns(DeprecationWarning, match="use get_plan"):
+        assert get_preset("tiny") is get_plan("tiny")
 
 
 def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
-    exp = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",),
+    exp = Experiment("precision", get_plan("tiny"), tmp_path, ("hif4",),
                      ("grpo.learning_rate=3e-5", "train.stochastic_gradients=true"))
     cells = {c.name: c for c in grid_cells("precision", ("hif4",))}
     cfg = cell_config(exp, cells["hif4:bf16/fp4"])
@@ -87,14 +92,14 @@ def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
     # what every cell sets from its name cannot be --set: it would be silently ignored
     for item in ("train.weights=bf16", "train.backward_operands=reuse_forward",
                  "rollout.recovery.method=resq"):
-        bad = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",), (item,))
+        bad = Experiment("precision", get_plan("tiny"), tmp_path, ("hif4",), (item,))
         with pytest.raises(UserError, match=f"--set {item.split('=')[0]}: each cell's recipe"):
             cell_config(bad, cells["hif4"])
-    paper = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",))
+    paper = Experiment("recovery", get_plan("paper-3b"), tmp_path, ("hif4",))
     cfg = cell_config(paper, grid_cells("recovery", ("hif4",))[1])  # runs as it is: Hub ids
     assert cfg.model == "Qwen/Qwen2.5-3B"
     assert cfg.data.train_path.startswith("hf://datasets/openai/gsm8k/")
-    placeholder = Experiment("recovery", get_preset("paper-3b"), tmp_path, ("hif4",),
+    placeholder = Experiment("recovery", get_plan("paper-3b"), tmp_path, ("hif4",),
                              ("model=/path/to/Qwen2.5-3B",))
     with pytest.raises(ConfigError, match="--set model="):
         cell_config(placeholder, grid_cells("recovery", ("hif4",))[1])
@@ -230,7 +235,7 @@ def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, ti
 
 
 def test_a_cell_finished_by_another_runner_is_not_run_again(tmp_path, monkeypatch):
-    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",))
+    exp = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",))
     cell = grid_cells("recovery", ("hif4",))[0]
     exp.cell_dir(cell).mkdir(parents=True)
     (exp.cell_dir(cell) / runner.RESULT).write_text("{}")

@@ -10,15 +10,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fp4rl.cli import EXPERIMENT_PRESETS, main
+from fp4rl.cli import main
+from fp4rl.cli.experiment import EXPERIMENT_PLANS
 from fp4rl.data import Example, synthetic_dataset
 from fp4rl.errors import UserError
 from fp4rl.experiments import (
-    PRESETS,
+    PLANS,
     Experiment,
     cell_config,
     check_seeds,
-    get_preset,
+    get_plan,
     grid_cells,
     load_result,
     load_results,
@@ -98,13 +99,13 @@ def test_seeds_are_checked():
 
 
 def test_seed_layout_keeps_the_single_seed_directory_for_the_config_seed(tmp_path):
-    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",))
+    exp = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",))
     cell = grid_cells("recovery", ("hif4",))[1]
     assert exp.run_seeds == (0,)
     assert exp.cell_dir(cell) == exp.cell_dir(replace(cell, seed=0)) == tmp_path / "cells/hif4"
     assert exp.cell_dir(replace(cell, seed=2)) == tmp_path / "seed-2/cells/hif4"
     assert cell_config(exp, replace(cell, seed=2)).run.seed == 2
-    moved = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",), ("run.seed=1",),
+    moved = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",), ("run.seed=1",),
                        seeds=(0, 1))
     assert moved.base_seed == 1 and moved.run_seeds == (0, 1)
     assert moved.cell_dir(replace(cell, seed=1)) == tmp_path / "cells/hif4"
@@ -112,7 +113,7 @@ def test_seed_layout_keeps_the_single_seed_directory_for_the_config_seed(tmp_pat
 
 
 def test_seeds_times_cells_run_once_each_and_resume(tmp_path, fake_runs):
-    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",), seeds=(0, 1, 2))
+    exp = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",), seeds=(0, 1, 2))
     cells = grid_cells("recovery", ("hif4",))[:3]
     runs = seeded_cells(cells, exp.run_seeds)
     assert [(c.name, c.seed) for c in runs[:4]] == [
@@ -134,7 +135,7 @@ def test_seeds_times_cells_run_once_each_and_resume(tmp_path, fake_runs):
 
 
 def test_a_single_seed_result_is_that_seed_and_a_foreign_seed_is_refused(tmp_path):
-    single = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",))
+    single = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",))
     cell = grid_cells("recovery", ("hif4",))[0]
     exp_dir = single.cell_dir(cell)
     exp_dir.mkdir(parents=True)
@@ -173,7 +174,7 @@ def test_a_fixed_prompt_seed_scores_every_seed_on_the_same_prompts(tmp_path):
     cell = grid_cells("precision", ("hif4",))[0]
 
     def digest(overrides: tuple[str, ...], seed: int) -> str:
-        exp = Experiment("precision", get_preset("tiny"), tmp_path, ("hif4",),
+        exp = Experiment("precision", get_plan("tiny"), tmp_path, ("hif4",),
                          ("data.test_size=20", *overrides))
         cfg = cell_config(exp, replace(cell, seed=seed))
         return prompt_digest(runner._eval_sets(exp, cfg, tok)[0][1])
@@ -183,7 +184,7 @@ def test_a_fixed_prompt_seed_scores_every_seed_on_the_same_prompts(tmp_path):
 
 
 def _write_fake_grid(tmp_path, kind, seeds, formats=("hif4", "mxfp4")):
-    exp = Experiment(kind, get_preset("tiny"), tmp_path, formats, seeds=seeds)
+    exp = Experiment(kind, get_plan("tiny"), tmp_path, formats, seeds=seeds)
     for cell in seeded_cells(grid_cells(kind, formats), seeds):
         exp.cell_dir(cell).mkdir(parents=True, exist_ok=True)
         fake_run_cell(exp, cell)
@@ -293,8 +294,8 @@ def test_cli_lists_seeds_and_refuses_bad_ones_in_one_line(tmp_path, capsys):
 
 
 def test_tiny3_is_a_multi_seed_word_problem_preset(tmp_path):
-    assert set(EXPERIMENT_PRESETS) == set(PRESETS)
-    preset = get_preset("tiny3")
+    assert set(EXPERIMENT_PLANS) == set(PLANS)
+    preset = get_plan("tiny3")
     assert preset.seeds == (0, 1, 2, 3, 4) and preset.formats == ("hif4", "mxfp4")
     exp = Experiment("precision", preset, tmp_path, preset.formats, seeds=preset.seeds)
     cfg = cell_config(exp, grid_cells("precision", preset.formats)[0])
@@ -324,7 +325,7 @@ def test_real_cells_with_two_seeds_pair_on_shared_prompts(tmp_path, tiny_llama_d
     small = ("run.steps=2", "run.save_steps=1", "grpo.num_generations=4",
              "grpo.batch_size=2", "grpo.max_response_length=4", "data.train_size=8",
              "data.test_size=5", "eval.max_new_tokens=4", "eval.prompt_seed=0")
-    exp = Experiment("recovery", get_preset("tiny"), tmp_path, ("hif4",),
+    exp = Experiment("recovery", get_plan("tiny"), tmp_path, ("hif4",),
                      (f"model={tiny_llama_dir}", *small), seeds=(0, 1))
     cells = grid_cells("recovery", ("hif4",))[:2]
     run_cells(exp, seeded_cells(cells, exp.run_seeds))
@@ -372,7 +373,7 @@ def test_every_claim_points_the_paper_s_way():
 
 
 def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(tmp_path):
-    tiny3 = get_preset("tiny3")
+    tiny3 = get_plan("tiny3")
     assert [c.name for c in tiny3.grid("recovery", ("mxfp4",))] == [
         "bf16", "mxfp4", "mxfp4+resq-2:4", "mxfp4+resqw-2:4"]
     assert [c.name for c in tiny3.grid("precision", ("hif4",))] == [
@@ -383,7 +384,7 @@ def test_a_preset_cuts_the_grid_per_format_and_its_report_keeps_its_own_claims(t
     assert [(c.better, c.worse) for c in backward] == [("hif4:fp4-reuse/bf16",
                                                          "hif4:fp4/bf16")]
     assert {backward[0].better, backward[0].worse} <= {c.name for c in precision}
-    assert get_preset("tiny").grid("recovery", ("hif4",)) == grid_cells("recovery", ("hif4",))
+    assert get_plan("tiny").grid("recovery", ("hif4",)) == grid_cells("recovery", ("hif4",))
     exp = Experiment("recovery", tiny3, tmp_path, ("hif4",), seeds=(0,))
     cells = tiny3.grid("recovery", ("hif4",))
     report = write_report(exp, cells, {}, command=["fp4rl"]).read_text()
@@ -395,7 +396,7 @@ def test_tiny3_report_shows_each_cell_with_its_seeds_and_pairs_only_common_ones(
     """The grid as it fills: HiF4 cells with 5 seeds, MXFP4 cells with 3, MXFP4's W4A16 and
     W16A4 not run. Nothing fails; each cell says how many seeds it has; a comparison pairs
     the seeds both cells have; a claim with a cell not run says so."""
-    tiny3 = get_preset("tiny3")
+    tiny3 = get_plan("tiny3")
     exp = Experiment("precision", tiny3, tmp_path, tiny3.formats, seeds=tiny3.seeds)
     cells = tiny3.grid("precision", tiny3.formats)
     skipped = {"mxfp4:fp4/w4a16", "mxfp4:fp4/w16a4"}

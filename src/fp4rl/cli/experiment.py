@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from fp4rl.experiments import Cell, Experiment
 
 
-#: fp4rl.experiments.PRESETS' names, spelled out so that building the parser imports no
+#: fp4rl.experiments.PLANS' names, spelled out so that building the parser imports no
 #: experiment code
-EXPERIMENT_PRESETS = ("tiny", "tiny3", "paper-3b", "paper-7b")
+EXPERIMENT_PLANS = ("tiny", "tiny3", "paper-3b", "paper-7b")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,27 +25,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser("experiment", help="the paper's Table 1 (precision) or Tables 2/4 "
                          "(recovery) grid: a GRPO run + evaluation per cell, resumable")
     exp.add_argument("kind", choices=["precision", "recovery"])
-    exp.add_argument("--preset", default="tiny", choices=EXPERIMENT_PRESETS,
-                     help="tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
+    exp.add_argument("--plan", "--preset", dest="plan", default="tiny",
+                     choices=EXPERIMENT_PLANS, help="the experiment plan (--preset: its former "
+                     "name); tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
                      "tiny3: smollm2-135m + synthetic word problems, 5 seeds, 300 test "
                      "prompts; paper-*: the paper's Qwen runs (local weights and data via "
                      "--set)")
     exp.add_argument("--output", required=True, help="directory for the cells and the report "
                      "(rerun the same command to resume)")
     exp.add_argument("--format", dest="formats", action="append",
-                     help="FP4 format (repeatable; default: the preset's)")
+                     help="FP4 format (repeatable; default: the plan's)")
     exp.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="key=value", help="config override for every cell, e.g. "
                      "model=/models/Qwen2.5-3B (repeatable)")
     exp.add_argument("--eval", dest="evals", action="append", metavar="NAME=LAYOUT:PATH",
-                     help="benchmark column (repeatable; default: the preset's test split)")
+                     help="benchmark column (repeatable; default: the plan's test split)")
     exp.add_argument("--jobs", type=positive_int, default=1, help="cells run in parallel "
                      "(each gets cpu_count/jobs torch threads)")
     exp.add_argument("--cells", nargs="+", metavar="NAME",
-                     help="run only these cells (preset names such as hif4+resq-2:4 or "
+                     help="run only these cells (recipe names such as hif4+resq-2:4 or "
                      "mxfp4:bf16/fp4); the report still covers the whole grid")
     exp.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
-                     help="run every cell once per seed (default: the preset's; tiny and "
+                     help="run every cell once per seed (default: the plan's; tiny and "
                      "paper-*: the config's run.seed only), with intervals over seeds and "
                      "prompts in the report; run.seed keeps <output>/cells, seed S goes to "
                      "<output>/seed-S/cells")
@@ -57,15 +58,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl import experiments as ex
 
-    preset = ex.get_preset(args.preset)
-    formats = tuple(args.formats or preset.formats)
-    seeds = ex.check_seeds(args.seeds) if args.seeds is not None else preset.seeds
-    exp = ex.Experiment(args.kind, preset, Path(args.output), formats, tuple(args.overrides),
+    plan = ex.get_plan(args.plan)
+    formats = tuple(args.formats or plan.formats)
+    seeds = ex.check_seeds(args.seeds) if args.seeds is not None else plan.seeds
+    exp = ex.Experiment(args.kind, plan, Path(args.output), formats, tuple(args.overrides),
                         tuple(ex.EvalSpec.parse(e) for e in args.evals or []), seeds)
     grid = ex.grid_cells(args.kind, formats)
     for cell in grid:
         ex.cell_config(exp, cell)  # fail fast on a bad override or a placeholder path
-    cut = preset.grid(args.kind, formats)
+    cut = plan.grid(args.kind, formats)
     chosen = ex.select_cells(grid, args.cells) if args.cells else cut
     cells = cut + [c for c in chosen if c not in cut]  # what the report covers
     runs = ex.seeded_cells(chosen, exp.run_seeds)
@@ -80,7 +81,7 @@ def _experiment_in(args: argparse.Namespace, exp: Experiment, cells: list[Cell],
     from fp4rl import experiments as ex
 
     if not args.report_only:
-        console.print(f"{args.kind} grid, {exp.preset.name} preset: {len(chosen)} of {len(cells)} "
+        console.print(f"{args.kind} grid, {exp.plan.name} plan: {len(chosen)} of {len(cells)} "
                       f"cells x seeds {', '.join(map(str, exp.run_seeds))} in {exp.output} "
                       f"({args.jobs} at a time)")
         _run_grid(exp, runs, args.jobs, console)

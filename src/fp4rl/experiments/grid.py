@@ -1,4 +1,4 @@
-"""The paper's experiment grids as lists of cells, and the presets that size them.
+"""The paper's experiment grids as lists of cells, and the plans that size them.
 
 A cell is one GRPO run named by its recipe preset (``"hif4:bf16/fp4"``,
 ``"mxfp4+resq-2:4"``, ``"bf16"``) and, in a multi-seed grid, its seed. Names are
@@ -9,6 +9,7 @@ rollout" = "recovery: none") are run once when both grids write to the same dire
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -86,7 +87,7 @@ def seeded_cells(cells: list[Cell], seeds: Sequence[int]) -> list[Cell]:
 
 
 def precision_name(fmt: str, train: str, rollout: str) -> str:
-    """Canonical preset name of a Table 1 cell."""
+    """Canonical recipe name of a Table 1 cell."""
     if (train, rollout) == ("bf16", "bf16"):
         return "bf16"
     return fmt if (train, rollout) == ("fp4", "fp4") else f"{fmt}:{train}/{rollout}"
@@ -141,8 +142,9 @@ class EvalSpec:
 
 
 @dataclass(frozen=True)
-class ExperimentPreset:
-    """Base config of every cell, the benchmarks it is scored on, and the FP4 formats."""
+class ExperimentPlan:
+    """An experiment plan (``fp4rl experiment --plan``): the base config of every cell, the
+    benchmarks it is scored on, the FP4 formats, the seeds and its cut of the grid."""
 
     name: str
     description: str
@@ -156,7 +158,7 @@ class ExperimentPreset:
     cells: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def grid(self, kind: str, formats: tuple[str, ...]) -> list[Cell]:
-        """The cells of this preset's grid: its own cut of the paper's grid, or all of it."""
+        """The cells of this plan's grid: its own cut of the paper's grid, or all of it."""
         cells = grid_cells(kind, formats)
         if kind not in self.cells:
             return cells
@@ -167,7 +169,7 @@ class ExperimentPreset:
         return None if self.config is None else preset_path(self.config)
 
 
-TINY = ExperimentPreset(
+TINY = ExperimentPlan(
     "tiny",
     "smollm2-135m on the synthetic arithmetic task (levels 1-2), 16 GRPO steps of 4 prompts "
     "x 8 samples, scored greedily on 100 test prompts: 9-23 CPU-minutes per cell",
@@ -183,7 +185,7 @@ TINY = ExperimentPreset(
     },
     evals=(EvalSpec("synthetic"),),
 )
-TINY3 = ExperimentPreset(
+TINY3 = ExperimentPlan(
     "tiny3",
     "smollm2-135m on the synthetic word problems (one-step stories, levels 1-2) with the "
     "direct-answer prompt, 32 GRPO steps of 4 prompts x 8 samples, seeds 0 to 4, scored "
@@ -209,25 +211,38 @@ TINY3 = ExperimentPreset(
                          "{f}:bf16/fp4", "{f}:fp4-reuse/bf16"),
            "recovery": ("bf16", "{f}", "{f}+resq-2:4", "{f}+resqw-2:4")},
 )
-PAPER_3B = ExperimentPreset(
+PAPER_3B = ExperimentPlan(
     "paper-3b",
     "Qwen2.5-3B on GSM8K (config preset qwen2.5-3b-gsm8k); set model and data paths with "
     "--set, add MATH-500 with --eval Math500=math500:PATH",
     config="qwen2.5-3b-gsm8k",
     evals=(EvalSpec("GSM8K-test"),),
 )
-PAPER_7B = ExperimentPreset(
+PAPER_7B = ExperimentPlan(
     "paper-7b",
     "Qwen2.5-Math-7B on DAPO-Math-17K (config preset qwen2.5-math-7b-dapo), HiF4 only, "
     "Mean@32; give the benchmarks with --eval AIME24=aime24:PATH (and AIME25, AMC23, Math500)",
     config="qwen2.5-math-7b-dapo",
     formats=("hif4",),
 )
-PRESETS = {p.name: p for p in (TINY, TINY3, PAPER_3B, PAPER_7B)}
+PLANS = {p.name: p for p in (TINY, TINY3, PAPER_3B, PAPER_7B)}
 
 
-def get_preset(name: str) -> ExperimentPreset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown experiment preset {name!r}; choose one of "
-                         f"{', '.join(PRESETS)}")
-    return PRESETS[name]
+def get_plan(name: str) -> ExperimentPlan:
+    """The experiment plan called ``name``; an unknown one is one line with the choices."""
+    if name not in PLANS:
+        raise ValueError(f"unknown experiment plan {name!r}; choose one of "
+                         f"{', '.join(PLANS)}")
+    return PLANS[name]
+
+
+#: the former names of experiment plans (a "preset" is a recipe name or a config file)
+ExperimentPreset = ExperimentPlan
+PRESETS = PLANS
+
+
+def get_preset(name: str) -> ExperimentPlan:
+    """Deprecated name of :func:`get_plan`."""
+    warnings.warn("fp4rl.experiments.get_preset is deprecated; use get_plan",
+                  DeprecationWarning, stacklevel=2)
+    return get_plan(name)

@@ -137,7 +137,7 @@ def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
 def precision_table(results: Results, formats: tuple[str, ...], bench: str, policy: str,
                     seeds: int = 1, cells: set[str] | None = None) -> list[str]:
     """Table 1: rows train x rollout precision, one column per FP4 format; with ``cells``,
-    only the rows that hold one of them (a preset's cut of the grid)."""
+    only the rows that hold one of them (a plan's cut of the grid)."""
     base = results.get("bf16")
     head = "| Train | Rollout | " + " | ".join(
         f"FP4 = {FORMAT_LABELS[f]} | {FORMAT_LABELS[f]}: {SECONDARY}" for f in formats) + " |"
@@ -392,8 +392,8 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     plot_rewards(results, cells, plot, title)
     cmd = shlex.join(command if command is not None else ["fp4rl", *sys.argv[1:]])
     done = sum(len(results.get(c.name, {})) for c in cells)
-    lines = [f"# {title} ({exp.preset.name} preset)", "", f"Command: `{cmd}`", "",
-             f"{exp.preset.description}. Runs finished: {done} of {len(cells) * len(seeds)} "
+    lines = [f"# {title} ({exp.plan.name} plan)", "", f"Command: `{cmd}`", "",
+             f"{exp.plan.description}. Runs finished: {done} of {len(cells) * len(seeds)} "
              f"({len(cells)} cells x {len(seeds)} seeds); '--' marks a cell not run yet.", ""]
     some = next((r for runs in results.values() for r in runs.values()), None)
     if some and some.get("config"):
@@ -403,7 +403,7 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
                   f"{cfg['grpo']['batch_size']} prompts per step, Mean@"
                   f"{cfg['eval']['mean_at_k']}.", ""]
     lines += method_lines(results, seeds)
-    names = {c.name for c in cells}  # a preset's cut of the grid settles its own claims
+    names = {c.name for c in cells}  # a plan's cut of the grid settles its own claims
     claims = [c for c in grid_claims(exp.kind, exp.formats)
               if c.better in names and c.worse in names]
     rows = claim_rows(results, claims, benches)
@@ -425,7 +425,7 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     path = out / f"{exp.kind}.md"
     path.write_text("\n".join(lines))
     write_json(out / f"{exp.kind}.json", {
-        "kind": exp.kind, "preset": exp.preset.name, "formats": list(exp.formats),
+        "kind": exp.kind, "plan": exp.plan.name, "formats": list(exp.formats),
         "benchmarks": benches, "command": cmd, "seeds": list(seeds),
         "method": {"interval": "seed-t", "level": stats.LEVEL,
                    "secondary": {"interval": "bootstrap", "resamples": stats.RESAMPLES,

@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from fp4rl.errors import UserError
-from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPreset
+from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPlan
 from fp4rl.paths import write_json
 
 RESULT = "result.json"
@@ -47,7 +47,7 @@ class Experiment:
     """What ``fp4rl experiment`` was asked to run (picklable, for worker processes)."""
 
     kind: str
-    preset: ExperimentPreset
+    plan: ExperimentPlan
     output: Path
     formats: tuple[str, ...]
     overrides: tuple[str, ...] = ()
@@ -56,7 +56,7 @@ class Experiment:
 
     @cached_property
     def base_seed(self) -> int:
-        """The config's ``run.seed`` (preset < ``--set``): the seed of the single-seed
+        """The config's ``run.seed`` (plan < ``--set``): the seed of the single-seed
         layout."""
         from fp4rl.rl.config import validate
 
@@ -73,8 +73,8 @@ class Experiment:
         return self.output / f"seed-{cell.seed}" / "cells" / cell.slug
 
     def benchmarks(self) -> tuple[EvalSpec, ...]:
-        """The preset's benchmarks followed by those added with ``--eval``."""
-        return self.preset.evals + self.evals
+        """The plan's benchmarks followed by those added with ``--eval``."""
+        return self.plan.evals + self.evals
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -88,12 +88,12 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 
 def _base_data(exp: Experiment) -> dict[str, Any]:
-    """The config every cell starts from: preset config < preset changes < ``--set``."""
+    """The config every cell starts from: the plan's config < its changes < ``--set``."""
     from fp4rl.rl.config import apply_override
 
-    path = exp.preset.config_path()
+    path = exp.plan.config_path()
     data: dict[str, Any] = yaml.safe_load(path.read_text()) if path else {}
-    data = _merge(data, exp.preset.changes)
+    data = _merge(data, exp.plan.changes)
     for item in exp.overrides:
         apply_override(data, item)
     return data
@@ -115,7 +115,7 @@ def _check_overrides(exp: Experiment) -> None:
 
 
 def cell_config(exp: Experiment, cell: Cell) -> Any:
-    """The cell's TrainConfig: preset config < ``--set`` overrides < the cell's recipe and
+    """The cell's TrainConfig: the plan's config < ``--set`` overrides < the cell's recipe and
     seed."""
     from fp4rl.rl.config import ConfigError, validate
 
@@ -187,7 +187,7 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, lis
 
     evals = exp.benchmarks()
     if not evals:
-        raise ValueError(f"preset {exp.preset.name!r} names no benchmark: add "
+        raise ValueError(f"plan {exp.plan.name!r} names no benchmark: add "
                          "--eval NAME=LAYOUT:PATH (repeatable)")
     n = cfg.eval.size or cfg.data.test_size
     seed = cfg.run.seed if cfg.eval.prompt_seed is None else cfg.eval.prompt_seed
