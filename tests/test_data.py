@@ -15,7 +15,7 @@ import pytest
 from fp4rl.data import (
     LAYOUTS,
     LEVELS,
-    VARIANTS,
+    SYNTHETIC_TASKS,
     DataError,
     DataWarning,
     Example,
@@ -360,7 +360,7 @@ def test_word_problem_splits_are_disjoint_and_hold_hundreds_of_test_questions() 
 def test_word_variant_keeps_the_multi_step_levels_and_their_split() -> None:
     """Levels 4-5 are the same templates in both sources, and a question's split does not
     depend on the source it was drawn from."""
-    assert VARIANTS["synthetic-words"][4] is LEVELS[4]
+    assert SYNTHETIC_TASKS["synthetic-words"][4] is LEVELS[4]
     words = synthetic_dataset("test", 100, levels=(4,), seed=5, source="synthetic-words")
     arithmetic = synthetic_dataset("train", 400, levels=(4,), seed=5)
     assert {e.meta["expression"] for e in words}.isdisjoint(

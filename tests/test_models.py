@@ -21,7 +21,7 @@ from fp4rl.models import (
     tiny_model,
     tiny_tokenizer,
 )
-from fp4rl.models.checkpoint import check_tied_embeddings, load_cached
+from fp4rl.models.hf_dir import check_tied_embeddings, load_cached
 from fp4rl.models.tiny import CHARACTERS
 
 ARCHS = ["llama", "qwen2"]

@@ -45,12 +45,11 @@ from fp4rl.rl.report import plot_curves
 from fp4rl.rl.trainer import Trainer
 
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
-FORMAT_NAMES = {"hif4": "HiF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4", "bf16": "BF16"}
 MISMATCH = "sampling/sampling_logp_difference/mean"
 #: held-out examples and their token ids
 Prompts = tuple[list, list]
 #: the two views of the policy the demo scores, in the order they are reported
-POLICIES = (("fp4", "FP4 rollout policy (what GRPO samples and trains)"),
+SCORED_POLICIES = (("fp4", "FP4 rollout policy (what GRPO samples and trains)"),
             ("bf16", "bf16 view of the FP32 master weights (not trained as such)"))
 REWARD = "fp4_sampled"  # the FP4 policy sampled as in training, k samples per prompt
 #: the FP4 policy, greedy, on word problems it did not train on: source and template
@@ -152,7 +151,9 @@ def _config(config: str, model: str | None, size: DemoSize, seed: int, device: s
 
 
 def _format_name(fmt: str) -> str:
-    return FORMAT_NAMES.get(fmt, fmt)
+    from fp4rl.formats import get_format
+
+    return get_format(fmt).display_name
 
 
 def _recipe_label(cfg: TrainConfig) -> str:
@@ -271,7 +272,7 @@ def _zero_collapse(net: torch.nn.Module, tok: object) -> dict[str, dict[str, flo
 def _rows(result: Outcome, label: str) -> list[tuple[str, str, str, str]]:
     """(what, before, after, change [95%]) for the summary and the report."""
     rows = []
-    for key, what in POLICIES:
+    for key, what in SCORED_POLICIES:
         what = what.replace("FP4", label, 1)
         b, a = result.before[key].mean, result.after[key].mean
         rows.append((f"accuracy, {what}", f"{b:.1%}", f"{a:.1%}",

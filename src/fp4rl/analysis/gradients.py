@@ -79,7 +79,7 @@ GEMMS = ("Y", "dX", "dW")
 SCHEMES = ("requantize", "reuse_forward")
 REFERENCES = ("bf16", "fp4_forward")
 #: what each variant quantizes (the module docstring's table, for the JSON record)
-VARIANTS = {
+GRADIENT_VARIANTS = {
     "bf16": "nothing quantized",
     "fp4_forward": "W, X in the forward; backward unquantized through the forward's Q(W), Q(X)",
     "requantize": "all three GEMMs; backward W, X re-quantized along their reduction axes",
@@ -424,7 +424,7 @@ def report(model_name: str, batch: dict[str, Any],
                     "objective": "-agg(w_t A_i log pi(y_t)): GRPO's loss at ratio 1, "
                                  "importance weights fixed from the FP4 training policy",
                     "compute": "fp32, round-to-nearest gradients",
-                    "variants": VARIANTS,
+                    "variants": GRADIENT_VARIANTS,
                     "formats": [asdict(r) for r in results]})
 
 

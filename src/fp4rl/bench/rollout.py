@@ -44,7 +44,7 @@ from fp4rl.rollout import (
     list_engines,
 )
 
-POLICIES = ("hif4", "hif4+resq-2:4")
+BENCH_RECIPES = ("hif4", "hif4+resq-2:4")
 #: the policy whose targets the rows state, and the one the two engines are compared on
 RESQ = "hif4+resq-2:4"
 TARGET = f"<= 1.3 ({RESQ})"
@@ -96,7 +96,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     results = []
     for engine in engines:
         results += [compare(f"rollout.{engine}.{p}_vs_{engine}.bf16", timings, f"{engine}.{p}",
-                            f"{engine}.bf16", TARGET) for p in POLICIES]
+                            f"{engine}.bf16", TARGET) for p in BENCH_RECIPES]
         if engine == "hf":
             results.append(compare("rollout.hf.fp32_vs_hf.bf16", timings, "hf.fp32", "hf.bf16"))
     if len(engines) == 2:
@@ -130,7 +130,7 @@ def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
 
         return {"hf.bf16": lambda: sample(engine(plain, "bf16")),
                 "hf.fp32": lambda: sample(engine(plain, "no")),
-                **{f"hf.{n}": policy(n) for n in POLICIES}}
+                **{f"hf.{n}": policy(n) for n in BENCH_RECIPES}}
 
     return fns, tok
 
@@ -147,7 +147,7 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
              "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
     specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
              **{p: EngineSpec(directory, preset(p), dtype=torch.bfloat16, **sizes)
-                for p in POLICIES}}
+                for p in BENCH_RECIPES}}
     engines = {name: VLLMEngine.from_spec(spec, pad_token_id, []) for name, spec in specs.items()}
     sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
 

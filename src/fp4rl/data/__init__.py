@@ -10,12 +10,13 @@ from fp4rl.data.prompts import (
     has_chat_template,
     prompt_messages,
 )
-from fp4rl.data.synthetic import LEVELS, VARIANTS, synthetic_dataset
+from fp4rl.data.synthetic import LEVELS, SYNTHETIC_TASKS, VARIANTS, synthetic_dataset
 
 __all__ = [
     "LAYOUTS",
     "LEVELS",
     "PROMPT_TEMPLATES",
+    "SYNTHETIC_TASKS",
     "VARIANTS",
     "DataError",
     "DataWarning",

@@ -291,7 +291,11 @@ WORD_LEVELS: dict[int, Level] = {
     5: LEVELS[5],
 }
 #: the synthetic data sources (``data.source``) and their levels
-VARIANTS: dict[str, dict[int, Level]] = {"synthetic": LEVELS, "synthetic-words": WORD_LEVELS}
+#: the built-in tasks by ``data.source`` name, each a dict of its levels
+SYNTHETIC_TASKS: dict[str, dict[int, Level]] = {"synthetic": LEVELS,
+                                                "synthetic-words": WORD_LEVELS}
+#: the former name of :data:`SYNTHETIC_TASKS`
+VARIANTS = SYNTHETIC_TASKS
 
 
 # --------------------------------------------------------------------------- dataset
@@ -311,7 +315,7 @@ def _sample_level(source: str, level: int, split: str, count: int,
     for _ in range(max(_MIN_DRAWS, _DRAWS_PER_QUESTION * count)):
         if len(found) == count:
             break
-        problem = VARIANTS[source][level].generate(rng)
+        problem = SYNTHETIC_TASKS[source][level].generate(rng)
         key = (level, *problem.key)
         if key not in found and split_of(key) == split:
             found[key] = problem
@@ -330,15 +334,15 @@ def _stream(source: str) -> str:
 
 
 def _check(split: str, n: int, levels: Sequence[int], source: str) -> tuple[int, ...]:
-    if source not in VARIANTS:
+    if source not in SYNTHETIC_TASKS:
         raise UserError(f"unknown synthetic source {source!r}; choose one of: "
-                         f"{', '.join(VARIANTS)}")
+                         f"{', '.join(SYNTHETIC_TASKS)}")
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     if n < 0:
         raise UserError(f"n must be >= 0, got {n}")
     chosen = tuple(sorted(set(levels)))
-    known = sorted(VARIANTS[source])
+    known = sorted(SYNTHETIC_TASKS[source])
     unknown = [level for level in chosen if level not in known]
     if not chosen or unknown:
         raise UserError(f"levels must be a non-empty subset of {known} for {source}, got "

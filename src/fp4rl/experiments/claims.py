@@ -17,6 +17,7 @@ from fp4rl.experiments.grid import (
     precision_label,
     precision_name,
 )
+from fp4rl.formats import get_format
 from fp4rl.recovery import recovery_variants
 
 #: the paper's GSM8K-test accuracy (%) of Qwen2.5-3B per cell: Table 1 and Table 2
@@ -36,7 +37,9 @@ PAPER_GSM8K = {
     "hif4+resq-block:32x64:0.5": 84.61, "mxfp4+resq-block:32x64:0.5": 80.36,
     "hif4+resq-2:4": 85.90, "mxfp4+resq-2:4": 81.65,
 }
-FORMAT_LABELS = {"hif4": "HiF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+def format_label(fmt: str) -> str:
+    """The format's name as the report writes it (``HiF4``)."""
+    return get_format(fmt).display_name
 MATCHES_BF16 = "FP4 training with a BF16 rollout matches BF16"
 #: how to read a claim's verdict where "holds" alone would mislead
 NOTES = {MATCHES_BF16: "The paper's gaps for this claim (-0.08 and -0.76 points) are "
@@ -118,7 +121,7 @@ def precision_claims(formats: tuple[str, ...]) -> list[Comparison]:
          "{f}:fp4/bf16"),
     )
     for claim, label, better, worse in per_format:
-        out += [Comparison(claim, f"{FORMAT_LABELS[f]}: {label}", better.format(f=f),
+        out += [Comparison(claim, f"{format_label(f)}: {label}", better.format(f=f),
                            worse.format(f=f)) for f in formats]
     return out
 
@@ -138,7 +141,7 @@ def recovery_claims(formats: tuple[str, ...]) -> list[Comparison]:
                 for claim, chosen in (("HiF4 beats MXFP4", in_paper),
                                       (BEYOND_RANKING, [s for s in labels if s not in in_paper]))
                 for s in chosen]
-    out += [Comparison(claim, f"{FORMAT_LABELS[f]}: {label}", better.format(f=f),
+    out += [Comparison(claim, f"{format_label(f)}: {label}", better.format(f=f),
                        worse.format(f=f))
             for claim, label, better, worse in (
                 ("end-to-end FP4 costs accuracy: BF16 beats FP4 without recovery",
@@ -156,11 +159,11 @@ def recovery_claims(formats: tuple[str, ...]) -> list[Comparison]:
         (BEYOND_PAPER, [("resqw-2:4", "resq-2:4")] if "resqw-2:4" in labels else []),
     )
     for claim, chosen in pairs:
-        out += [Comparison(claim, f"{FORMAT_LABELS[f]}: {labels[a]} vs {labels[b]}",
+        out += [Comparison(claim, f"{format_label(f)}: {labels[a]} vs {labels[b]}",
                            _recovery_name(f, a), _recovery_name(f, b))
                 for f in formats for a, b in chosen]
     if "resqw-2:4" in labels:
-        out += [Comparison(BEYOND_MATCHES_BF16, f"{FORMAT_LABELS[f]}: {labels['resqw-2:4']} "
+        out += [Comparison(BEYOND_MATCHES_BF16, f"{format_label(f)}: {labels['resqw-2:4']} "
                            "vs BF16", _recovery_name(f, "resqw-2:4"), "bf16") for f in formats]
     return out
 

@@ -31,7 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from fp4rl.experiments import stats
-from fp4rl.experiments.claims import FORMAT_LABELS, NOTES, Comparison, grid_claims
+from fp4rl.experiments.claims import NOTES, Comparison, format_label, grid_claims
 from fp4rl.experiments.grid import Cell, precision_name, precision_rows, train_label
 from fp4rl.experiments.runner import Experiment
 from fp4rl.paths import write_json
@@ -40,7 +40,7 @@ from fp4rl.rl.report import moving_average
 #: cell name -> seed -> that run's result.json
 Results = dict[str, dict[int, dict[str, Any]]]
 Runs = dict[int, dict[str, Any]]
-POLICIES = (("rollout", "scored as the cell's rollout policy"),
+SCORED_AS = (("rollout", "scored as the cell's rollout policy"),
             ("bf16", "scored with the trained weights unquantized"),
             ("initial", "before training: the starting model as the cell's rollout policy"))
 CLAIM_POLICY = "rollout"
@@ -140,7 +140,7 @@ def precision_table(results: Results, formats: tuple[str, ...], bench: str, poli
     only the rows that hold one of them (a plan's cut of the grid)."""
     base = results.get("bf16")
     head = "| Train | Rollout | " + " | ".join(
-        f"FP4 = {FORMAT_LABELS[f]} | {FORMAT_LABELS[f]}: {SECONDARY}" for f in formats) + " |"
+        f"FP4 = {format_label(f)} | {format_label(f)}: {SECONDARY}" for f in formats) + " |"
     lines = [head, "|---|---|" + "---|---|" * len(formats)]
     for train, rollout in precision_rows():
         is_base = (train, rollout) == ("bf16", "bf16")
@@ -163,7 +163,7 @@ def recovery_table(results: Results, cells: list[Cell], benches: list[str], poli
     for fmt in [None, *dict.fromkeys(c.fmt for c in cells if c.fmt)]:
         group = [c for c in cells if c.fmt == fmt]
         for i, c in enumerate(group):
-            label = "BF16" if fmt is None else (FORMAT_LABELS[fmt] if i == 0 else "")
+            label = "BF16" if fmt is None else (format_label(fmt) if i == 0 else "")
             row = "--" if fmt is None else c.row
             values = [part for b in benches
                       for part in _table_cell(results.get(c.name), base, policy, b, seeds,
@@ -304,7 +304,7 @@ def _benches(runs: Runs) -> set[str]:
 def _legend(cell: Cell) -> str:
     if cell.fmt is None:
         return "BF16"
-    return f"{FORMAT_LABELS[cell.fmt]} (no recovery)" if cell.row == "--" else cell.row
+    return f"{format_label(cell.fmt)} (no recovery)" if cell.row == "--" else cell.row
 
 
 def reward_band(runs: Runs | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -335,7 +335,7 @@ def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) ->
             (line,) = ax.plot(steps, middle, lw=1.6, label=_legend(c), **style)
             if len(results[c.name]) > 1:
                 ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(f"{title}: {FORMAT_LABELS[fmt]}", fontsize=10)
+        ax.set_title(f"{title}: {format_label(fmt)}", fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel("mean training reward (moving average)")
         ax.grid(alpha=0.3)
@@ -361,7 +361,7 @@ def _summary(runs: Runs | None, benches: list[str]) -> dict[str, Any]:
     """A cell's accuracies and intervals for the report's JSON (no per-prompt lists:
     those stay in the cells' result files)."""
     out: dict[str, Any] = {}
-    for policy, _ in POLICIES:
+    for policy, _ in SCORED_AS:
         for bench in benches:
             value = accuracy(runs, policy, bench)
             est = interval(runs, policy, bench)
@@ -377,7 +377,7 @@ def _run_json(result: dict[str, Any]) -> dict[str, Any]:
     def strip(scores: dict[str, Any]) -> dict[str, Any]:
         return {b: {k: v for k, v in s.items() if k != "correct"} for b, s in scores.items()}
 
-    return {**{p: strip(result[p]) for p, _ in POLICIES},
+    return {**{p: strip(result[p]) for p, _ in SCORED_AS},
             **{k: result[k] for k in ("rewards", "train_seconds", "eval_seconds")}}
 
 
@@ -409,7 +409,7 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     rows = claim_rows(results, claims, benches)
     lines += ["## The paper's claims (paired, as the rollout policy)", "",
               *claims_table(rows), ""]
-    for policy, label in POLICIES:
+    for policy, label in SCORED_AS:
         lines += [f"## Accuracy (%), {label}", ""]
         if exp.kind == "precision":
             for bench in benches:

@@ -70,6 +70,13 @@ class NumberFormat(ABC):
     bits_per_value: ClassVar[float]
     #: options beyond ``rounding`` and ``generator`` that this format accepts
     extra_options: ClassVar[tuple[str, ...]] = ()
+    #: how tables and reports write the name (default: upper case)
+    label: ClassVar[str] = ""
+
+    @property
+    def display_name(self) -> str:
+        """The name as tables and reports write it (``HiF4``, ``MXFP4``)."""
+        return self.label or self.name.upper()
 
     def options(self, rounding: str | Rounding = "nearest",
                 generator: torch.Generator | None = None, **extra: Any) -> QuantOptions:

@@ -21,6 +21,7 @@ NAN_CODE = 0xFF
 
 class HiF4(BlockFormat):
     name = "hif4"
+    label = "HiF4"
     block_size = 64
     bits_per_value = 4.5
 

@@ -13,6 +13,7 @@ from fp4rl.formats.nvfp4 import e4m3_bytes, e4m3_round, e4m3_values
 
 class MXFP8(MXFormat):
     name = "mxfp8_e4m3"
+    label = "MXFP8"
     bits_per_value = 8.25
     scale_offset = 8  # E4M3's largest exponent
 

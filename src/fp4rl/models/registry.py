@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from fp4rl.errors import UserError
 from fp4rl.models.cache import Fingerprint, entry_dir, is_complete
-from fp4rl.models.checkpoint import ModelAndTokenizer, load_cached, load_checkpoint
+from fp4rl.models.hf_dir import ModelAndTokenizer, load_cached, load_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fp4rl.data.synthetic import VARIANTS
+from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import Recipe
 from fp4rl.presets import preset_path
@@ -54,14 +54,14 @@ class DataConfig(_Section):
     def _read_as_configured(self) -> DataConfig:
         """Refuse what the source would silently ignore: a file for a generated source,
         or a level the generator does not have."""
-        if self.source not in VARIANTS:
+        if self.source not in SYNTHETIC_TASKS:
             return self
         paths = [f"data.{k}" for k in ("train_path", "test_path") if getattr(self, k)]
         if paths:
             raise ValueError(f"data.source={self.source} generates its examples and reads no "
                              f"file: drop {' and '.join(paths)}, or set data.source to the "
                              f"file's layout (e.g. gsm8k)")
-        known = sorted(VARIANTS[self.source])
+        known = sorted(SYNTHETIC_TASKS[self.source])
         if not self.levels or set(self.levels) - set(known):
             raise ValueError(f"data.levels={self.levels}: choose among {known} for "
                              f"data.source={self.source}")

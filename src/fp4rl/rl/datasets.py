@@ -7,7 +7,7 @@ from typing import Any
 
 from fp4rl.data import Example, build_prompt, load_examples, synthetic_dataset
 from fp4rl.data.loaders import DataError
-from fp4rl.data.synthetic import VARIANTS
+from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import ConfigError
 from fp4rl.rl.config import DataConfig
 
@@ -21,7 +21,7 @@ def load_split(cfg: DataConfig, split: str, seed: int = 0,
     from ``train_path`` / ``test_path``.
     """
     n = size or (cfg.train_size if split == "train" else cfg.test_size)
-    if cfg.source in VARIANTS:
+    if cfg.source in SYNTHETIC_TASKS:
         return synthetic_dataset(split, n=n, levels=cfg.levels, seed=seed, source=cfg.source)
     path = cfg.train_path if split == "train" else cfg.test_path
     if path is None:

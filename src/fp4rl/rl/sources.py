@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from fp4rl.data import Example
-from fp4rl.data.synthetic import VARIANTS
+from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, preset
@@ -120,10 +120,10 @@ def eval_split(spec: str, n: int, levels: list[int], seed: int = 0,
     """The test examples ``--data spec`` names, read before any model is loaded so that a
     mistake in them costs no wait."""
     source, _, path = spec.partition(":")
-    if source not in VARIANTS and not path:
+    if source not in SYNTHETIC_TASKS and not path:
         raise UserError(f"--data {spec!r}: give synthetic, synthetic-words or LAYOUT:PATH, "
                         "e.g. gsm8k:data/test.jsonl")
-    if source in VARIANTS and path:
+    if source in SYNTHETIC_TASKS and path:
         raise UserError(f"--data {spec!r}: {source} generates its prompts and reads no file")
     mapping = field_mapping(fields or [])
     try:
