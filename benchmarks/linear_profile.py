@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fp4rl
-from fp4rl.nn import FP4Linear, preset
+from fp4rl.nn import FP4Linear, get_recipe
 
 SHAPES = ((512, 2048, 2048), (512, 576, 1536))
 
@@ -61,7 +61,7 @@ def profile(tokens: int, d_in: int, d_out: int) -> None:
     xg = x.clone().requires_grad_()
     fp32 = median_ms(step(nn.Linear(d_in, d_out, bias=False), xg, dy))
     fp4 = median_ms(step(FP4Linear.from_linear(nn.Linear(d_in, d_out, bias=False),
-                                               preset("hif4")), xg, dy))
+                                               get_recipe("hif4")), xg, dy))
     print(f"  {'whole step FP32 / HiF4':32s} {fp32:6.1f} / {fp4:.1f}  ({fp4 / fp32:.2f}x)")
 
 

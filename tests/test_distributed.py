@@ -202,11 +202,11 @@ PACKED_SYNC = textwrap.dedent("""
     from fp4rl.gemm import quantize_operand
     from fp4rl.models import tiny_model
     from fp4rl.nn import FP4Linear, fp4_layers, quantize_model
-    from fp4rl.nn.recipe import preset
+    from fp4rl.nn.recipe import get_recipe
     from fp4rl.rollout.weight_sync import sync_rollout_weights
 
     def main(name: str) -> None:
-        recipe = preset(name)
+        recipe = get_recipe(name)
         torch.manual_seed(0)
         llama, _ = tiny_model("llama")
         odd = torch.nn.Linear(128, 33)  # 33 rows: shards of 17 and 16, one padded

@@ -16,7 +16,7 @@ from fp4rl.export import ExportError, export_model
 from fp4rl.gemm import PackedOperand, quantize_operand
 from fp4rl.integrations.vllm import VLLMError, quantization_config
 from fp4rl.models import load_model, tiny_model
-from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import load_config
 
@@ -64,7 +64,7 @@ def test_vllm_export_packed_block_linears_and_quantization_config(tmp_path, arch
 
 def test_vllm_export_recipe_and_ignore(tmp_path):
     model, tok = tiny_model("llama")
-    recipe = Recipe.from_dict({**preset("nvfp4+resq-channel:0.5").to_dict(),
+    recipe = Recipe.from_dict({**get_recipe("nvfp4+resq-channel:0.5").to_dict(),
                                "ignore": ["re:.*\\.1\\.mlp\\.down_proj"]})
     export_model(model, tok, "vllm", tmp_path / "out", recipe=recipe)
     config = config_of(tmp_path / "out")["quantization_config"]
@@ -90,7 +90,8 @@ def test_recipes_the_plugin_refuses(tmp_path, recipe):
 
 def test_ignore_splitting_a_merged_linear_is_refused(tmp_path):
     model, tok = tiny_model("llama")
-    recipe = Recipe.from_dict({**preset("hif4").to_dict(), "ignore": ["re:.*\\.0\\.mlp\\.up_proj"]})
+    recipe = Recipe.from_dict({**get_recipe("hif4").to_dict(),
+                               "ignore": ["re:.*\\.0\\.mlp\\.up_proj"]})
     with pytest.raises(ExportError, match=r"merged linear model\.layers\.0\.mlp\.gate_up_proj"):
         export_model(model, tok, "vllm", tmp_path / "out", recipe=recipe)
 

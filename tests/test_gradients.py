@@ -15,7 +15,7 @@ import fp4rl
 from fp4rl.analysis import gradients as G
 from fp4rl.cli import main
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Recipe, TrainPrecision, fp4_layers, preset, quantize_model
+from fp4rl.nn import FP4Linear, Recipe, TrainPrecision, fp4_layers, get_recipe, quantize_model
 from fp4rl.rl.grpo import LossConfig, grpo_loss
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout import RolloutBatch
@@ -102,7 +102,7 @@ def test_surrogate_has_the_gradient_of_the_grpo_loss(tiny_batch):
     """At ratio 1 (pi_old = pi_theta, the first update step) GRPO's clipped loss with
     token-level TIS has the gradient of the fixed-weight surrogate."""
     model, batch = tiny_batch
-    quantize_model(model, preset("hif4"))
+    quantize_model(model, get_recipe("hif4"))
     grads = []
     for use_grpo in (False, True):
         model.zero_grad(set_to_none=True)

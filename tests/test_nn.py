@@ -9,7 +9,7 @@ from torch import nn
 import fp4rl
 from fp4rl.gemm import quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Mode, PatchError, Recipe, TrainPrecision, fp4_layers, preset
+from fp4rl.nn import FP4Linear, Mode, PatchError, Recipe, TrainPrecision, fp4_layers, get_recipe
 
 FORMATS = ["hif4", "mxfp4", "nvfp4"]
 
@@ -55,7 +55,7 @@ def test_fp4_gradients_stay_close_to_exact():
     """A sanity floor: HiF4 weight gradients keep a positive cosine with exact ones."""
     torch.manual_seed(0)
     plain = nn.Linear(128, 64)
-    layer = FP4Linear.from_linear(nn.Linear(128, 64), preset("hif4"))
+    layer = FP4Linear.from_linear(nn.Linear(128, 64), get_recipe("hif4"))
     layer.load_state_dict(plain.state_dict())
     x = torch.randn(256, 128)
     for mod in (plain, layer):
@@ -137,7 +137,7 @@ def test_rollout_and_train_policies_differ_only_by_recipe():
 
 
 def test_rollout_weight_quantized_once_per_version(monkeypatch):
-    layer = _layer(preset("hif4"))
+    layer = _layer(get_recipe("hif4"))
     calls = []
     real = quantize_operand
 

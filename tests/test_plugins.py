@@ -18,7 +18,7 @@ import fp4rl
 from fp4rl.errors import RecipeError
 from fp4rl.experiments.grid import grid_cells
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Mode, fp4_layers, preset, quantize_model
+from fp4rl.nn import FP4Linear, Mode, fp4_layers, get_recipe, quantize_model
 from fp4rl.recovery import register, unregister
 from fp4rl.rl import rewards
 from fp4rl.rl.config import load_config
@@ -68,14 +68,14 @@ def test_registered_format_is_exact_against_its_reference(plugins):
 
 
 def test_registered_method_is_a_recipe(clip_method):
-    recipe = preset("hif4+clip-0.25")
+    recipe = get_recipe("hif4+clip-0.25")
     assert recipe.rollout.recovery.method == "clip"
     assert recipe.rollout.recovery.config == clip_method.config_cls(0.25)
     assert recipe.rollout.recovery.label == "clip-0.25"
     yaml_form = fp4rl.Recipe.from_dict(recipe.to_dict())
     assert yaml_form == recipe
     with pytest.raises(RecipeError, match="ratio must be in"):
-        preset("hif4+clip-2")
+        get_recipe("hif4+clip-2")
 
 
 @pytest.mark.parametrize("fmt", ["hif4", "mxint4"])
@@ -83,7 +83,7 @@ def test_registered_method_computes_its_rollout(plugins, fmt):
     """The layer's rollout output against the formats' reference paths, in fp32 and
     under bf16 autocast (the operands are exact in bf16, so only summation differs)."""
     torch.manual_seed(0)
-    layer = FP4Linear.from_linear(nn.Linear(128, 32, bias=False), preset(f"{fmt}+clip-0.5"))
+    layer = FP4Linear.from_linear(nn.Linear(128, 32, bias=False), get_recipe(f"{fmt}+clip-0.5"))
     layer.mode = Mode.ROLLOUT
     x = torch.randn(6, 128)
     limit = 0.5 * x.abs().amax(dim=-1, keepdim=True)
@@ -105,7 +105,7 @@ def test_registered_method_joins_the_recovery_grid(clip_method):
 def test_unregistered_method_is_refused_with_the_registry():
     assert "clip" not in fp4rl.recovery.list_methods()
     with pytest.raises(RecipeError, match=r"not a registered method.*fp4rl\.recovery\.register"):
-        preset("hif4+clip-0.5")
+        get_recipe("hif4+clip-0.5")
 
 
 def test_name_clash_is_refused_and_unregister_takes_back(clip_method):
@@ -118,7 +118,7 @@ def test_name_clash_is_refused_and_unregister_takes_back(clip_method):
 def test_one_grpo_step_through_a_recipe_string(plugins, tmp_path):
     """Format, method and reward from the page, in one GRPO step on a tiny model; the
     recipe comes from the string ``"mxint4+clip-0.1"``."""
-    recipe = preset("mxint4+clip-0.1").to_dict()
+    recipe = get_recipe("mxint4+clip-0.1").to_dict()
     cfg = load_config(None, [
         f"train={json.dumps(recipe['train'])}", f"rollout={json.dumps(recipe['rollout'])}",
         "grpo.num_generations=2", "grpo.batch_size=2", "grpo.max_response_length=4",
@@ -137,7 +137,7 @@ def test_filter_fn_and_ignore_choose_the_targets():
     model, _ = tiny_model("llama")
     every = set(fp4_layers(quantize_model(model, "hif4")))
     assert every and all(".layers." in n for n in every)
-    recipe = fp4rl.Recipe.from_dict({**preset("hif4").to_dict(),
+    recipe = fp4rl.Recipe.from_dict({**get_recipe("hif4").to_dict(),
                                      "ignore": ["re:.*mlp\\.down_proj", r".*\.0\.self_attn\..*"]})
     kept = set(fp4_layers(quantize_model(model, recipe)))
     assert kept == {n for n in every if not n.endswith("down_proj")

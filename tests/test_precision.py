@@ -13,7 +13,7 @@ from fp4rl.cli import main
 from fp4rl.errors import UserError
 from fp4rl.gemm import mm, quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Recipe, RolloutPrecision, TrainPrecision, preset
+from fp4rl.nn import FP4Linear, Recipe, RolloutPrecision, TrainPrecision, get_recipe
 from fp4rl.recovery import Recovery
 from fp4rl.rl import rewards
 from fp4rl.rl.config import ConfigError, load_config
@@ -134,7 +134,7 @@ def test_unquantized_element_computes_in_the_compute_dtype():
 
 def test_backward_keeps_one_compute_dtype_activation():
     """What the layer saves for backward: Q(X) along tokens in bf16, and the weight."""
-    layer = FP4Linear.from_linear(nn.Linear(256, 128), preset("hif4"))
+    layer = FP4Linear.from_linear(nn.Linear(256, 128), get_recipe("hif4"))
     x = torch.randn(64, 256, requires_grad=True)
     saved = []
 
@@ -151,7 +151,7 @@ def test_backward_keeps_one_compute_dtype_activation():
 
 def _tiny_step_model():
     model, _ = tiny_model("llama", seed=0)
-    fp4rl.quantize_model(model, preset("hif4"))
+    fp4rl.quantize_model(model, get_recipe("hif4"))
     ids = torch.randint(0, model.config.vocab_size, (4, 12),
                         generator=torch.Generator().manual_seed(0))
     return model, ids

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from fp4rl.nn.recipe import Recipe, RecipeError, preset, table1_presets
+from fp4rl.nn.recipe import Recipe, RecipeError, get_recipe, table1_presets
 from fp4rl.recovery import Recovery
 
 FP4_FORMATS = ("hif4", "mxfp4", "nvfp4")
@@ -21,7 +21,7 @@ def test_from_yaml(tmp_path):
     recipe = Recipe.from_yaml(path)
     assert recipe.train.gradients == "hif4"
     assert recipe.rollout.recovery == Recovery.make("resq", sparsity="2:4")
-    assert recipe == preset("hif4+resq-2:4")
+    assert recipe == get_recipe("hif4+resq-2:4")
     assert Recipe.from_dict(recipe.to_dict()) == recipe
 
 
@@ -56,7 +56,7 @@ def test_validation_messages(data, message):
 def test_table1_presets(fmt):
     names = table1_presets(fmt)
     assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
-    cells = {n: preset(n) for n in names}
+    cells = {n: get_recipe(n) for n in names}
     assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt
     assert cells[f"{fmt}:fp4/bf16"].rollout.weights == "bf16"
     assert (cells[f"{fmt}:fp4/w4a16"].rollout.weights,
@@ -65,15 +65,15 @@ def test_table1_presets(fmt):
     assert cells[f"{fmt}:fp4/w16a4"].rollout.weights == "bf16"
     assert cells[f"{fmt}:bf16/fp4"].train.activations == "bf16"
     assert cells[f"{fmt}:bf16/fp4"].rollout.activations == fmt
-    assert preset(fmt) == cells[f"{fmt}:fp4/fp4"]
+    assert get_recipe(fmt) == cells[f"{fmt}:fp4/fp4"]
     assert {r.train.backward_operands for r in cells.values()} == {"requantize"}
     # beyond Table 1: FP4 training with the HiFloat4 authors' simulated backward
-    reuse = preset(f"{fmt}:fp4-reuse/bf16+resq-2:4")
+    reuse = get_recipe(f"{fmt}:fp4-reuse/bf16+resq-2:4")
     assert reuse.train == dataclasses.replace(cells[f"{fmt}:fp4/bf16"].train,
                                               backward_operands="reuse_forward")
     assert reuse.rollout.weights == "bf16" and reuse.rollout.recovery.method == "resq"
     with pytest.raises(RecipeError, match="fp4-reuse"):
-        preset(f"{fmt}:fp4-reused/bf16")
+        get_recipe(f"{fmt}:fp4-reused/bf16")
 
 
 @pytest.mark.parametrize(("name", "label"), [
@@ -84,11 +84,18 @@ def test_table1_presets(fmt):
     ("hif4", ""),
 ])
 def test_recovery_suffixes(name, label):
-    assert preset(name).rollout.recovery.label == label
+    assert get_recipe(name).rollout.recovery.label == label
 
 
 @pytest.mark.parametrize("bad", ["fp4", "hif4:fp8/fp4", "hif4:fp4/w2a2", "hif4+magic",
                                  "hif4+rht-3"])
 def test_bad_presets(bad):
     with pytest.raises(RecipeError):
-        preset(bad)
+        get_recipe(bad)
+
+
+def test_the_former_name_of_get_recipe_still_works_with_a_deprecation():
+    from fp4rl.nn import preset
+
+    with pytest.warns(DeprecationWarning, match="use fp4rl.nn.get_recipe"):
+        assert preset("hif4+resq-2:4") == get_recipe("hif4+resq-2:4")

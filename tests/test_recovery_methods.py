@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fp4rl.formats import quantize
-from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, preset
+from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, get_recipe
 from fp4rl.recovery import Recovery
 from fp4rl.recovery.resq import resq_activation, resq_matmul
 from fp4rl.recovery.rht import hadamard_block
@@ -189,7 +189,7 @@ def test_rht_block_fits_reduction_axis():
 
 def test_preset_builds_every_recovery():
     for name in ["hif4+resq-2:4", "hif4+smoothquant", "hif4+rht", "hif4+occ", "hif4"]:
-        layer = FP4Linear.from_linear(nn.Linear(128, 64), preset(name))
+        layer = FP4Linear.from_linear(nn.Linear(128, 64), get_recipe(name))
         layer.mode = Mode.ROLLOUT
         assert layer(torch.randn(4, 128)).shape == (4, 64)
 
@@ -215,7 +215,7 @@ def test_resqw_repairs_the_weight_as_resq_repairs_the_activation(fmt):
     rounding of that, and the weight residual brings the output closer to X W^T."""
     torch.manual_seed(0)
     x, linear = outlier_activations(tokens=16, d=128), nn.Linear(128, 64, bias=True)
-    layer = FP4Linear.from_linear(linear, preset(f"{fmt}+resqw-2:4"))
+    layer = FP4Linear.from_linear(linear, get_recipe(f"{fmt}+resqw-2:4"))
     layer.mode = Mode.ROLLOUT
     w = linear.weight.detach()
     qw = quantize(w, fmt)

@@ -15,7 +15,7 @@ from fp4rl.integrations.vllm import (
     quantization_config,
     recipe_from_config,
 )
-from fp4rl.nn.recipe import preset
+from fp4rl.nn.recipe import get_recipe
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -26,7 +26,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def test_the_config_round_trips_the_rollout_recipe(name):
     config = quantization_config(name)
     assert config["quant_method"] == QUANT_METHOD
-    assert recipe_from_config(config).rollout == preset(name).rollout
+    assert recipe_from_config(config).rollout == get_recipe(name).rollout
 
 
 @pytest.mark.parametrize("name", ["hif4+smoothquant", "hif4+rht", "hif4+occ",

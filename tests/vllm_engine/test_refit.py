@@ -166,12 +166,12 @@ def test_an_engine_started_on_dummy_weights_takes_its_first_refit(smollm_dir):
     from vllm import LLM
 
     from fp4rl.integrations.vllm import method_kwargs
-    from fp4rl.nn.recipe import preset
+    from fp4rl.nn.recipe import get_recipe
 
     model, tok = updated_model()
     dummy = LLM(model=smollm_dir, dtype=torch.bfloat16, enforce_eager=True,
                 max_model_len=256, kv_cache_memory_bytes=256 << 20, load_format="dummy",
-                logprobs_mode="processed_logprobs", **method_kwargs(preset(RECIPE)))
+                logprobs_mode="processed_logprobs", **method_kwargs(get_recipe(RECIPE)))
     refit(dummy, model, packed=True)
     got = prompt_logprobs(dummy, tok)
     del dummy

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl.nn import begin_step, preset, quantize_model, rollout_mode, train_mode
+from fp4rl.nn import begin_step, get_recipe, quantize_model, rollout_mode, train_mode
 from fp4rl.recovery import recovery_variants
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import SamplingConfig, generate
@@ -112,7 +112,7 @@ def run_fidelity(model: torch.nn.Module, tokenizer: object, prompts: list[list[i
     rows = []
     for method in methods:
         progress(method)
-        quantize_model(model, preset(method))
+        quantize_model(model, get_recipe(method))
         begin_step(model)
         with rollout_mode(model):
             rollout = token_logprobs(model, batch)

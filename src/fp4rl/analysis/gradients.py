@@ -57,7 +57,7 @@ from fp4rl.nn import (
     TrainPrecision,
     begin_step,
     fp4_layers,
-    preset,
+    get_recipe,
     quantize_model,
     rollout_mode,
     train_mode,
@@ -229,7 +229,7 @@ def sample_batch(model: nn.Module, tokenizer: Any, fmt: str, *, prompts: int = 4
                                         log=lambda _: None)
     rows = [(i, j) for i in range(len(encoded)) for j in range(group)]
     device = next(model.parameters()).device
-    quantize_model(model, preset(fmt))
+    quantize_model(model, get_recipe(fmt))
     begin_step(model)
     with rollout_mode(model):
         rollout = generate(model, [encoded[i] for i, _ in rows],

@@ -19,7 +19,7 @@ from rich.table import Table
 from torch import nn
 
 from fp4rl.bench.common import Comparison, compare, measure
-from fp4rl.nn import FP4Linear, preset
+from fp4rl.nn import FP4Linear, get_recipe
 from fp4rl.precision import autocast
 
 #: (name, tokens, in_features, out_features): projections of the models fp4rl trains
@@ -58,7 +58,7 @@ def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
     dev = torch.device(device)
     for name, m, d, n in shapes:
         plain = nn.Linear(d, n, bias=False).to(dev)
-        fp4 = FP4Linear.from_linear(nn.Linear(d, n, bias=False).to(dev), preset(fmt))
+        fp4 = FP4Linear.from_linear(nn.Linear(d, n, bias=False).to(dev), get_recipe(fmt))
         x, g = _inputs(m, d, n, dev)
         timings = measure({"bf16": _step(plain, x, g, "bf16"), fmt: _step(fp4, x, g, "bf16"),
                            "fp32": _step(plain, x, g, "no"),

@@ -138,7 +138,7 @@ def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
 def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
           new_tokens: int) -> dict[str, Callable[[], None]]:
     """vLLM: one engine per policy (plain vLLM for bf16), all built before any is timed."""
-    from fp4rl.nn.recipe import preset
+    from fp4rl.nn.recipe import get_recipe
     from fp4rl.rollout.vllm.engine import EngineSpec, VLLMEngine, model_dir
 
     directory = model_dir(model_name)
@@ -146,7 +146,7 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
     sizes = {"max_model_len": max(longest, 256),
              "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
     specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
-             **{p: EngineSpec(directory, preset(p), dtype=torch.bfloat16, **sizes)
+             **{p: EngineSpec(directory, get_recipe(p), dtype=torch.bfloat16, **sizes)
                 for p in BENCH_RECIPES}}
     engines = {name: VLLMEngine.from_spec(spec, pad_token_id, []) for name, spec in specs.items()}
     sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)

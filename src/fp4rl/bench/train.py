@@ -48,13 +48,13 @@ def _coin_flips(seed: int) -> Callable[[str, str], float]:
 
 def _trainer(model_name: str, key: str, recipe: str, engine: str, out: str,
              changes: dict[str, Any]) -> Any:
-    from fp4rl.nn import preset
+    from fp4rl.nn import get_recipe
     from fp4rl.rl.rewards import register_reward
     from fp4rl.rl.trainer import Trainer
 
     # a fresh generator per trainer: each measured step flips the same coins
     register_reward(f"bench_coin_flips_{key}", _coin_flips(0), replace=True)
-    rec = preset(recipe).to_dict()
+    rec = get_recipe(recipe).to_dict()
     cfg = load_config(None, None, {"model": model_name, **SMALL, **changes,
                                    "data.reward": f"bench_coin_flips_{key}",
                                    "train": rec["train"],

@@ -37,12 +37,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.analysis import fidelity, plots
     from fp4rl.data import synthetic_dataset
     from fp4rl.models import load_model
-    from fp4rl.nn import preset
+    from fp4rl.nn import get_recipe
     from fp4rl.rl.datasets import encode_examples
 
     methods = args.methods or fidelity.default_methods()
     for m in methods:
-        preset(m)  # fail fast on a bad name, before loading anything
+        get_recipe(m)  # fail fast on a bad name, before loading anything
     check_outputs(json=args.json, plot=args.plot)
     from fp4rl.precision import resolve_device
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4rl.errors import UserError, did_you_mean
-from fp4rl.nn.recipe import Recipe, preset, quantized_formats
+from fp4rl.nn.recipe import Recipe, get_recipe, quantized_formats
 from fp4rl.presets import preset_path
 from fp4rl.recovery import recovery_variants
 
@@ -66,7 +66,7 @@ class Cell:
         return self.name if self.seed is None else f"{self.name} (seed {self.seed})"
 
     def recipe(self) -> Recipe:
-        return preset(self.name)
+        return get_recipe(self.name)
 
 
 def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:

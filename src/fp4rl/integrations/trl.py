@@ -51,7 +51,7 @@ from packaging.requirements import Requirement
 from torch import nn
 
 from fp4rl.errors import RecipeError, UserError, did_you_mean
-from fp4rl.nn import Recipe, begin_step, preset, quantize_model, rollout_mode
+from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
 from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
@@ -107,7 +107,7 @@ def resolve_recipe(recipe: Recipe | str) -> Recipe:
     if isinstance(recipe, Recipe):
         return recipe
     if isinstance(recipe, str):
-        return preset(recipe)
+        return get_recipe(recipe)
     raise RecipeError(f"fp4_recipe must be a recipe name or a fp4rl.Recipe, "
                       f"got {type(recipe).__name__}")
 

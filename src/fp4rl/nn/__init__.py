@@ -12,9 +12,16 @@ from fp4rl.nn.patch import (
     rollout_states,
     train_mode,
 )
-from fp4rl.nn.recipe import Recipe, RecipeError, RolloutPrecision, TrainPrecision, preset
+from fp4rl.nn.recipe import (
+    Recipe,
+    RecipeError,
+    RolloutPrecision,
+    TrainPrecision,
+    get_recipe,
+    preset,
+)
 
 __all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError",
            "RolloutPrecision", "TrainPrecision", "begin_step", "fp4_layers",
-           "in_transformer_block", "load_rollout_states", "preset", "quantize_model",
+           "get_recipe", "in_transformer_block", "load_rollout_states", "preset", "quantize_model",
            "rollout_mode", "rollout_states", "train_mode"]

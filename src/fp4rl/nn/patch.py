@@ -10,7 +10,7 @@ from torch import nn
 
 from fp4rl.errors import UserError
 from fp4rl.nn.linear import FP4Linear, Mode
-from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.nn.recipe import Recipe, get_recipe
 
 #: a linear inside a transformer block: ``...layers.<i>.`` (Llama, Qwen2, Mistral, ...),
 #: ``...h.<i>.`` (GPT-style) or ``...blocks.<i>.``
@@ -46,7 +46,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     keep working. Patching an already patched model installs the new recipe (and puts
     back a plain ``nn.Linear`` where a layer is no longer targeted). Returns ``model``.
     """
-    recipe = preset(recipe) if isinstance(recipe, str) else recipe
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     keep = filter_fn or in_transformer_block
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, nn.Linear) and keep(mod, name) and not recipe.ignores(name)]

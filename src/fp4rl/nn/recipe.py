@@ -10,7 +10,7 @@ the allowed values::
 
 ``"bf16"`` anywhere means "not quantized" (computed in the run's compute dtype, the
 paper's baseline). Presets cover every cell of the paper's Table 1:
-``preset("hif4:fp4/w4a8")`` is training in HiF4 with a rollout of HiF4 weights and
+``get_recipe("hif4:fp4/w4a8")`` is training in HiF4 with a rollout of HiF4 weights and
 MXFP8 activations; a suffix ``"+<method>[-<argument>]"`` (``"+resq-2:4"``) adds a
 registered rollout recovery method.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,8 @@ def _reject_unknown(data: dict[str, Any], allowed: set[str], where: str) -> None
                           f"allowed: {sorted(allowed)}")
 
 
-def preset(name: str) -> Recipe:
-    """A named recipe.
+def get_recipe(name: str) -> Recipe:
+    """The recipe a recipe name stands for.
 
     ``"bf16"``; ``"<fmt>"`` (full FP4 training and rollout); ``"<fmt>:<train>/<rollout>"``
     with train in {bf16, fp4} and rollout in {bf16, w4a16, w4a8, w16a4, fp4} (the paper's
@@ -217,3 +218,10 @@ def table1_presets(fmt: str) -> list[str]:
     """Preset names of every row of the paper's Table 1 for one FP4 format."""
     return ["bf16"] + [f"{fmt}:{t}/{r}" for t in PAPER_TRAIN_PRESETS for r in ROLLOUT_PRESETS
                        if (t, r) != ("bf16", "bf16")]
+
+
+def preset(name: str) -> Recipe:
+    """Deprecated name of :func:`get_recipe` ("preset" now names config files only)."""
+    warnings.warn("fp4rl.nn.preset is deprecated; use fp4rl.nn.get_recipe",
+                  DeprecationWarning, stacklevel=2)
+    return get_recipe(name)

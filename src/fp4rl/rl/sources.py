@@ -13,7 +13,7 @@ from fp4rl.data import Example
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
-from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import DataConfig, recipe_of
 from fp4rl.rl.datasets import encode_examples, load_split
@@ -85,7 +85,7 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
         quantize_model(net, run_recipe)
         label += " (run recipe)"
     elif recipe:
-        quantize_model(net, preset(recipe))
+        quantize_model(net, get_recipe(recipe))
         label += f" ({recipe})"
     else:
         label += " (unquantized)"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from fp4rl.errors import UserError
-from fp4rl.nn.recipe import Recipe, preset
+from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import get_method, list_methods
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
@@ -39,7 +39,7 @@ class VLLMError(UserError):
 
 def rollout_recipe(recipe: Recipe | str) -> Recipe:
     """``recipe`` (a preset name or a Recipe) checked for what the plug-in runs."""
-    recipe = preset(recipe) if isinstance(recipe, str) else recipe
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     method = recipe.rollout.recovery.method
     if not get_method(method).serves_in_engines:
         raise VLLMError(f"rollout recovery {method!r} cannot run inside vLLM: the vLLM "
