@@ -19,7 +19,7 @@ from fp4rl.errors import RecipeError
 from fp4rl.experiments.grid import grid_cells
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, fp4_layers, get_recipe, quantize_model
-from fp4rl.recovery import register, unregister
+from fp4rl.recovery import register_recovery, unregister_recovery
 from fp4rl.rl import rewards
 from fp4rl.rl.config import load_config
 from fp4rl.rl.trainer import Trainer
@@ -51,7 +51,7 @@ def clip_method(plugins):
 
 def test_the_page_has_the_three_examples(plugins):
     assert len(doc_examples()) == 3
-    assert fp4rl.recovery.get_method("clip") is plugins.Clip
+    assert fp4rl.recovery.get_recovery("clip") is plugins.Clip
     assert "mxint4" in fp4rl.formats.list_formats()
     assert rewards.get_reward("ends_with_answer")("so it is 42", "42") == 1.0
 
@@ -103,16 +103,16 @@ def test_registered_method_joins_the_recovery_grid(clip_method):
 
 
 def test_unregistered_method_is_refused_with_the_registry():
-    assert "clip" not in fp4rl.recovery.list_methods()
+    assert "clip" not in fp4rl.recovery.list_recoveries()
     with pytest.raises(RecipeError, match=r"not a registered method.*fp4rl\.recovery\.register"):
         get_recipe("hif4+clip-0.5")
 
 
 def test_name_clash_is_refused_and_unregister_takes_back(clip_method):
     with pytest.raises(RecipeError, match="already registered"):
-        register("resq", clip_method)
-    unregister("clip")
-    assert "clip" not in fp4rl.recovery.list_methods()
+        register_recovery("resq", clip_method)
+    unregister_recovery("clip")
+    assert "clip" not in fp4rl.recovery.list_recoveries()
 
 
 def test_one_grpo_step_through_a_recipe_string(plugins, tmp_path):

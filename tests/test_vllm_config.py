@@ -37,7 +37,7 @@ def test_recovery_with_state_elsewhere_is_refused_naming_what_runs(name):
 
 
 def test_a_registered_method_says_itself_whether_vllm_runs_it():
-    from fp4rl.recovery import register, unregister
+    from fp4rl.recovery import register_recovery, unregister_recovery
     from fp4rl.recovery.base import NoRecovery
     from fp4rl.rollout.vllm.config import supported_recovery
 
@@ -47,8 +47,8 @@ def test_a_registered_method_says_itself_whether_vllm_runs_it():
     class Stateful(NoRecovery):
         serves_in_engines = False
 
-    register("stateless", Stateless)
-    register("stateful", Stateful)
+    register_recovery("stateless", Stateless)
+    register_recovery("stateful", Stateful)
     try:
         assert supported_recovery()[-1] == "stateless" and "stateful" not in supported_recovery()
         assert quantization_config("hif4+stateless")["rollout"]["recovery"]["method"] == \
@@ -56,8 +56,8 @@ def test_a_registered_method_says_itself_whether_vllm_runs_it():
         with pytest.raises(VLLMError, match="'stateful' cannot run inside vLLM"):
             quantization_config("hif4+stateful")
     finally:
-        unregister("stateless")
-        unregister("stateful")
+        unregister_recovery("stateless")
+        unregister_recovery("stateful")
 
 
 def test_merged_linears_name_their_hugging_face_layers():

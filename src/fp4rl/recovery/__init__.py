@@ -1,7 +1,7 @@
 """Rollout-side recovery of activation precision: Rollout-ResQ and the paper's baselines.
 
 Every method, built-in or not, is a plug-in registered by name with
-:func:`register`; importing this package registers the built-in ones (``none``,
+:func:`register_recovery`; importing this package registers the built-in ones (``none``,
 ``smoothquant``, ``rht``, ``occ``, ``resq``, in the order of the paper's tables, then
 ``resqw``, ResQ on the weight too, a step beyond the paper).
 ``sparsify`` and ``resq_matmul`` are the functional forms.
@@ -13,10 +13,14 @@ from fp4rl.recovery.base import (
     RecoveryConfig,
     RolloutRecovery,
     get_method,
+    get_recovery,
     list_methods,
+    list_recoveries,
     recovery_variants,
     register,
+    register_recovery,
     unregister,
+    unregister_recovery,
 )
 from fp4rl.recovery.outliers import clamp_outliers, outlier_block_fraction, outlier_blocks
 from fp4rl.recovery.resq import resq_activation, resq_matmul
@@ -24,6 +28,7 @@ from fp4rl.recovery.sparsity import density, keep_mask, parse_pattern, sparsify
 from fp4rl.recovery.spec import Recovery, make_recovery
 
 __all__ = ["Recovery", "RecoveryConfig", "RolloutRecovery", "clamp_outliers", "density",
-           "get_method", "keep_mask", "list_methods", "make_recovery", "outlier_block_fraction",
-           "outlier_blocks", "parse_pattern", "recovery_variants", "register",
-           "resq_activation", "resq_matmul", "sparsify", "unregister"]
+           "get_method", "get_recovery", "keep_mask", "list_methods", "list_recoveries",
+           "make_recovery", "outlier_block_fraction", "outlier_blocks", "parse_pattern",
+           "recovery_variants", "register", "register_recovery", "resq_activation",
+           "resq_matmul", "sparsify", "unregister", "unregister_recovery"]

@@ -14,7 +14,9 @@ first-class citizen as soon as its module is imported.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -133,15 +135,15 @@ class NoRecovery(RolloutRecovery):
 _METHODS: dict[str, type[RolloutRecovery]] = {}
 
 
-def register(name: str, method_cls: type[RolloutRecovery], *,
-             replace: bool = False) -> type[RolloutRecovery]:
+def register_recovery(name: str, method_cls: type[RolloutRecovery], *,
+                      replace: bool = False) -> type[RolloutRecovery]:
     """Make ``method_cls`` the recovery method called ``name`` in recipes.
 
     ``name`` is what a recipe says (``rollout.recovery.method: name``, ``"hif4+name"``);
     a name already taken is refused unless ``replace``.
     """
     if not (isinstance(method_cls, type) and issubclass(method_cls, RolloutRecovery)):
-        raise RecipeError(f"register({name!r}, ...): expected a RolloutRecovery subclass, "
+        raise RecipeError(f"register_recovery({name!r}, ...): expected a RolloutRecovery subclass, "
                           f"got {method_cls!r}")
     if not name or not name.replace("_", "").isalnum() or name != name.lower():
         raise RecipeError(f"recovery method names are lower-case words, got {name!r}")
@@ -153,17 +155,17 @@ def register(name: str, method_cls: type[RolloutRecovery], *,
     return method_cls
 
 
-def unregister(name: str) -> None:
+def unregister_recovery(name: str) -> None:
     """Remove a method (tests and notebooks that register temporary ones)."""
     _METHODS.pop(name, None)
 
 
-def list_methods() -> list[str]:
+def list_recoveries() -> list[str]:
     """Registered method names, in registration order (``none`` first)."""
     return list(_METHODS)
 
 
-def get_method(name: str) -> type[RolloutRecovery]:
+def get_recovery(name: str) -> type[RolloutRecovery]:
     """The method class called ``name``; an unknown name is one line with a suggestion."""
     try:
         return _METHODS[name]
@@ -171,7 +173,7 @@ def get_method(name: str) -> type[RolloutRecovery]:
         raise RecipeError(f"rollout.recovery.method: {name!r} is not a registered method"
                           f"{did_you_mean(name, list(_METHODS))}; registered: "
                           f"{', '.join(_METHODS)} (a third-party method registers with "
-                          f"fp4rl.recovery.register)") from None
+                          f"fp4rl.recovery.register_recovery)") from None
 
 
 def recovery_variants() -> list[tuple[str, str]]:
@@ -187,7 +189,7 @@ def recovery_variants() -> list[tuple[str, str]]:
 
 def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
     """Build ``method``'s config from a mapping, refusing keys it does not have."""
-    cls = get_method(method).config_cls
+    cls = get_recovery(method).config_cls
     allowed = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
@@ -202,4 +204,22 @@ def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
     return cls(**params)
 
 
-register("none", NoRecovery)
+register_recovery("none", NoRecovery)
+
+
+def _former(name: str, new: Callable[..., Any]) -> Callable[..., Any]:
+    """``new`` under its former name, with a deprecation."""
+    def former(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"fp4rl.recovery.{name} is deprecated; use {new.__name__}",
+                      DeprecationWarning, stacklevel=2)
+        return new(*args, **kwargs)
+
+    former.__name__ = name
+    former.__doc__ = f"Deprecated name of :func:`{new.__name__}`."
+    return former
+
+
+register = _former("register", register_recovery)
+unregister = _former("unregister", unregister_recovery)
+list_methods = _former("list_methods", list_recoveries)
+get_method = _former("get_method", get_recovery)

@@ -14,7 +14,7 @@ import torch
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand, mm
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.outliers import clamp_outliers, residual_matmul
 
 
@@ -49,4 +49,4 @@ class OCC(RolloutRecovery):
         return y + residual_matmul(outliers.to(dtype), w.to(dtype))
 
 
-register("occ", OCC)
+register_recovery("occ", OCC)

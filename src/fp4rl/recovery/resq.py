@@ -17,7 +17,7 @@ import torch
 from fp4rl.formats import BlockFormat, get_format, quantize
 from fp4rl.gemm import Operand, quantize_operand
 from fp4rl.kernels import resq_rows, resq_terms
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
 
@@ -124,4 +124,4 @@ class ResQ(RolloutRecovery):
         return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]
 
 
-register("resq", ResQ)
+register_recovery("resq", ResQ)

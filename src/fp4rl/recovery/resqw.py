@@ -24,7 +24,7 @@ from functools import cached_property
 import torch
 
 from fp4rl.gemm import Operand, mm, quantize_operand
-from fp4rl.recovery.base import register
+from fp4rl.recovery.base import register_recovery
 from fp4rl.recovery.resq import ResQ, ResQConfig
 from fp4rl.recovery.sparsity import SparsityPattern, parse_pattern, sparsify
 
@@ -80,4 +80,4 @@ class ResQW(ResQ):
         return (main + mm(acts, rw.t(), dtype).float()).to(dtype)
 
 
-register("resqw", ResQW)
+register_recovery("resqw", ResQW)

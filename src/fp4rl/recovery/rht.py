@@ -14,7 +14,7 @@ import torch
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
 
@@ -75,4 +75,4 @@ class RHT(RolloutRecovery):
         return [self.quantize_act(random_hadamard(x, self.signs, self.block))]
 
 
-register("rht", RHT)
+register_recovery("rht", RHT)

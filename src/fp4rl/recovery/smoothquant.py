@@ -15,7 +15,7 @@ import torch
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 
 MIN_SCALE = 1e-5
 
@@ -66,4 +66,4 @@ class SmoothQuant(RolloutRecovery):
         return [self.quantize_act(x / self.scales.to(device=x.device, dtype=x.dtype))]
 
 
-register("smoothquant", SmoothQuant)
+register_recovery("smoothquant", SmoothQuant)

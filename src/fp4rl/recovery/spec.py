@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp4rl.errors import RecipeError
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, get_method, method_config
+from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, get_recovery, method_config
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Recovery:
     config: RecoveryConfig | None = None
 
     def __post_init__(self) -> None:
-        cls = get_method(self.method)
+        cls = get_recovery(self.method)
         config = cls.config_cls() if self.config is None else self.config
         if not isinstance(config, cls.config_cls):
             raise RecipeError(f"rollout.recovery: method {self.method!r} takes a "
@@ -51,7 +51,7 @@ class Recovery:
         params = {k: v for k, v in data.items() if v is not None}  # None: unset
         method = params.pop("method", "none")
         if not strict:
-            fields = {f.name for f in dataclasses.fields(get_method(method).config_cls)}
+            fields = {f.name for f in dataclasses.fields(get_recovery(method).config_cls)}
             params = {k: v for k, v in params.items() if k in fields}
         return cls(method, method_config(method, params))
 
@@ -62,7 +62,7 @@ class Recovery:
             return cls()
         method, _, arg = text.partition("-")
         try:
-            return cls(method, get_method(method).config_cls.from_text(arg))
+            return cls(method, get_recovery(method).config_cls.from_text(arg))
         except RecipeError as err:
             raise RecipeError(f"recovery {text!r}: {err}") from None
 
@@ -90,7 +90,7 @@ def make_recovery(recovery: Recovery, act_format: str, in_features: int,
                   seed: int, weight_format: str | None = None) -> RolloutRecovery:
     """The configured method's instance for one layer (``weight_format``: the rollout
     weight format, default ``act_format``)."""
-    return get_method(recovery.method)(recovery.config, act_format, in_features, seed,
+    return get_recovery(recovery.method)(recovery.config, act_format, in_features, seed,
                                        weight_format=weight_format)
 
 

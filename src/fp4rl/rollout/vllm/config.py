@@ -19,7 +19,7 @@ from typing import Any
 
 from fp4rl.errors import UserError
 from fp4rl.nn.recipe import Recipe, get_recipe
-from fp4rl.recovery import get_method, list_methods
+from fp4rl.recovery import get_recovery, list_recoveries
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
@@ -41,7 +41,7 @@ def rollout_recipe(recipe: Recipe | str) -> Recipe:
     """``recipe`` (a preset name or a Recipe) checked for what the plug-in runs."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     method = recipe.rollout.recovery.method
-    if not get_method(method).serves_in_engines:
+    if not get_recovery(method).serves_in_engines:
         raise VLLMError(f"rollout recovery {method!r} cannot run inside vLLM: the vLLM "
                         f"plug-in supports {', '.join(supported_recovery())} (ResQ with "
                         "dense, n:m, channel or block sparsity); use rollout.engine=hf for "
@@ -52,7 +52,7 @@ def rollout_recipe(recipe: Recipe | str) -> Recipe:
 def supported_recovery() -> list[str]:
     """The recovery methods the plug-in runs: those whose class says it serves in
     engines (``RolloutRecovery.serves_in_engines``)."""
-    return [m for m in list_methods() if get_method(m).serves_in_engines]
+    return [m for m in list_recoveries() if get_recovery(m).serves_in_engines]
 
 
 def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized"
