@@ -360,7 +360,8 @@ class FP4GRPOTrainer(GRPOTrainer):
             return
         from fp4rl.rollout import VLLMEngine
 
-        engine = VLLMEngine(self.vllm_generation.llm, self.generation_config.pad_token_id,
+        # TRL samples itself; the engine here only syncs (pad and stop ids as TRL's own)
+        engine = VLLMEngine(self.vllm_generation.llm, self._tokenizer.pad_token_id,
                             self.eos_token_ids, refit_wire="bf16")
         metrics = engine.sync(self.accelerator.unwrap_model(self.model))
         self._last_loaded_step = self.state.global_step
