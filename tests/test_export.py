@@ -270,3 +270,19 @@ def test_embedded_model_exports(tmp_path):
                 assert torch.equal(state[name], ref), name
         del state
     assert sizes["mxfp4"] < sizes["nvfp4"] <= sizes["hif4"] < 0.5
+
+
+def test_an_export_format_of_ones_own_registers_once(monkeypatch, tmp_path):
+    from fp4rl.export import registry
+    from fp4rl.export.directory import Payload, unquantized_tensors
+
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    fp32 = registry.ExportFormat(
+        "fp32", lambda model, ignores, recipe: Payload(unquantized_tensors(model, skip=set())))
+    registry.register_export_format(fp32)
+    assert registry.list_export_formats()[-1] == "fp32"
+    assert check_format("FP32") == "fp32"
+    with pytest.raises(ExportError, match="export format 'hif4' is already registered"):
+        registry.register_export_format(registry.ExportFormat("hif4", fp32.payload))
+    with pytest.raises(ExportError, match=r"unknown export format 'fp33' \(did you mean 'fp32'"):
+        check_format("fp33")

@@ -10,7 +10,14 @@ from fp4rl.export.exporter import (
     export_model,
     export_pretrained,
 )
+from fp4rl.export.registry import (
+    ExportFormat,
+    get_export_format,
+    list_export_formats,
+    register_export_format,
+)
 from fp4rl.export.targets import ExportError
 
-__all__ = ["EXPORT_FORMATS", "ExportError", "ExportResult", "check_format",
-           "export_checkpoint", "export_model", "export_pretrained"]
+__all__ = ["EXPORT_FORMATS", "ExportError", "ExportFormat", "ExportResult", "check_format",
+           "export_checkpoint", "export_model", "export_pretrained", "get_export_format",
+           "list_export_formats", "register_export_format"]

@@ -8,24 +8,20 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fp4rl.errors import did_you_mean
-from fp4rl.export.compressed import LAYOUTS, compressed_payload, require_compressed_tensors
 from fp4rl.export.directory import (
-    Payload,
     bf16_bytes,
     check_output,
     total_bytes,
-    unquantized_tensors,
     weights_bytes,
     write_directory,
 )
-from fp4rl.export.hif4 import hif4_payload
-from fp4rl.export.targets import ExportError, block_linears, check_blocks
-from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, check_recipe, vllm_payload, vllm_recipe
-from fp4rl.formats import get_format
+from fp4rl.export.registry import get_export_format, list_export_formats
+from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, check_recipe, vllm_recipe
 from fp4rl.nn.recipe import Recipe
 
-EXPORT_FORMATS = ("bf16", "mxfp4", "nvfp4", "hif4", "vllm")
+#: the built-in export formats' names (:func:`list_export_formats` also lists those
+#: registered later)
+EXPORT_FORMATS = tuple(list_export_formats())
 
 
 @dataclass(frozen=True)
@@ -56,13 +52,7 @@ class ExportResult:
 def check_format(fmt: str) -> str:
     """The export format named ``fmt`` (case-insensitive), its dependencies checked, or
     one line saying what is accepted."""
-    name = str(fmt).lower()
-    if name not in EXPORT_FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}{did_you_mean(name, EXPORT_FORMATS)}; "
-                          f"choose one of: {', '.join(EXPORT_FORMATS)}")
-    if name in LAYOUTS:
-        require_compressed_tensors(name)
-    return name
+    return get_export_format(fmt).name
 
 
 def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
@@ -124,25 +114,10 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt
     check_recipe(name, recipe)
     directory = Path(output)
     check_output(directory)
-    write_directory(directory, model, tokenizer, _payload(model, name, ignores, recipe))
+    payload = get_export_format(name).payload(model, ignores, recipe)
+    write_directory(directory, model, tokenizer, payload)
     return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),
                         bf16_bytes(model))
-
-
-def _payload(model: PreTrainedModel, fmt: str, ignores: Callable[[str], bool],
-             recipe: str | Recipe | None = None) -> Payload:
-    if fmt == "vllm":
-        return vllm_payload(model, vllm_recipe(recipe or DEFAULT_VLLM_RECIPE))
-    if fmt == "bf16":
-        return Payload(unquantized_tensors(model, skip=set()))
-    layers = block_linears(model, ignores)
-    if not layers:
-        raise ExportError(f"{type(model).__name__} has no linear layer inside a transformer "
-                          f"block to quantize in {fmt}; export it as bf16")
-    check_blocks(layers, fmt, get_format(fmt).block_size)
-    if fmt in LAYOUTS:
-        return compressed_payload(model, layers, fmt)
-    return hif4_payload(model, layers)
 
 
 def _mb(size: int) -> str:
