@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from rich.console import Console
 
 from fp4rl.cli.options import add_device_option, check_outputs, positive_int, torch_gpu_name
@@ -43,72 +44,91 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.bench import common
+    from fp4rl.bench.rollout import check_engines
     from fp4rl.precision import describe_cpu, resolve_device
 
     check_outputs(json=args.json)
-    from fp4rl.bench.rollout import check_engines, default_batch
-
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine") and args.batch is not None:
         raise UserError("--batch applies to bench rollout and bench engine only")
-    engines = check_engines(["vllm"] if args.what == "engine" else args.engine)  # vLLM
-    # missing: one line, before any loading
-    extra: dict[str, object] = {}
-    if args.what == "rollout":
-        batch, new_tokens = args.batch or default_batch(engines), args.tokens or 32
-        extra = {"engines": list(engines), "batch": batch, "new_tokens": new_tokens}
+    # vLLM missing: one line, before any loading
+    engines = check_engines(["vllm"] if args.what == "engine" else args.engine)
     device = resolve_device(args.device)
     console.print(describe_cpu() + (f"; GPU: {torch_gpu_name()}" if device.type == "cuda"
                                     else ""), markup=False)
-    if args.what == "formats":
-        from fp4rl.bench import formats as bench
-
-        with status(console, "benchmarking the quantizers"):
-            results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS,
-                                size=args.size, repeats=args.repeats, device=args.device,
-                                dim=args.dim)
-        bench.render(results, console, args.size)
-    elif args.what == "rollout":
-        from fp4rl.bench import rollout as bench
-
-        with status(console, f"benchmarking generation ({', '.join(engines)})"):
-            results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
-                                        repeats=args.repeats, device=device, engines=engines)
-        bench.render(results, tokens, console)
-    elif args.what == "engine":
-        from fp4rl.bench import engine as bench
-
-        with status(console, "benchmarking vLLM engines, one process each"):
-            rows = bench.run(args.model, batch=args.batch or 8,
-                             new_tokens=args.tokens or 16, repeats=args.repeats)
-        bench.render(rows, console)
-        console.print(f"machine: {common.machine()}")
-        if args.json:
-            write_json(args.json, {"benchmark": "engine", "cpu": describe_cpu(),
-                                   "machine": common.machine(), "rows": rows})
-            console.print(f"wrote {args.json}")
-        return 0
-    elif args.what == "linear":
-        from fp4rl.bench import linear as bench
-
-        fmt = (args.formats or ["hif4"])[0]
-        shapes = bench.SHAPES if args.tokens is None else tuple(
-            (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
-        with status(console, f"benchmarking the {fmt} linear"):
-            results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats,
-                                device=device)
-        bench.render(results, console)
-    else:  # train
-        from fp4rl.bench import train as bench
-
-        with status(console, "benchmarking a GRPO step"):
-            results = bench.run(args.model, repeats=args.repeats, device=str(device),
-                                engine="vllm" if "vllm" in engines else "hf")
-        bench.render(results, console)
+    report = _BENCHMARKS[args.what](args, console, device, engines)
     console.print(f"machine: {common.machine()}")
     if args.json:
-        write_json(args.json, common.report(results, benchmark=args.what, size=args.size,
-                                            **extra))
+        write_json(args.json, {"cpu": describe_cpu(), "machine": common.machine(), **report}
+                   if args.what == "engine" else report)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _formats(args: argparse.Namespace, console: Console, device: torch.device,
+             engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import common
+    from fp4rl.bench import formats as bench
+
+    with status(console, "benchmarking the quantizers"):
+        results = bench.run(formats=args.formats or bench.DEFAULT_FORMATS, size=args.size,
+                            repeats=args.repeats, device=args.device, dim=args.dim)
+    bench.render(results, console, args.size)
+    return common.report(results, benchmark="formats", size=args.size)
+
+
+def _rollout(args: argparse.Namespace, console: Console, device: torch.device,
+             engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import common
+    from fp4rl.bench import rollout as bench
+
+    batch, new_tokens = args.batch or bench.default_batch(engines), args.tokens or 32
+    with status(console, f"benchmarking generation ({', '.join(engines)})"):
+        results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
+                                    repeats=args.repeats, device=device, engines=engines)
+    bench.render(results, tokens, console)
+    return common.report(results, benchmark="rollout", size=args.size, engines=list(engines),
+                         batch=batch, new_tokens=new_tokens)
+
+
+def _engine(args: argparse.Namespace, console: Console, device: torch.device,
+            engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import engine as bench
+
+    with status(console, "benchmarking vLLM engines, one process each"):
+        rows = bench.run(args.model, batch=args.batch or 8, new_tokens=args.tokens or 16,
+                         repeats=args.repeats)
+    bench.render(rows, console)
+    return {"benchmark": "engine", "rows": rows}
+
+
+def _linear(args: argparse.Namespace, console: Console, device: torch.device,
+            engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import common
+    from fp4rl.bench import linear as bench
+
+    fmt = (args.formats or ["hif4"])[0]
+    shapes = bench.SHAPES if args.tokens is None else tuple(
+        (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
+    with status(console, f"benchmarking the {fmt} linear"):
+        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
+    bench.render(results, console)
+    return common.report(results, benchmark="linear", size=args.size)
+
+
+def _train(args: argparse.Namespace, console: Console, device: torch.device,
+           engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import common
+    from fp4rl.bench import train as bench
+
+    with status(console, "benchmarking a GRPO step"):
+        results = bench.run(args.model, repeats=args.repeats, device=str(device),
+                            engine="vllm" if "vllm" in engines else "hf")
+    bench.render(results, console)
+    return common.report(results, benchmark="train", size=args.size)
+
+
+#: each benchmark: run it, print its table, return what ``--json`` writes
+_BENCHMARKS = {"formats": _formats, "rollout": _rollout, "engine": _engine,
+               "linear": _linear, "train": _train}
