@@ -24,18 +24,20 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _isolated_registries():
-    """Rewards, formats and recovery methods a test (or a benchmark it runs) registers do
-    not leak into the next test."""
-    from fp4rl.formats import registry
+    """Formats, recovery methods, rewards, rollout engines and export formats a test (or a
+    benchmark it runs) registers do not leak into the next test."""
+    from fp4rl.export import registry as exports
+    from fp4rl.formats import registry as formats
     from fp4rl.recovery import base
     from fp4rl.rl import rewards
+    from fp4rl.rollout import registry as engines
 
-    tables = (rewards._REWARDS, registry._FORMATS, base._METHODS)
-    saved = [dict(t) for t in tables]
+    tables = (formats._FORMATS, base._METHODS, rewards._REWARDS, engines._ENGINES,
+              exports._FORMATS)
+    saved = [t.snapshot() for t in tables]
     yield
     for table, before in zip(tables, saved, strict=True):
-        table.clear()
-        table.update(before)
+        table.restore(before)
 
 
 @pytest.fixture(scope="session")

@@ -276,7 +276,6 @@ def test_an_export_format_of_ones_own_registers_once(monkeypatch, tmp_path):
     from fp4rl.export import registry
     from fp4rl.export.directory import Payload, unquantized_tensors
 
-    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
     fp32 = registry.ExportFormat(
         "fp32", lambda model, ignores, recipe: Payload(unquantized_tensors(model, skip=set())))
     registry.register_export_format(fp32)

@@ -104,7 +104,8 @@ def test_registered_method_joins_the_recovery_grid(clip_method):
 
 def test_unregistered_method_is_refused_with_the_registry():
     assert "clip" not in fp4rl.recovery.list_recoveries()
-    with pytest.raises(RecipeError, match=r"not a registered method.*fp4rl\.recovery\.register"):
+    with pytest.raises(RecipeError, match=r"unknown recovery method 'clip'.*"
+                                          r"fp4rl\.recovery\.register_recovery"):
         get_recipe("hif4+clip-0.5")
 
 

@@ -29,7 +29,7 @@ def test_from_yaml(tmp_path):
     ({"train": {"weights": "fp3"}}, r"train\.weights: 'fp3' is not a format; choose one of"),
     ({"rollout": {"activations": 4}}, r"rollout\.activations"),
     ({"train": {"weight": "hif4"}}, r"train: unknown key\(s\) \['weight'\] \(did you mean"),
-    ({"rollout": {"recovery": {"method": "magic"}}}, r"'magic' is not a registered method"),
+    ({"rollout": {"recovery": {"method": "magic"}}}, r"unknown recovery method 'magic'"),
     ({"rollout": {"recovery": {"method": "resqq"}}}, r"did you mean 'resq'\?"),
     ({"rollout": {"recovery": {"method": "resq", "alpha": 0.3}}},
      r"method 'resq' takes sparsity; 'alpha' belongs to smoothquant"),

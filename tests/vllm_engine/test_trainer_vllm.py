@@ -47,7 +47,8 @@ def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_pat
 @pytest.mark.parametrize("overrides, says", [
     (["rollout.recovery={method: smoothquant}"], "cannot run inside vLLM"),
     (["rollout.recovery={method: resqw, sparsity: '2:4'}"], "cannot run inside vLLM"),
-    (["rollout.engine=vlm"], "unknown rollout engine 'vlm': choose from hf, vllm"),
+    (["rollout.engine=vlm"],
+     "unknown rollout engine 'vlm' (did you mean 'vllm'?); choose one of: hf, vllm"),
 ])
 def test_what_vllm_cannot_run_is_one_line(tmp_path, capsys, overrides, says):
     assert main(["train", "--config", "smoke", "--output", str(tmp_path / "x"),

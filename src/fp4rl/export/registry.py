@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fp4rl.errors import did_you_mean
 from fp4rl.export.compressed import LAYOUTS, compressed_payload, require_compressed_tensors
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.hif4 import hif4_payload
 from fp4rl.export.targets import ExportError, block_linears, check_blocks
 from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, vllm_payload, vllm_recipe
 from fp4rl.formats import get_format
+from fp4rl.registry import Registry
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,33 +42,24 @@ class ExportFormat:
     takes_recipe: bool = False
 
 
-_FORMATS: dict[str, ExportFormat] = {}
+_FORMATS: Registry[ExportFormat] = Registry("export format", ExportError, key=str.lower)
 
 
 def register_export_format(fmt: ExportFormat, *, replace: bool = False) -> ExportFormat:
     """Make ``fmt`` available under its (lower-case) name; a name already taken is refused
     unless ``replace``."""
-    name = fmt.name.lower()
-    if _FORMATS.get(name, fmt) is not fmt and not replace:
-        raise ExportError(f"export format {name!r} is already registered; pass replace=True "
-                          "to override it")
-    _FORMATS[name] = fmt
-    return fmt
+    return _FORMATS.register(fmt.name, fmt, replace=replace)
 
 
 def list_export_formats() -> list[str]:
     """Export format names, in registration order."""
-    return list(_FORMATS)
+    return _FORMATS.names()
 
 
 def get_export_format(name: str) -> ExportFormat:
     """The export format ``name`` (case-insensitive), its dependencies checked; an unknown
     name is one line with the nearest and the choices."""
-    key = str(name).lower()
-    if key not in _FORMATS:
-        raise ExportError(f"unknown export format {name!r}{did_you_mean(key, list(_FORMATS))}; "
-                          f"choose one of: {', '.join(_FORMATS)}")
-    fmt = _FORMATS[key]
+    fmt = _FORMATS.get(str(name))
     if fmt.requires is not None:
         fmt.requires()
     return fmt

@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from fp4rl.errors import did_you_mean
 from fp4rl.formats.base import FormatError, NumberFormat
 from fp4rl.formats.bf16 import BF16
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFP4
 from fp4rl.formats.mxfp8 import MXFP8
 from fp4rl.formats.nvfp4 import NVFP4
+from fp4rl.registry import Registry
 
-_FORMATS: dict[str, NumberFormat] = {}
+_FORMATS: Registry[NumberFormat] = Registry("format", FormatError, key=str.lower)
 
 
 def register_format(fmt: NumberFormat, *, replace: bool = False) -> NumberFormat:
@@ -35,17 +35,12 @@ def register_format(fmt: NumberFormat, *, replace: bool = False) -> NumberFormat
     name = getattr(fmt, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise FormatError(f"{type(fmt).__name__}.name must be a non-empty string, got {name!r}")
-    key = name.lower()
-    if key in _FORMATS and not replace:
-        raise FormatError(f"format {key!r} is already registered ({_FORMATS[key]!r}); "
-                          f"pass replace=True to override it")
-    _FORMATS[key] = fmt
-    return fmt
+    return _FORMATS.register(name, fmt, replace=replace)
 
 
 def list_formats() -> list[str]:
     """Names accepted by :func:`get_format` and :func:`quantize`, in registration order."""
-    return list(_FORMATS)
+    return _FORMATS.names()
 
 
 def get_format(name: str | NumberFormat) -> NumberFormat:
@@ -54,11 +49,7 @@ def get_format(name: str | NumberFormat) -> NumberFormat:
         return name
     if not isinstance(name, str):
         raise FormatError(f"format must be a name, got {type(name).__name__}")
-    try:
-        return _FORMATS[name.lower()]
-    except KeyError:
-        raise FormatError(f"unknown format {name!r}{did_you_mean(name.lower(), list_formats())}"
-                          f"; choose one of: {', '.join(list_formats())}") from None
+    return _FORMATS.get(name)
 
 
 def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,

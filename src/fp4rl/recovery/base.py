@@ -24,6 +24,7 @@ import torch
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.gemm import Operand, mm, quantize_operand
+from fp4rl.registry import Registry
 
 _SCALARS: dict[str, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (bool,),
                                          "str": (str,)}
@@ -132,7 +133,10 @@ class NoRecovery(RolloutRecovery):
         return [self.quantize_act(x)]
 
 
-_METHODS: dict[str, type[RolloutRecovery]] = {}
+_METHODS: Registry[type[RolloutRecovery]] = Registry(
+    "recovery method", RecipeError,
+    hint=" (rollout.recovery.method; a third-party method registers with "
+         "fp4rl.recovery.register_recovery)")
 
 
 def register_recovery(name: str, method_cls: type[RolloutRecovery], *,
@@ -143,37 +147,28 @@ def register_recovery(name: str, method_cls: type[RolloutRecovery], *,
     a name already taken is refused unless ``replace``.
     """
     if not (isinstance(method_cls, type) and issubclass(method_cls, RolloutRecovery)):
-        raise RecipeError(f"register_recovery({name!r}, ...): expected a RolloutRecovery subclass, "
-                          f"got {method_cls!r}")
+        raise RecipeError(f"register_recovery({name!r}, ...): expected a RolloutRecovery "
+                          f"subclass, got {method_cls!r}")
     if not name or not name.replace("_", "").isalnum() or name != name.lower():
         raise RecipeError(f"recovery method names are lower-case words, got {name!r}")
-    if name in _METHODS and _METHODS[name] is not method_cls and not replace:
-        raise RecipeError(f"recovery method {name!r} is already registered "
-                          f"({_METHODS[name].__qualname__}); pass replace=True to override")
+    _METHODS.register(name, method_cls, replace=replace)
     method_cls.name = name
-    _METHODS[name] = method_cls
     return method_cls
 
 
 def unregister_recovery(name: str) -> None:
     """Remove a method (tests and notebooks that register temporary ones)."""
-    _METHODS.pop(name, None)
+    _METHODS.unregister(name)
 
 
 def list_recoveries() -> list[str]:
     """Registered method names, in registration order (``none`` first)."""
-    return list(_METHODS)
+    return _METHODS.names()
 
 
 def get_recovery(name: str) -> type[RolloutRecovery]:
     """The method class called ``name``; an unknown name is one line with a suggestion."""
-    try:
-        return _METHODS[name]
-    except (KeyError, TypeError):
-        raise RecipeError(f"rollout.recovery.method: {name!r} is not a registered method"
-                          f"{did_you_mean(name, list(_METHODS))}; registered: "
-                          f"{', '.join(_METHODS)} (a third-party method registers with "
-                          f"fp4rl.recovery.register_recovery)") from None
+    return _METHODS.get(name)
 
 
 def recovery_variants() -> list[tuple[str, str]]:

@@ -28,7 +28,8 @@ from sympy import Basic, MatrixBase, Pow, gamma, preorder_traversal
 from sympy.functions.combinatorial.factorials import CombinatorialFunction
 
 from fp4rl.data.answers import GSM8K_MARKER, extract_gsm8k_answer, gsm8k_reference_value
-from fp4rl.errors import ConfigError, did_you_mean
+from fp4rl.errors import ConfigError
+from fp4rl.registry import Registry
 
 RewardFn = Callable[[str | None, str], float]
 """A reward maps ``(completion, reference)`` to 1.0 (correct) or 0.0."""
@@ -131,11 +132,8 @@ def auto_reward(completion: str | None, reference: str) -> float:
     return math_reward(completion, reference)
 
 
-_REWARDS: dict[str, RewardFn] = {
-    "auto": auto_reward,
-    "gsm8k": gsm8k_reward,
-    "math": math_reward,
-}
+_REWARDS: Registry[RewardFn] = Registry(
+    "reward", ConfigError, hint=" (or register one with fp4rl.rl.rewards.register_reward)")
 
 
 def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = False
@@ -153,28 +151,22 @@ def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = Fa
         raise ValueError(f"a reward name must be non-empty text, got {name!r}")
     if not callable(fn):
         raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
-    if _REWARDS.get(name, fn) is not fn and not replace:
-        raise ConfigError(f"reward {name!r} is already registered; pass replace=True to "
-                          "override it")
-    _REWARDS[name] = fn
-    return fn
+    return _REWARDS.register(name, fn, replace=replace)
 
 
 def list_rewards() -> list[str]:
     """Names accepted by :func:`get_reward`, in registration order."""
-    return list(_REWARDS)
+    return _REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
     """Look up a reward by name; an unknown name is a one-line ``ConfigError`` with the
     nearest name and the choices."""
-    try:
-        return _REWARDS[name]
-    except (KeyError, TypeError):
-        choices = ", ".join(list_rewards())
-        raise ConfigError(f"unknown reward {name!r}{did_you_mean(name, list_rewards())}; "
-                          f"choose one of: {choices} (or register one with "
-                          f"fp4rl.rl.rewards.register_reward)") from None
+    return _REWARDS.get(name)
+
+
+for _name, _fn in (("auto", auto_reward), ("gsm8k", gsm8k_reward), ("math", math_reward)):
+    register_reward(_name, _fn)
 
 
 def get_reward_fn(name: str) -> RewardFn:

@@ -6,18 +6,20 @@ registers with :func:`register_engine` and is then accepted wherever those are."
 
 from __future__ import annotations
 
-from fp4rl.errors import UserError, did_you_mean
+from fp4rl.errors import UserError
+from fp4rl.registry import Registry
 from fp4rl.rollout.base import RolloutEngine, RolloutSetup
 from fp4rl.rollout.kv_cache import KVCacheEngine
 from fp4rl.rollout.vllm.engine import VLLMEngine
 
-_ENGINES: dict[str, type[RolloutEngine]] = {}
-#: other names accepted for an engine (the TRL plug-in's earlier name for fp4rl's own)
-ALIASES = {"fp4rl": "hf"}
-
 
 class EngineError(UserError):
     """An engine name that names no engine, or one taken twice."""
+
+
+_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", EngineError)
+#: other names accepted for an engine (the TRL plug-in's earlier name for fp4rl's own)
+ALIASES = {"fp4rl": "hf"}
 
 
 def register_engine(engine: type[RolloutEngine], *, replace: bool = False
@@ -28,31 +30,25 @@ def register_engine(engine: type[RolloutEngine], *, replace: bool = False
     name = getattr(engine, "name", None)
     if not isinstance(name, str) or not name or name in ALIASES:
         raise EngineError(f"a rollout engine needs a name of its own, got {name!r}")
-    if _ENGINES.get(name, engine) is not engine and not replace:
-        raise EngineError(f"rollout engine {name!r} is already registered "
-                          f"({_ENGINES[name].__qualname__}); pass replace=True to override it")
-    _ENGINES[name] = engine
-    return engine
+    return _ENGINES.register(name, engine, replace=replace)
 
 
 def list_engines() -> list[str]:
     """Engine names, in registration order (``hf`` first)."""
-    return list(_ENGINES)
+    return _ENGINES.names()
 
 
 def engine_name(name: str) -> str:
     """The engine's one name for ``name`` (an engine or an alias); else one line listing
     them."""
     name = ALIASES.get(name, name)
-    if name not in _ENGINES:
-        raise EngineError(f"unknown rollout engine {name!r}: choose from "
-                          f"{', '.join(_ENGINES)}{did_you_mean(name, [*_ENGINES, *ALIASES])}")
+    _ENGINES.get(name)
     return name
 
 
 def get_engine(name: str) -> type[RolloutEngine]:
     """The engine class ``name`` (or an alias) stands for."""
-    return _ENGINES[engine_name(name)]
+    return _ENGINES.get(ALIASES.get(name, name))
 
 
 def build_engine(name: str, setup: RolloutSetup) -> RolloutEngine:
