@@ -1,8 +1,8 @@
 """The worker side of a refit: methods vLLM mixes into its workers.
 
 An engine built with ``worker_extension_cls`` naming :class:`FP4RLWorkerExtension`
-(:data:`fp4rl.integrations.vllm.WORKER_EXTENSION`, which
-:func:`fp4rl.integrations.vllm.make_llm` passes) gives each worker these methods, which
+(:data:`fp4rl.rollout.vllm.config.WORKER_EXTENSION`, which
+:func:`fp4rl.rollout.vllm.engine.make_llm` passes) gives each worker these methods, which
 ``LLM.collective_rpc`` calls by name. The call travels the same way whether the engine core
 runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or in its own (vLLM's
 default on GPUs), so a refit never reaches into vLLM's objects.
