@@ -114,7 +114,10 @@ def _train_with(cfg: TrainConfig, run_dir: RunDir, resume: bool, console: Consol
             bar.update(task, completed=step, info=f"reward {m['reward_mean']:.3f}  "
                        f"loss {m['loss']:+.4f}  len {m['completions/mean_length']:.0f}")
 
-        trainer.train(resume=resume, progress=show)
+        try:
+            trainer.train(resume=resume, progress=show)
+        finally:
+            trainer.close()
     if is_main:
         write_run_report(run_dir.path)
         console.print(f"metrics: {run_dir.metrics_file}  curves: {run_dir.path / 'curves.png'}")

@@ -25,10 +25,10 @@ from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 from fp4rl.rollout.registry import EngineError, engine_name
 from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, VLLMError, rollout_recipe
 
-#: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config, and
+#: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config,
 #: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
-#: scales, or its values in bf16)
-VLLM_KEYS = ("weight_storage", "refit_wire")
+#: scales, or its values in bf16), and ``kv_cache_bytes``, each engine's KV cache
+VLLM_KEYS = ("weight_storage", "refit_wire", "kv_cache_bytes")
 REFIT_WIRES = ("packed", "bf16")
 
 
@@ -166,6 +166,10 @@ class TrainConfig(_Section):
         if unknown:
             raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
                              f"{', '.join(VLLM_KEYS)}")
+        kv = self.vllm_settings().get("kv_cache_bytes", 1)
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+            raise ValueError(f"rollout.vllm.kv_cache_bytes must be a positive integer (bytes), "
+                             f"got {kv!r}")
         for key, allowed in (("weight_storage", WEIGHT_STORAGES), ("refit_wire", REFIT_WIRES)):
             if self.vllm_settings().get(key, allowed[0]) not in allowed:
                 raise ValueError(f"rollout.vllm.{key} must be one of {', '.join(allowed)}")

@@ -459,6 +459,10 @@ class Trainer:
         """The run's compute context (bf16 autocast under mixed_precision=bf16)."""
         return autocast(self.device, self.mixed_precision)
 
+    def close(self) -> None:
+        """Release the rollout engine (a vLLM engine's memory and process groups)."""
+        self.engine.close()
+
     def _sync_policy(self) -> dict[str, float]:
         """Bring the rollout side up to the current weights, once per step: under
         ``rollout.engine: vllm`` refit the engine (``time/refit``, ``sync/*``); under FSDP

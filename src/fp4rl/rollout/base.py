@@ -75,6 +75,10 @@ class RolloutEngine(Protocol):
                  progress: bool | ProgressFn = False) -> list[RolloutBatch]:
         """One response per prompt, ``chunks[c][i]`` sampled under ``seeds[c][i]``."""
 
+    def close(self) -> None:
+        """Release what the engine holds (its memory, its process groups) now, while the
+        run's own process group still stands."""
+
 
 def check_seeds(chunks: Sequence[Sequence[Sequence[int]]],
                 seeds: Sequence[Sequence[int]]) -> None:

@@ -223,6 +223,9 @@ class KVCacheEngine:
         sent = sync_rollout_weights(model, self.policy, self.world_size)
         return {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
 
+    def close(self) -> None:
+        """Nothing to release: the policy is the trainer's module."""
+
     def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
                  seeds: Sequence[Sequence[int]], sampling: SamplingConfig,
                  progress: bool | ProgressFn = False) -> list[RolloutBatch]:

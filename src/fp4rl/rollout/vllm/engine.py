@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,6 +30,7 @@ from fp4rl.rollout.vllm.config import (
 )
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import refit
+from fp4rl.rollout.weight_sync import sync_rollout_weights
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
@@ -46,6 +48,9 @@ class EngineSpec:
     max_model_len: int = 1024
     kv_cache_bytes: int = 1 << 30
     weight_storage: str = "dequantized"
+    #: one engine in each process of a launched run (torchrun, accelerate): vLLM joins the
+    #: trainer's process group as its external launcher, each engine on its own rank
+    per_rank: bool = False
 
 
 def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
@@ -82,11 +87,21 @@ def make_llm(spec: EngineSpec) -> Any:
     distribution actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
     with sharing_the_process():
+        launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=True, max_model_len=spec.max_model_len,
                         kv_cache_memory_bytes=spec.kv_cache_bytes,
-                        logprobs_mode="processed_logprobs",
+                        logprobs_mode="processed_logprobs", **launcher,
                         **method_kwargs(spec.recipe, spec.weight_storage))
+
+
+def default_kv_cache_bytes() -> int:
+    """The KV cache of one engine: 1 GiB, split between the engines of a launched run that
+    share this machine's memory on a CPU (``LOCAL_WORLD_SIZE``); on GPUs each rank's engine
+    has its own device and takes the whole 1 GiB."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shared = not torch.cuda.is_available() and local > 1
+    return (1 << 30) // local if shared else 1 << 30
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
@@ -125,48 +140,70 @@ class VLLMEngine:
     name: ClassVar[str] = "vllm"
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
-                 refit_wire: str = "packed") -> None:
+                 refit_wire: str = "packed", policy: torch.nn.Module | None = None,
+                 world_size: int = 1) -> None:
         """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
-        :func:`make_llm`, or TRL's colocated engine)."""
+        :func:`make_llm`, or TRL's colocated engine). Under FSDP ``policy`` is the
+        trainer's unsharded rollout copy, refreshed from the shards before each refit."""
         self.llm = llm
         self.packed_wire = refit_wire == "packed"
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
+        self.policy = policy
+        self.world_size = world_size
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, pad_token_id: int, eos_token_ids: Sequence[int],
-                  refit_wire: str = "packed") -> VLLMEngine:
+                  refit_wire: str = "packed", **kwargs: Any) -> VLLMEngine:
         """An engine built now (seconds), so that no step's timings include its start."""
-        return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire)
+        return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire, **kwargs)
 
     @classmethod
     def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:
-        """vLLM installed, the recipe's rollout one the plug-in runs, one process, and a
-        device vLLM runs on."""
+        """vLLM installed, the recipe's rollout one the plug-in runs, and a device vLLM
+        runs on (on several processes each runs its own engine)."""
         require_vllm()
         rollout_recipe(recipe)
-        if world_size > 1:
-            raise ConfigError("rollout.engine=vllm runs one colocated engine in one process; "
-                              "with several processes use rollout.engine=hf")
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"rollout.engine=vllm: vLLM cannot run on {device}")
 
     @classmethod
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
-        compute dtype; ``options``: ``weight_storage`` and ``refit_wire``."""
-        options = {"weight_storage": "dequantized", "refit_wire": "packed", **setup.options}
+        compute dtype, one per process of a launched run; ``options``: ``weight_storage``,
+        ``refit_wire`` and ``kv_cache_bytes`` (default :func:`default_kv_cache_bytes`)."""
+        options = {"weight_storage": "dequantized", "refit_wire": "packed",
+                   "kv_cache_bytes": default_kv_cache_bytes(), **setup.options}
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
                           dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
                           max_model_len=setup.max_model_len,
-                          weight_storage=options["weight_storage"])
+                          kv_cache_bytes=options["kv_cache_bytes"],
+                          weight_storage=options["weight_storage"],
+                          per_rank=setup.world_size > 1)
         return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
-                             options["refit_wire"])
+                             options["refit_wire"], policy=setup.policy,
+                             world_size=setup.world_size)
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
         """Refit the engine with ``Q(W)`` of ``model``'s current weights (as 4-bit codes and
-        scales, or their values in bf16) and the other tensors."""
-        return refit(self.llm, model, packed=self.packed_wire).metrics()
+        scales, or their values in bf16) and the other tensors.
+
+        ``model`` sharded by FSDP2 (it is not the engine's ``policy``): the ranks first
+        all-gather each rollout weight's packed codes and scales into the unsharded
+        rollout copy (:mod:`fp4rl.rollout.weight_sync`, never a full-precision copy of
+        those weights), which then refits this rank's engine with ``Q(W)``'s values."""
+        if self.policy is None or model is self.policy:
+            return refit(self.llm, model, packed=self.packed_wire).metrics()
+        start = time.perf_counter()
+        sent = sync_rollout_weights(model, self.policy, self.world_size)
+        gathered = {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
+        return {**gathered, **refit(self.llm, self.policy, packed=False).metrics()}
+
+    def close(self) -> None:
+        """Shut the engine core down now (idempotent). vLLM freezes its objects against
+        the garbage collector, so otherwise it shuts down at interpreter exit, after the
+        run has destroyed the process groups vLLM made in it."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def generate(self, chunks: Sequence[Sequence[Sequence[int]]],
                  seeds: Sequence[Sequence[int]], sampling: SamplingConfig,

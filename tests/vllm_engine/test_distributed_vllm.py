@@ -1,0 +1,62 @@
+"""``rollout.engine=vllm`` under torchrun: one vLLM engine in each process (vLLM's external
+launcher joins the run's process group), each rolling out its share of the step's rows
+under the same per-row seeds as one process, refit from DDP's replicas or, under FSDP2,
+from the 4-bit codes and scales the ranks all-gather."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
+                           "these tests in an environment of its own")
+
+#: a quarter of the smoke preset's step (16 rows: one rollout chunk per rank), and a KV
+#: cache two engines share on a small machine
+ARGS = ["train", "--config", "smoke", "--steps", "2", "rollout.engine=vllm",
+        "grpo.batch_size=4", "grpo.micro_batch_size=8", "run.keep_checkpoints=1",
+        "rollout.vllm.kv_cache_bytes=268435456"]
+TIMEOUT_S = 480
+
+
+def _train(output, nproc: int, *extra: str) -> list[dict]:
+    """``fp4rl train`` on ``nproc`` processes, killed as a group on a timeout; the run's
+    metrics lines."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={nproc}", "-m", "fp4rl"] if nproc > 1
+                else [sys.executable, "-m", "fp4rl"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*launcher, *ARGS, "--output", str(output), *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{nproc}-process run timed out:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]  # engines shut down before the group goes
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_with_an_engine_each_equal_one_process(tmp_path):
+    one = _train(tmp_path / "one", 1)
+    assert [r["step"] for r in one] == [1, 2]
+    for strategy in ("ddp", "fsdp"):
+        two = _train(tmp_path / strategy, 2, f"distributed.strategy={strategy}")
+        assert [r["step"] for r in two] == [1, 2]
+        for a, b in zip(one, two, strict=True):
+            assert b["reward_mean"] == a["reward_mean"], strategy
+            assert b["completions/mean_length"] == a["completions/mean_length"], strategy
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7), strategy
+            assert b["time/refit"] > 0
+        if strategy == "fsdp":  # HiF4 rollout weights cross ranks as 4.5 bits per value
+            for line in two:
+                assert line["sync/rollout_weight_bytes_4bit"] == pytest.approx(
+                    line["sync/rollout_weight_bytes_as_bf16"] * 4.5 / 16)
