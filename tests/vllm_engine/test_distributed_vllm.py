@@ -35,10 +35,10 @@ def _train(output, nproc: int, *extra: str) -> list[dict]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        _, err = proc.communicate()
         pytest.fail(f"{nproc}-process run timed out:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]  # engines shut down before the group goes
