@@ -177,3 +177,11 @@ def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
                      "--output", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"rollout\.vllm: unknown key"):
         load_config(None, ["rollout.vllm={storage: packed}"])
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "lots"])
+def test_the_engines_kv_cache_is_a_positive_number_of_bytes(value):
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.kv_cache_bytes must be a positive"):
+        load_config(None, [f"rollout.vllm.kv_cache_bytes={value}"])
+    cfg = load_config(None, ["rollout.vllm.kv_cache_bytes=268435456"])
+    assert cfg.vllm_settings()["kv_cache_bytes"] == 1 << 28

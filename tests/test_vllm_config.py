@@ -91,3 +91,12 @@ def test_the_worker_extension_is_named_where_it_lives():
     path = Path(importlib.util.find_spec(module).origin)
     classes = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
     assert module == "fp4rl.rollout.vllm.worker" and name in classes
+
+
+def test_engines_sharing_a_cpu_split_the_kv_cache(monkeypatch):
+    from fp4rl.rollout.vllm.engine import default_kv_cache_bytes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_kv_cache_bytes() == 1 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_kv_cache_bytes() == 1 << 29  # this machine has no GPU: one RAM, shared
