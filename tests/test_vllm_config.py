@@ -94,9 +94,14 @@ def test_the_worker_extension_is_named_where_it_lives():
 
 
 def test_engines_sharing_a_cpu_split_the_kv_cache(monkeypatch):
+    import torch
+
     from fp4rl.rollout.vllm.engine import default_kv_cache_bytes
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert default_kv_cache_bytes() == 1 << 30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert default_kv_cache_bytes() == 1 << 29  # this machine has no GPU: one RAM, shared
+    assert default_kv_cache_bytes() == 1 << 29  # two engines, one machine's memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_kv_cache_bytes() == 1 << 30  # a GPU each
