@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp4rl.formats import get_format
+from fp4rl.formats.row_decode import decode_rows
+from fp4rl.formats.row_encode import encode_rows
 from fp4rl.gemm import PackedOperand, pack_operand, quantize_operand
-from fp4rl.kernels.decode import decode_rows
-from fp4rl.kernels.encode import encode_rows
 
 FORMATS = ("hif4", "mxfp4", "nvfp4", "mxfp8_e4m3")
 

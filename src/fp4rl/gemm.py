@@ -20,9 +20,9 @@ import torch
 
 from fp4rl.formats import get_format
 from fp4rl.formats.packing import PackedTensor
+from fp4rl.formats.row_decode import decode_rows
+from fp4rl.formats.row_encode import encode_rows
 from fp4rl.kernels import quantize_rows_bf16
-from fp4rl.kernels.decode import decode_rows
-from fp4rl.kernels.encode import encode_rows
 
 UNQUANTIZED = "bf16"
 
