@@ -8,7 +8,17 @@ import io
 import numpy as np
 import pytest
 
-from fp4rl.demo import REWARD, TRANSFER, DemoSize, Outcome, _rows, run_demo
+from fp4rl.demo import (
+    MEANING,
+    REWARD,
+    TRANSFER,
+    TRANSFER_READING,
+    DemoSize,
+    Outcome,
+    _rows,
+    run_demo,
+)
+from fp4rl.experiments.stats import verdict
 from fp4rl.rl.evaluate import EvalResult
 
 
@@ -50,11 +60,13 @@ def test_accuracy_change_is_paired_over_prompts():
 def test_headline_says_what_moved_and_rows_tolerate_missing_mismatch():
     before = [0] * 90 + [1] * 10
     up = _outcome(before, [1] * 40 + [0] * 50 + [1] * 10, [0.0, 0.1, 0.1, 0.3, 0.4, 0.5])
+    assert verdict(up.change("fp4")) == "holds"  # +30 points on 100 prompts
     line = up.headline("HiF4+resq-2:4", 100)
-    assert "HiF4+resq-2:4 rollout policy" in line and "rose beyond the noise" in line
+    assert "HiF4+resq-2:4 rollout policy" in line and MEANING["holds"] in line
     assert "6 steps" in line
     flat = _outcome(before, before, [0.1] * 6)
-    assert "moved within the noise" in flat.headline("HiF4", 100)
+    assert verdict(flat.change("fp4")) == "within noise"
+    assert MEANING["within noise"] in flat.headline("HiF4", 100)
     reward = up.training_reward_change()
     assert reward.mean == pytest.approx(0.45 - 0.05) and reward.lo > 0
     rows = _rows(up, "HiF4+resq-2:4")
@@ -92,20 +104,21 @@ def test_held_out_reward_change_is_paired_and_in_reward_units():
     slow = diffs[draws.integers(0, 100, size=(4000, 100))].mean(1)
     assert (change.lo, change.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
     assert change.lo > 0
+    assert (verdict(out.change("fp4")), verdict(change)) == ("within noise", "holds")
     line = out.headline("HiF4", 100)
-    assert "greedy accuracy moved within the noise" in line
-    assert "reward, sampled as in training, rose beyond the noise" in line
+    assert f"greedy accuracy {MEANING['within noise']}" in line
+    assert f"reward, sampled as in training, {MEANING['holds']}" in line
     row = next(r for r in _rows(out, "HiF4") if r[0].startswith("mean reward"))
     assert "4 samples per held-out prompt" in row[0]
     assert row[1:3] == (f"{np.mean(s_before) / 4:.3f}", f"{np.mean(s_after) / 4:.3f}")
 
 
-@pytest.mark.parametrize(("after", "reading"), [
-    ([1] * 30 + [0] * 70, "rose beyond the noise (+20.0 ["),
-    ([0] * 100, "fell beyond the noise (-10.0 ["),
-    ([1] * 11 + [0] * 89, "moved within the noise (+1.0 ["),
+@pytest.mark.parametrize(("after", "expected", "shown"), [
+    ([1] * 30 + [0] * 70, "holds", "(+20.0 ["),
+    ([0] * 100, "reversed", "(-10.0 ["),
+    ([1] * 11 + [0] * 89, "within noise", "(+1.0 ["),
 ])
-def test_transfer_to_word_problems_is_paired_and_read_honestly(after, reading):
+def test_transfer_to_word_problems_is_paired_and_read_honestly(after, expected, shown):
     """Word problems the policy never trained on: the paired change over those prompts,
     and one line that says whether it transferred, fell or stayed within the noise."""
     words_before = [1] * 10 + [0] * 90
@@ -117,11 +130,10 @@ def test_transfer_to_word_problems_is_paired_and_read_honestly(after, reading):
     draws.integers(0, 1, size=(4000, 1))
     slow = 100 * diffs[draws.integers(0, 100, size=(4000, 100))].mean(1)
     assert (change.lo, change.hi) == pytest.approx(tuple(np.percentile(slow, [2.5, 97.5])))
+    assert verdict(change) == expected
     line = out.transfer_line("HiF4")
-    assert line.startswith("On 100 word problems it did not train on") and reading in line
-    expected = {"rose": "transferred to them", "fell": "cost it accuracy on them",
-                "moved": "no transfer to them shows beyond the noise"}[reading.split()[0]]
-    assert expected in line
+    assert line.startswith("On 100 word problems it did not train on")
+    assert f"{MEANING[expected]} {shown}" in line and TRANSFER_READING[expected] in line
     row = next(r for r in _rows(out, "HiF4") if "word problems" in r[0])
     assert row[1:3] == ("10.0%", f"{np.mean(after):.1%}")
 
