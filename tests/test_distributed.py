@@ -5,15 +5,13 @@ its whole process group killed on a timeout, so no process outlives a test."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import launcher, run_bounded
 
 from fp4rl.errors import ConfigError
 from fp4rl.rl.distributed import Dist, reduce_metrics, setup
@@ -62,18 +60,7 @@ def _run(args: list[str], tmp_path, nproc: int, driver: str = DRIVER, **env_vars
     """``driver`` on ``nproc`` processes (torchrun for 2), killed as a group on timeout."""
     script = tmp_path / "driver.py"
     script.write_text(driver)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
-    proc = subprocess.Popen([*launcher, str(script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{nproc}-process run timed out:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_bounded([*launcher(nproc), str(script), *args], TIMEOUT_S, nproc, **env_vars)
 
 
 def test_the_batch_must_divide_by_the_processes():

@@ -6,15 +6,13 @@ from the 4-bit codes and scales the ranks all-gather."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
+
+from _launch import launcher, run_bounded  # noqa: E402
 
 #: a quarter of the smoke preset's step (16 rows: one rollout chunk per rank), and a KV
 #: cache two engines share on a small machine
@@ -27,21 +25,10 @@ TIMEOUT_S = 480
 def _train(output, nproc: int, *extra: str) -> list[dict]:
     """``fp4rl train`` on ``nproc`` processes, killed as a group on a timeout; the run's
     metrics lines."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={nproc}", "-m", "fp4rl"] if nproc > 1
-                else [sys.executable, "-m", "fp4rl"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*launcher, *ARGS, "--output", str(output), *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        pytest.fail(f"{nproc}-process run timed out:\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]  # engines shut down before the group goes
+    run = run_bounded([*launcher(nproc), "-m", "fp4rl", *ARGS, "--output", str(output),
+                       *extra], TIMEOUT_S, nproc)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]  # engines stop before the group
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
