@@ -7,7 +7,9 @@
                            what ``--resume`` continues, and checks a change against
       metrics.jsonl        one JSON line per step, appended and flushed to disk; cut back to
                            the checkpoint a resumed run starts from
-      checkpoints/step-N/  model, optimizer and RNG state (:mod:`fp4rl.rl.checkpoint`)
+      checkpoints/step-N/  model, optimizer and RNG state (one checkpoint's files:
+                           :mod:`fp4rl.rl.checkpoint`; written and resumed from by
+                           :mod:`fp4rl.rl.resume`)
       .fp4rl.lock          held by the one process writing here (:mod:`fp4rl.rundir_lock`)
 
 The trainer, ``fp4rl train``, the experiment runner and the run report all read and write

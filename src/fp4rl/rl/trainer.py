@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from fp4rl.data import Example
-from fp4rl.errors import CheckpointError, ConfigError, ResumeError
+from fp4rl.errors import ConfigError
 from fp4rl.nn import (
     begin_step,
     fp4_layers,
@@ -50,13 +50,11 @@ from fp4rl.precision import (
     resolve_mixed_precision,
     slow_bf16_note,
 )
-from fp4rl.rl import checkpoint as ckpt
-from fp4rl.rl.config import TrainConfig, changed_settings, describe_changes, validate
+from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
 from fp4rl.rl.distributed import (
     Dist,
     all_gather,
-    full_model_state,
     gradient_sync,
     reduce_metrics,
     setup,
@@ -65,6 +63,7 @@ from fp4rl.rl.distributed import (
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
+from fp4rl.rl.resume import Checkpointer, check_same_run
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rl.rundir import RunDir
 from fp4rl.rollout import (
@@ -173,6 +172,9 @@ class Trainer:
             get_reward(config.data.reward)  # an unknown name fails now, not after a rollout
         self.optimizer = optimizer or build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad], config)
+        #: where checkpoints are written and resumed from (:mod:`fp4rl.rl.resume`)
+        self.checkpoints = Checkpointer(self.out, self.model, self.policy, self.optimizer,
+                                        self.dist, config.run.keep_checkpoints, log)
         if examples is None:
             examples = load_split(config.data, "train", config.run.seed)
         self.train_examples, self.train_prompts = encode_examples(
@@ -495,63 +497,19 @@ class Trainer:
         load_rollout_states(self.policy, state["recovery"])
 
     def save(self, consolidate: bool = False) -> Path | None:
-        """Write a checkpoint of this step. Under DDP every rank holds the same state and
-        rank 0 writes it (``model.safetensors``, a Hugging Face checkpoint, and the
-        optimizer); under FSDP every rank writes its own shards through
-        ``torch.distributed.checkpoint``, and ``consolidate`` adds the whole model as
-        ``model.safetensors`` (gathered to rank 0)."""
-        if self.policy is self.model:
-            if not self.dist.is_main:
-                return None
-            return ckpt.save_checkpoint(self.out, self.step, self.model, self.optimizer,
-                                        self.state(), keep=self.cfg.run.keep_checkpoints)
-        whole = None
-        if consolidate:
-            full = full_model_state(self.model, everywhere=False)  # collective
-            if self.dist.is_main:
-                self.policy.load_state_dict(full)
-                whole = self.policy
-        path = ckpt.save_sharded_checkpoint(
-            self.out, self.step, self.model, self.optimizer, self.state(), self.dist.rank,
-            keep=self.cfg.run.keep_checkpoints, consolidated=whole)
-        return path if self.dist.is_main else None
+        """Write this step's checkpoint (:class:`~fp4rl.rl.resume.Checkpointer`);
+        ``consolidate`` adds the whole model under FSDP. The path on rank 0."""
+        return self.checkpoints.save(self.step, self.state(), consolidate)
 
     def resume(self) -> bool:
-        """Load the latest checkpoint that loads, if any, and cut metrics.jsonl back to its
-        step. A damaged checkpoint is reported and the previous complete one tried; a
-        checkpoint of other settings (beyond :data:`~fp4rl.rl.config.RESUMABLE`) is
-        refused, as continuing it would mix two runs."""
-        candidates = ckpt.complete_checkpoints(self.out)
-        for path in candidates:
-            try:
-                state = self._load_checkpoint(path)
-            except CheckpointError as err:
-                self.log(f"warning: skipping a damaged checkpoint: {err}")
-                continue
-            self._resumed(path, state)
-            return True
-        if candidates:
-            raise CheckpointError(f"none of the {len(candidates)} checkpoints of {self.out} "
-                                  "loads (see the warnings above)")
-        return False
-
-    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Checkpoint ``path``'s weights and optimizer into place; its trainer state."""
-        if self.policy is self.model:
-            return ckpt.load_checkpoint(path, self.model, self.optimizer)
-        if not ckpt.is_sharded(path):
-            raise ConfigError(f"{path} was not written under distributed.strategy=fsdp; "
-                              "resume it with the strategy that wrote it")
-        state = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer, self.dist.rank)
-        self.policy.load_state_dict(full_model_state(self.model, everywhere=True))
-        return state
-
-    def _resumed(self, path: Path, state: dict[str, Any]) -> None:
-        """Continue from a loaded checkpoint's ``state``, if it is of this run."""
-        changed = changed_settings(validate(state["config"]), self.cfg)
-        if changed:
-            raise ResumeError(f"{path} was trained with other settings: "
-                              f"{describe_changes(changed)}")
+        """Continue from the latest checkpoint that loads, if any, and cut metrics.jsonl
+        back to its step. A checkpoint of other settings (beyond
+        :data:`~fp4rl.rl.config.RESUMABLE`) is refused."""
+        found = self.checkpoints.load_latest()
+        if found is None:
+            return False
+        path, state = found
+        check_same_run(path, state["config"], self.cfg)
         self.load_state(state)
         if self.dist.is_main:
             self.run_dir.truncate_metrics(self.step)
@@ -559,6 +517,7 @@ class Trainer:
             self.log("note: the KL reference model is rebuilt from the resumed weights")
             self.ref_model = self._reference_model()
         self.log(f"resumed from {path} (step {self.step})")
+        return True
 
     def train(self, steps: int | None = None, resume: bool = False,
               progress: Callable[[int, int, dict[str, Any]], None] | None = None
