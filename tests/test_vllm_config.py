@@ -105,3 +105,34 @@ def test_engines_sharing_a_cpu_split_the_kv_cache(monkeypatch):
     assert default_kv_cache_bytes() == 1 << 29  # two engines, one machine's memory
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_kv_cache_bytes() == 1 << 30  # a GPU each
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", "0.5"])
+def test_enforce_eager_is_auto_or_a_boolean(value):
+    from fp4rl.errors import ConfigError
+    from fp4rl.rl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.enforce_eager must be auto"):
+        load_config(None, [f"rollout.vllm.enforce_eager={value}"])
+    assert load_config(None, ["rollout.vllm.enforce_eager=false"]).vllm_settings()[
+        "enforce_eager"] is False
+
+
+def test_engines_compile_on_gpus_unless_a_format_reads_its_scale_back(monkeypatch):
+    """auto: eager on CPU; on GPUs compiled, except where NVFP4's per-tensor activation
+    scale is read back to the host per call (a CUDA graph cannot capture that)."""
+    import torch
+
+    from fp4rl.rollout.vllm.engine import EngineSpec
+
+    def spec(recipe, eager=None):
+        return EngineSpec("model", recipe, enforce_eager=eager)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert spec("hif4+resq-2:4").eager and spec(None).eager
+    assert not spec("hif4", eager=False).eager
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not spec("hif4+resq-2:4").eager and not spec("mxfp4").eager
+    assert not spec(None).eager
+    assert spec("nvfp4").eager and spec("nvfp4", eager=True).eager
+    assert not spec("nvfp4", eager=False).eager

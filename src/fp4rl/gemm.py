@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -97,7 +98,14 @@ class PackedOperand:
         return self.packed.nbytes + (4 if self.scale is not None else 0)
 
     def decode(self, dtype: torch.dtype = torch.float32) -> Operand:
-        return Operand(decode_rows(self.packed).to(dtype), self.scale)
+        """The values in ``dtype``, through the ``fp4rl::decode_rows`` operator (a
+        compiled forward that decodes per call, as a packed engine does, traces it)."""
+        p = self.packed
+        names = sorted(p.fields)
+        values = torch.ops.fp4rl.decode_rows([p.fields[n] for n in names], ",".join(names),
+                                             p.format,
+                                             p.shape[0], p.shape[1], p.dim, dtype)
+        return Operand(values, self.scale)
 
     def row_fields(self) -> dict[str, torch.Tensor]:
         """Each field laid out as ``[rows, bytes per row]``: block fields run row-major,
@@ -127,6 +135,29 @@ class PackedOperand:
         packed = PackedTensor(fmt, (rows, cols), 1, torch.float32, out, None,
                               dict(layout.options))
         return cls(packed, scale)
+
+
+@cache
+def _row_options(fmt: str, cols: int) -> tuple[tuple[str, object], ...]:
+    return tuple(PackedOperand.layout(fmt, cols).options.items())
+
+
+@torch.library.custom_op("fp4rl::decode_rows", mutates_args=())
+def _decode_rows(fields: list[torch.Tensor], names: str, fmt: str, rows: int,
+                 cols: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A packed 2-D operand's values (:func:`~fp4rl.formats.row_decode.decode_rows`) in
+    ``dtype``, from its fields (``names``, comma-separated, in order)."""
+    options = dict(_row_options(fmt, cols))
+    packed = PackedTensor(fmt, (rows, cols), dim, torch.float32, dict(zip(names.split(","), fields,
+                                                                          strict=True)),
+                          None, options)
+    return decode_rows(packed).to(dtype)
+
+
+@_decode_rows.register_fake
+def _(fields: list[torch.Tensor], names: str, fmt: str, rows: int, cols: int, dim: int,
+      dtype: torch.dtype) -> torch.Tensor:
+    return fields[0].new_empty((rows, cols), dtype=dtype)
 
 
 def has_tensor_scale(fmt: str) -> bool:
@@ -177,7 +208,7 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
         rows = terms[0].values.to(dtype)
         return _addmm(rows, b.values.to(dtype), bias, dtype) if matmul is None \
             else matmul(rows, bias)
-    stacked = _stack([t.values.to(dtype) for t in terms])
+    stacked = stack_rows([t.values.to(dtype) for t in terms])
     products = stacked @ b.values.to(dtype) if matmul is None else matmul(stacked, None)
     unscaled = b.scale is None and all(t.scale is None for t in terms)
     if len(terms) == 2 and unscaled and bias is None and dtype == torch.bfloat16:
@@ -202,14 +233,18 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     return y.to(dtype)
 
 
-def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+def stack_rows(values: list[torch.Tensor]) -> torch.Tensor:
     """The terms stacked along the rows. Contiguous terms that lie back to back in one
     storage (the fused ResQ kernel writes its two that way) are viewed as one tensor, not
     copied. The storage is compared rather than ``_base``: views made under
     ``torch.inference_mode`` (as in a serving engine) do not record their base. Terms that
-    need a gradient are copied, so that each keeps its own path back."""
+    need a gradient are copied, so that each keeps its own path back. Under a tracer
+    (``torch.compile``) storage addresses are not known: the terms are concatenated, and
+    the compiler may elide the copy."""
     if len(values) == 1:
         return values[0]
+    if torch.compiler.is_compiling():
+        return torch.cat(values)
     first = values[0]
     storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
     for v in values:
@@ -230,4 +265,5 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "mm", "pack_operand", "quantize_operand"]
+__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "mm", "pack_operand", "quantize_operand",
+           "stack_rows"]

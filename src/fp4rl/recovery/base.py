@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from fp4rl.errors import RecipeError, did_you_mean
-from fp4rl.gemm import Operand, mm, quantize_operand
+from fp4rl.gemm import UNQUANTIZED, Operand, has_tensor_scale, mm, quantize_operand
 from fp4rl.registry import Registry
 
 _SCALARS: dict[str, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (bool,),
@@ -115,6 +115,12 @@ class RolloutRecovery(ABC):
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         """The activation operands that share the quantized weight in the rollout GEMM
         (one for plain FP4; ResQ's two terms where ``dtype`` cannot hold their sum)."""
+
+    def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
+        """For each operand :meth:`activation` returns in ``dtype``, whether it carries a
+        per-tensor scale: a tracer (:mod:`fp4rl.recovery.ops`) must know the operands'
+        layout without running it."""
+        return (self.act_format != UNQUANTIZED and has_tensor_scale(self.act_format),)
 
     def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

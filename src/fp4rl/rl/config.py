@@ -27,8 +27,9 @@ from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, VLLMError, rollout_recipe
 
 #: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config,
 #: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
-#: scales, or its values in bf16), and ``kv_cache_bytes``, each engine's KV cache
-VLLM_KEYS = ("weight_storage", "refit_wire", "kv_cache_bytes")
+#: scales, or its values in bf16), ``kv_cache_bytes``, each engine's KV cache, and
+#: ``enforce_eager`` (``auto``: eager on CPU, CUDA graphs and torch.compile on GPUs)
+VLLM_KEYS = ("weight_storage", "refit_wire", "kv_cache_bytes", "enforce_eager")
 REFIT_WIRES = ("packed", "bf16")
 
 
@@ -170,6 +171,9 @@ class TrainConfig(_Section):
         if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
             raise ValueError(f"rollout.vllm.kv_cache_bytes must be a positive integer (bytes), "
                              f"got {kv!r}")
+        eager = self.vllm_settings().get("enforce_eager", "auto")
+        if eager != "auto" and not isinstance(eager, bool):
+            raise ValueError("rollout.vllm.enforce_eager must be auto, true or false")
         for key, allowed in (("weight_storage", WEIGHT_STORAGES), ("refit_wire", REFIT_WIRES)):
             if self.vllm_settings().get(key, allowed[0]) not in allowed:
                 raise ValueError(f"rollout.vllm.{key} must be one of {', '.join(allowed)}")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fp4rl.errors import ConfigError
+from fp4rl.gemm import UNQUANTIZED, has_tensor_scale
 from fp4rl.precision import compute_dtype
 from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
@@ -42,7 +43,7 @@ class EngineSpec:
     sampling seed and the longest sequence (prompt + response) it serves."""
 
     model_dir: str
-    recipe: Recipe | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
+    recipe: Recipe | str | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     max_model_len: int = 1024
@@ -51,6 +52,21 @@ class EngineSpec:
     #: one engine in each process of a launched run (torchrun, accelerate): vLLM joins the
     #: trainer's process group as its external launcher, each engine on its own rank
     per_rank: bool = False
+    #: no CUDA graphs or torch.compile; None: :attr:`eager` decides
+    enforce_eager: bool | None = None
+
+    @property
+    def eager(self) -> bool:
+        """``enforce_eager``, or by default: eager on CPU (where vLLM's compiled mode gains
+        nothing and costs about a minute of start-up) and for activation formats with a
+        per-tensor scale (NVFP4 reads its scale back to the host on every call, which a
+        CUDA graph cannot capture); compiled on GPUs otherwise."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        acts = UNQUANTIZED if self.recipe is None \
+            else rollout_recipe(self.recipe).rollout.activations
+        return not torch.cuda.is_available() or \
+            (acts != UNQUANTIZED and has_tensor_scale(acts))
 
 
 def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
@@ -83,13 +99,13 @@ def sharing_the_process() -> Iterator[None]:
 
 
 def make_llm(spec: EngineSpec) -> Any:
-    """A vLLM engine (eager mode) running ``spec``'s rollout policy, with log-probs of the
-    distribution actually sampled and fp4rl's worker extension for refits."""
+    """A vLLM engine running ``spec``'s rollout policy, with log-probs of the distribution
+    actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
     with sharing_the_process():
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
-                        enforce_eager=True, max_model_len=spec.max_model_len,
+                        enforce_eager=spec.eager, max_model_len=spec.max_model_len,
                         kv_cache_memory_bytes=spec.kv_cache_bytes,
                         logprobs_mode="processed_logprobs", **launcher,
                         **method_kwargs(spec.recipe, spec.weight_storage))
@@ -171,15 +187,19 @@ class VLLMEngine:
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
         compute dtype, one per process of a launched run; ``options``: ``weight_storage``,
-        ``refit_wire`` and ``kv_cache_bytes`` (default :func:`default_kv_cache_bytes`)."""
+        ``refit_wire``, ``kv_cache_bytes`` (default :func:`default_kv_cache_bytes`) and
+        ``enforce_eager`` (``auto``: :attr:`EngineSpec.eager`)."""
         options = {"weight_storage": "dequantized", "refit_wire": "packed",
-                   "kv_cache_bytes": default_kv_cache_bytes(), **setup.options}
+                   "kv_cache_bytes": default_kv_cache_bytes(), "enforce_eager": "auto",
+                   **setup.options}
+        eager = options["enforce_eager"]
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
                           dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
                           max_model_len=setup.max_model_len,
                           kv_cache_bytes=options["kv_cache_bytes"],
                           weight_storage=options["weight_storage"],
-                          per_rank=setup.world_size > 1)
+                          per_rank=setup.world_size > 1,
+                          enforce_eager=None if eager == "auto" else bool(eager))
         return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
                              options["refit_wire"], policy=setup.policy,
                              world_size=setup.world_size)

@@ -48,6 +48,7 @@ from fp4rl.gemm import (
 from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import RolloutRecovery, make_recovery
+from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     VLLMError,
@@ -119,6 +120,11 @@ class LayerState:
     fmt: str
     storage: str
     recovery: RolloutRecovery
+    #: the recovery's activation as one traceable operator (:mod:`fp4rl.recovery.ops`)
+    activation: TracedActivation
+    #: whether GEMMs may run on vLLM's prepacked oneDNN weight, rebuilt at every refit:
+    #: in eager engines only, as a compiled forward holds on to the tensors it traced
+    prepack: bool = True
     store: WeightStore | None = None
     #: packed fields loaded by vLLM's loader, by part index
     incoming: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -164,10 +170,11 @@ class FP4RLLinearMethod(LinearMethodBase):
         quantized layer, one empty parameter per packed field of its format."""
         weight_loader = extra_weight_attrs.pop("weight_loader")
         r = self.recipe.rollout
+        recovery = make_recovery(r.recovery, r.activations, input_size_per_partition,
+                                 self.seed, weight_format=r.weights)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
-                           params_dtype, r.weights, self.storage,
-                           make_recovery(r.recovery, r.activations, input_size_per_partition,
-                                         self.seed, weight_format=r.weights))
+                           params_dtype, r.weights, self.storage, recovery,
+                           TracedActivation(recovery), prepack=_engine_is_eager())
         layer.fp4rl = state
         shape = (sum(state.shards), input_size_per_partition)
 
@@ -199,7 +206,9 @@ class FP4RLLinearMethod(LinearMethodBase):
         """fp4rl's rollout forward as ``RolloutRecovery.forward`` computes it for the
         methods the plug-in runs (none, resq): the recovery's activation operands times
         ``Q(W)`` through :func:`fp4rl.gemm.mm`, the GEMM on vLLM's prepacked kernel where
-        there is one."""
+        there is one. Capturable: it reads what processing fixed and changes nothing, and
+        the quantizers run as one custom operator, so ``torch.compile`` and CUDA graphs
+        trace it whole (``enforce_eager=False``)."""
         state: LayerState = layer.fp4rl
         if state.store is None:
             raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before vLLM "
@@ -207,8 +216,7 @@ class FP4RLLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, x.shape[-1])
         # the plug-in's methods (none, resq) quantize bf16 rows as they are, in one kernel
         # pass (widening to float32 is exact, so the operands are the same)
-        acts = state.recovery.activation(x2 if x.dtype == torch.bfloat16 else x2.float(),
-                                         x.dtype)
+        acts = state.activation(x2 if x.dtype == torch.bfloat16 else x2.float(), x.dtype)
         ys, start = [], 0
         for rows, qw, kernel in state.store.gemms():
             # several parts: per-shard scales (NVFP4), one GEMM per logical layer
@@ -280,13 +288,24 @@ def process(layer: torch.nn.Module) -> bool:
         release_freed_memory()
     if parts is None:
         if state.store is None:  # nothing loaded yet (vLLM's "dummy" load format, which
-            # verl starts from before its first sync): zero weights until the first load
-            zeros = Operand(torch.zeros(sum(state.shards), state.in_features,
-                                        dtype=state.dtype))
-            state.store = WeightStore.build([zeros], "dequantized", state.dtype)
+            # verl starts from before its first sync): zero weights in the layer's own
+            # layout until the first load, which then writes into the same tensors
+            zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype)
+            state.store = WeightStore.build(_quantized_parts(state, zeros), state.storage,
+                                            state.dtype, state.prepack)
         return False
-    state.store = WeightStore.build(parts, state.storage, state.dtype)
+    new = WeightStore.build(parts, state.storage, state.dtype, state.prepack)
+    state.store = new if state.store is None else state.store.refilled(new)
     return True
+
+
+def _engine_is_eager() -> bool:
+    """Whether the engine being built runs its forward eagerly (no torch.compile, no CUDA
+    graphs)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config is None or config.model_config is None or config.model_config.enforce_eager
 
 
 def _from_fields(state: LayerState) -> list[Part] | None:
@@ -313,7 +332,13 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
         raise VLLMError(f"a load wrote parts {sorted(state.written)} of a merged fp4rl layer "
                         f"of {len(state.shards)} (q/k/v or gate/up): send all of its parts "
                         "in the same load")
-    w, parts, start = layer.weight.detach(), [], 0
+    return _quantized_parts(state, layer.weight.detach())
+
+
+def _quantized_parts(state: LayerState, w: torch.Tensor) -> list[Part]:
+    """``Q(W)`` of each logical layer of ``w``, packed where the layer stores 4-bit codes."""
+    parts: list[Part] = []
+    start = 0
     with torch.no_grad():
         for rows in state.shards:
             shard = state.recovery.transform_weight(w[start:start + rows])
@@ -343,12 +368,34 @@ class WeightStore:
     ready: list[Gemm] | None = None
 
     @classmethod
-    def build(cls, parts: list[Part], storage: str, dtype: torch.dtype) -> WeightStore:
+    def build(cls, parts: list[Part], storage: str, dtype: torch.dtype,
+              prepack: bool = True) -> WeightStore:
         dense = [p for p in parts if isinstance(p, Operand)]
         if storage == "packed" and not dense:
             return cls(storage, dtype, parts)
         operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
-        return cls("dequantized", dtype, [], _gemms(operands))
+        return cls("dequantized", dtype, [], _gemms(operands, prepack))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a forward reads, in a fixed order."""
+        if self.ready is None:
+            return [t for p in self.parts for t in _part_tensors(p)]
+        return [t for _, op, _ in self.ready for t in _part_tensors(op)]
+
+    def refilled(self, new: WeightStore) -> WeightStore:
+        """This store holding ``new``'s weights, written into its own tensors where the
+        layouts agree (a compiled forward, and the CUDA graphs captured from it, read the
+        tensors they traced, at their addresses), else ``new``."""
+        mine, theirs = self.tensors(), new.tensors()
+        prepacked = self.ready is not None and any(k is not None for _, _, k in self.ready)
+        if prepacked or self.storage != new.storage or len(mine) != len(theirs) or \
+                any(a.shape != b.shape or a.dtype != b.dtype
+                    for a, b in zip(mine, theirs, strict=True)):
+            return new
+        with torch.no_grad():
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b)
+        return self
 
     def gemms(self) -> list[Gemm]:
         if self.ready is not None:
@@ -365,12 +412,20 @@ def _joined(operands: list[Operand]) -> list[tuple[int, Operand]]:
     return [(op.values.shape[0], op) for op in operands]
 
 
-def _gemms(operands: list[Operand]) -> list[Gemm]:
-    """The dequantized GEMMs: each operand's values become vLLM's prepacked oneDNN weight
-    where there is one (the values themselves are then dropped), else stay as they are."""
+def _part_tensors(part: Part) -> list[torch.Tensor]:
+    fields = [] if isinstance(part, Operand) else [part.packed.fields[n]
+                                                   for n in sorted(part.packed.fields)]
+    values = [part.values] if isinstance(part, Operand) else []
+    return [*values, *fields, *([] if part.scale is None else [part.scale])]
+
+
+def _gemms(operands: list[Operand], prepack: bool = True) -> list[Gemm]:
+    """The dequantized GEMMs: with ``prepack``, each operand's values become vLLM's
+    prepacked oneDNN weight where there is one (the values themselves are then dropped),
+    else stay as they are."""
     out: list[Gemm] = []
     for rows, op in _joined(operands):
-        kernel = _packed_matmul(op.values)
+        kernel = _packed_matmul(op.values) if prepack else None
         if kernel is not None:
             op = Operand(op.values.new_empty(0, op.values.shape[1]), op.scale)
         out.append((rows, op, kernel))

@@ -1,0 +1,87 @@
+"""A recovery method's rollout activation as a PyTorch custom operator, so that a
+compiled forward (``torch.compile``, and the CUDA graphs a serving engine captures from it)
+traces through it.
+
+A method's :meth:`~fp4rl.recovery.base.RolloutRecovery.activation` picks a path per call in
+Python and runs fp4rl's fused C kernel through ctypes (or a Triton launch): opaque to a
+tracer, which would break the graph there. ``fp4rl::rollout_activation`` runs it as one
+operator: the tracer records one call from the fake implementation, which knows the
+output's shape from :meth:`~fp4rl.recovery.base.RolloutRecovery.activation_scales`, and at
+run time the same kernels run as in eager mode, so a compiled forward gives the same bits.
+
+A method object is handed to the operator as a handle (:class:`TracedActivation`): an
+operator takes tensors, numbers and strings only. The handle is a string, so that a tracer
+keeps it a constant of the graph (one per layer) where it would make an integer symbolic.
+The operator only reads the method: methods whose activation changes their state per call
+do not serve in engines (``serves_in_engines``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from fp4rl.gemm import UNQUANTIZED, Operand, stack_rows
+from fp4rl.recovery.base import RolloutRecovery
+
+#: the compute dtypes a rollout runs in
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_traced: weakref.WeakValueDictionary[str, TracedActivation] = weakref.WeakValueDictionary()
+_next = itertools.count()
+
+
+def _entry(handle: str) -> TracedActivation:
+    try:
+        return _traced[handle]
+    except KeyError:
+        raise RuntimeError(f"fp4rl::rollout_activation: no recovery method has handle "
+                           f"{handle} (its layer was freed)") from None
+
+
+@torch.library.custom_op("fp4rl::rollout_activation", mutates_args=())
+def _rollout_activation(x: torch.Tensor, handle: str, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation operands of ``x`` (tokens, in) in ``dtype`` (exact: every operand
+    value is a format value), stacked along the rows, and their per-tensor scales (1 where
+    an operand has none)."""
+    terms = _entry(handle).method.activation(x, dtype)
+    values = stack_rows([t.values.to(dtype) for t in terms])
+    if values.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        values = values.clone()  # an operator's output may not alias its input
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    scales = torch.stack([one if t.scale is None else t.scale.float().reshape(())
+                          for t in terms])
+    return values, scales
+
+
+@_rollout_activation.register_fake
+def _(x: torch.Tensor, handle: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    terms = len(_entry(handle).scales[dtype])
+    return (x.new_empty((terms * x.shape[0], x.shape[1]), dtype=dtype),
+            x.new_empty((terms,), dtype=torch.float32))
+
+
+class TracedActivation:
+    """``method.activation`` through the operator: the same operands, values in the
+    compute dtype. What a call reads in Python is fixed by the method, so a trace holds
+    constants only."""
+
+    def __init__(self, method: RolloutRecovery) -> None:
+        self.method = method
+        #: per compute dtype, whether each operand carries a per-tensor scale
+        self.scales = {dtype: method.activation_scales(dtype) for dtype in _DTYPES}
+        self.handle = str(next(_next))
+        _traced[self.handle] = self  # weakly: the layer holds this
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        if self.method.act_format == UNQUANTIZED:  # plain tensor code: traces as it is
+            return self.method.activation(x, dtype)
+        values, scales = torch.ops.fp4rl.rollout_activation(x, self.handle, dtype)
+        rows = x.shape[0]
+        return [Operand(values[i * rows:(i + 1) * rows], scales[i] if scaled else None)
+                for i, scaled in enumerate(self.scales[dtype])]
+
+
+__all__ = ["TracedActivation"]

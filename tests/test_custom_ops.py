@@ -1,0 +1,97 @@
+"""fp4rl's quantizers as torch custom operators: the fake implementations agree with the
+real ones (``torch.library.opcheck``), and a forward through them compiles whole
+(``torch.compile(fullgraph=True)``) to the eager result bit for bit, as a serving engine's
+compiled forward needs (:mod:`fp4rl.recovery.ops`, ``fp4rl::decode_rows``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4rl.gemm import Operand, mm, pack_operand, quantize_operand
+from fp4rl.recovery import Recovery, make_recovery
+from fp4rl.recovery.ops import TracedActivation
+
+FORMATS = ("hif4", "mxfp4", "nvfp4")
+METHODS = ("", "resq-2:4")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def method(fmt: str, spec: str):
+    return make_recovery(Recovery.parse(spec), fmt, 64, 0, weight_format=fmt)
+
+
+def inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 64, generator=g)
+    x[:, :3] *= 40.0  # outlier channels: ResQ's residual and NVFP4's scale both matter
+    return x.to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("spec", METHODS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_activation_operator_passes_opcheck(fmt, spec):
+    op = TracedActivation(method(fmt, spec))
+    for dtype in DTYPES.values():
+        torch.library.opcheck(torch.ops.fp4rl.rollout_activation.default,
+                              (inputs(5, dtype), op.handle, dtype))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_decode_operator_passes_opcheck(fmt):
+    p = pack_operand(torch.randn(6, 64), fmt).packed
+    names = sorted(p.fields)
+    torch.library.opcheck(torch.ops.fp4rl.decode_rows.default,
+                          ([p.fields[n] for n in names], ",".join(names), p.format,
+                           6, 64, p.dim, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("spec", METHODS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_activation_operator_gives_the_methods_operands(fmt, spec, dtype):
+    m = method(fmt, spec)
+    x = inputs(7, dtype)
+    want, got = m.activation(x, dtype), TracedActivation(m)(x, dtype)
+    assert len(got) == len(want) == len(m.activation_scales(dtype))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.values, b.values.to(dtype))
+        assert (a.scale is None) == (b.scale is None)
+        assert a.scale is None or torch.equal(a.scale, b.scale.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("spec", METHODS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rollout_linear_compiles_whole_to_the_eager_bits(fmt, spec, dtype):
+    """The rollout GEMM as the vLLM method runs it, with the weight stored dequantized and
+    stored packed (decoded per call), under ``torch.compile(fullgraph=True)`` with dynamic
+    token counts: equal bit for bit to the eager ``RolloutRecovery.activation`` path."""
+    m = method(fmt, spec)
+    op = TracedActivation(m)
+    w = torch.randn(48, 64)
+    dense = quantize_operand(w, fmt)
+    dense = Operand(dense.values.to(dtype), dense.scale)
+    packed = pack_operand(w, fmt)
+    bias = torch.randn(48).to(dtype)
+
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (mm(op(x, dtype), dense.t(), dtype, bias),
+                mm(op(x, dtype), packed.decode(dtype).t(), dtype))
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    with torch.inference_mode():
+        for rows, seed in ((7, 1), (3, 2), (12, 3)):
+            x = inputs(rows, dtype, seed)
+            want = (mm(m.activation(x, dtype), dense.t(), dtype, bias),
+                    mm(m.activation(x, dtype), packed.decode(dtype).t(), dtype))
+            got = compiled(x)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), (fmt, spec, rows)
