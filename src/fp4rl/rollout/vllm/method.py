@@ -5,10 +5,12 @@ recipe does not ignore gets :class:`FP4RLLinearMethod` with the recipe; other li
 it with the unquantized recipe (a plain GEMM, and a weight a refit can still load, where
 vLLM's own CPU method repacks it away); embeddings and the LM head are left to vLLM.
 
-A layer never holds FP32. Its ``weight`` parameter has no storage between loads: a load
+A layer holds no FP32 between loads. Its ``weight`` parameter has no storage then: a load
 through vLLM's own loader (a checkpoint, or ``load_weights`` from verl or TRL) allocates
-it in the compute dtype, and ``process_weights_after_loading`` quantizes it once and
-frees it. What stays is the layer's :class:`WeightStore`:
+it in the dtype the weight arrives in (FP32 masters stay FP32, so ``Q(W)`` is theirs,
+exactly as fp4rl's own refit computes it; anything else in the compute dtype), and
+``process_weights_after_loading`` quantizes it once and frees it. What stays is the
+layer's :class:`WeightStore`:
 
 - ``dequantized`` (the default): ``Q(W)`` once, in the compute dtype (FP4 values are exact
   in bf16); on a CPU with oneDNN that one copy is vLLM's prepacked GEMM weight, as in a
@@ -145,6 +147,13 @@ class LayerState:
         return {int(shard_id)}
 
 
+def _staging_dtype(compute: torch.dtype, loaded: torch.Tensor) -> torch.dtype:
+    """The dtype a loaded weight waits in until processing: float32 where it arrives in
+    float32 (a trainer's masters, as verl and TRL send them), so that ``Q(W)`` is taken of
+    the masters themselves, not of their bf16 rounding; else the compute dtype."""
+    return torch.float32 if loaded.dtype == torch.float32 else compute
+
+
 def _shard_id(loaded: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The shard id a vLLM loader was called with (positional, keyword, or, as vLLM's
     weights mapper does, an attribute of the loaded tensor)."""
@@ -181,7 +190,8 @@ class FP4RLLinearMethod(LinearMethodBase):
         def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
                         **kwargs: Any) -> Any:
             if param.numel() == 0:
-                param.data = torch.empty(shape, dtype=params_dtype, device=param.device)
+                param.data = torch.empty(shape, dtype=_staging_dtype(params_dtype, loaded),
+                                         device=param.device)
             state.written |= state.parts_of(_shard_id(loaded, args, kwargs))
             return weight_loader(param, loaded, *args, **kwargs)
 

@@ -1,0 +1,181 @@
+"""fp4rl inside verl: FP4 training for verl's actor, and the FP4 rollout in verl's vLLM.
+
+verl (the paper's own framework) has no HiF4 and no Rollout-ResQ; it offers the two hooks
+this module uses:
+
+- ``actor_rollout_ref.model.external_lib=fp4rl.integrations.verl``: verl imports the
+  module in every worker before it builds a model. On import, the module wraps verl's
+  ``FSDPEngine._build_module`` so that the actor's Hugging Face model, once built and
+  before FSDP wraps it, has its linears replaced by fp4rl's FP4 layers
+  (:func:`fp4_actor`; all three GEMMs in the training format, weights left in verl's
+  FP32). The reference model (``forward_only``) is left as verl builds it.
+- ``+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=fp4rl`` with
+  ``hf_overrides`` naming the rollout recipe (:func:`engine_kwargs`): verl passes the
+  engine arguments to vLLM last, so they select fp4rl's quantization method, which vLLM
+  finds through fp4rl's ``vllm.general_plugins`` entry point in every vLLM process. Leave
+  verl's own ``rollout.quantization`` unset (it accepts fp8 and torchao only).
+
+Each step verl sends the actor's FP32 weights to vLLM in buckets through
+``model.load_weights`` and then calls ``process_weights_after_loading`` once; the fp4rl
+method stages each weight in the precision it arrives in and quantizes it there, so the
+engine holds ``Q(W)`` of the FP32 masters, as fp4rl's own refit gives
+(``tests/vllm_engine/test_verl_sync.py``).
+
+The recipe comes from the environment variable ``FP4RL_RECIPE`` (default
+:data:`DEFAULT_RECIPE`), which reaches verl's Ray workers through
+``+ray_kwargs.ray_init.runtime_env.env_vars.FP4RL_RECIPE=...``.
+``python -m fp4rl.integrations.verl --recipe R`` prints the overrides for a recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from fp4rl.errors import UserError
+from fp4rl.nn import quantize_model
+from fp4rl.nn.recipe import Recipe, get_recipe
+from fp4rl.rollout.vllm.config import QUANT_METHOD, quantization_config
+
+#: where verl's workers read the recipe
+RECIPE_ENV = "FP4RL_RECIPE"
+#: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
+DEFAULT_RECIPE = "hif4+resq-2:4"
+#: the verl releases whose sources the hook follows (``FSDPEngine._build_module``,
+#: ``engine_kwargs.vllm`` passed last, ``load_weights`` then
+#: ``process_weights_after_loading`` at each sync): 0.8.0 and 0.9.x
+SUPPORTED_VERL = SpecifierSet(">=0.8.0,<0.10")
+#: the class whose model-building method the hook wraps
+ENGINE_CLASS = "verl.workers.engine.fsdp.transformer_impl.FSDPEngine"
+
+
+def recipe_from_env() -> Recipe:
+    """The recipe ``FP4RL_RECIPE`` names (default :data:`DEFAULT_RECIPE`)."""
+    return get_recipe(os.environ.get(RECIPE_ENV) or DEFAULT_RECIPE)
+
+
+def fp4_actor(module: torch.nn.Module, recipe: Recipe | str, forward_only: bool = False
+              ) -> torch.nn.Module:
+    """verl's freshly built actor ``module`` with fp4rl's FP4 layers (train mode: the
+    forward and both backward GEMMs in the recipe's training format); a ``forward_only``
+    model (the reference policy) unchanged. Parameters are shared, so names, the state
+    dict verl syncs to vLLM, and FSDP wrapping work as before."""
+    if forward_only:
+        return module
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
+                  if p.dtype != torch.float32 and p.is_floating_point()})
+    if low:
+        warnings.warn(f"fp4rl: verl's actor holds {', '.join(low)} weights; FP4 training "
+                      "keeps FP32 masters: leave actor_rollout_ref.actor.fsdp_config."
+                      "model_dtype at fp32", RuntimeWarning, stacklevel=2)
+    quantize_model(module, recipe)
+    return module
+
+
+def wrap_build(build: Callable[[Any], torch.nn.Module],
+               recipe: Callable[[], Recipe] = recipe_from_env
+               ) -> Callable[[Any], torch.nn.Module]:
+    """``build`` (an engine's ``_build_module``) followed by :func:`fp4_actor`, told by the
+    engine's ``engine_config.forward_only`` whether it builds a training model."""
+
+    @functools.wraps(build)
+    def build_fp4(engine: Any) -> torch.nn.Module:
+        module = build(engine)
+        return fp4_actor(module, recipe(), bool(engine.engine_config.forward_only))
+
+    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]
+    return build_fp4
+
+
+def install(engine_cls: type | None = None) -> bool:
+    """Wrap ``engine_cls._build_module`` (default verl's ``FSDPEngine``) once; False where
+    verl is not installed. A verl release outside :data:`SUPPORTED_VERL` gets a warning."""
+    if engine_cls is None:
+        engine_cls = _verl_engine_class()
+        if engine_cls is None:
+            return False
+    if not getattr(engine_cls._build_module, "fp4rl_wrapped", False):
+        engine_cls._build_module = wrap_build(engine_cls._build_module)
+    return True
+
+
+def _verl_engine_class() -> type | None:
+    try:
+        version = Version(importlib.metadata.version("verl"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if version not in SUPPORTED_VERL:
+        warnings.warn(f"fp4rl: verl {version} is outside the releases its hook follows "
+                      f"({SUPPORTED_VERL}); check that {ENGINE_CLASS}._build_module still "
+                      "builds the actor", RuntimeWarning, stacklevel=3)
+    module, _, name = ENGINE_CLASS.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def engine_kwargs(recipe: Recipe | str, weight_storage: str = "dequantized") -> dict[str, Any]:
+    """``actor_rollout_ref.rollout.engine_kwargs.vllm`` that run ``recipe``'s rollout
+    policy in verl's vLLM engine."""
+    return {"quantization": QUANT_METHOD,
+            "hf_overrides": {"quantization_config": quantization_config(recipe,
+                                                                        weight_storage)}}
+
+
+def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -> list[str]:
+    """The ``verl.trainer.main_ppo`` command-line overrides that train verl's actor in FP4
+    and roll out in vLLM with ``recipe`` (each one shell argument)."""
+    kwargs = engine_kwargs(recipe, weight_storage)
+    prefix = "+actor_rollout_ref.rollout.engine_kwargs.vllm"
+    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl",
+           f"{prefix}.quantization={kwargs['quantization']}",
+           f"{prefix}.hf_overrides={_hydra(kwargs['hf_overrides'])}"]
+    if isinstance(recipe, str):  # a Recipe object has no name for the workers to read
+        out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{RECIPE_ENV}={_hydra(recipe)}")
+    return out
+
+
+def _hydra(value: Any) -> str:
+    """``value`` in Hydra's override grammar (strings quoted, mappings and lists nested)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_hydra(v) for v in value) + "]"
+    return "null" if value is None else json.dumps(value)  # strings double-quoted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the overrides for ``--recipe``, quoted for a shell, or one line on a bad
+    recipe."""
+    parser = argparse.ArgumentParser(prog="python -m fp4rl.integrations.verl",
+                                     description="verl command-line overrides for an fp4rl "
+                                                 "recipe")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--weight-storage", default="dequantized")
+    args = parser.parse_args(argv)
+    try:
+        lines = hydra_overrides(args.recipe, args.weight_storage)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(" \\\n".join(shlex.quote(line) for line in lines))
+    return 0
+
+
+install()
+
+__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "RECIPE_ENV", "SUPPORTED_VERL", "engine_kwargs",
+           "fp4_actor", "hydra_overrides", "install", "recipe_from_env", "wrap_build"]
+
+if __name__ == "__main__":
+    sys.exit(main())

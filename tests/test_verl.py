@@ -1,0 +1,118 @@
+"""fp4rl inside verl (:mod:`fp4rl.integrations.verl`), tested where verl is not installed
+(it needs GPUs): the actor hook on a tiny model built the way verl's engine builds it, and
+the command-line overrides read back by Hydra's own parser, the one verl's ``main_ppo``
+uses. The sync sequence verl performs against a vLLM engine is in
+``tests/vllm_engine/test_verl_sync.py``."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fp4rl.integrations import verl
+from fp4rl.models import tiny_model
+from fp4rl.nn import fp4_layers
+from fp4rl.nn.linear import Mode
+from fp4rl.nn.recipe import get_recipe
+from fp4rl.rollout.vllm.config import recipe_from_config
+
+
+class StandInEngine:
+    """What the hook relies on in verl's ``FSDPEngine``: ``_build_module()`` returns the
+    Hugging Face model (FP32 for the actor) and ``engine_config.forward_only`` is true for
+    a model that only computes log-probs (the reference policy)."""
+
+    def __init__(self, family: str, forward_only: bool = False) -> None:
+        self.family = family
+        self.engine_config = SimpleNamespace(forward_only=forward_only)
+
+    def _build_module(self) -> torch.nn.Module:
+        model, _ = tiny_model(self.family)
+        return model.float()
+
+
+@pytest.fixture
+def engine_cls():
+    cls = type("Engine", (StandInEngine,), {})
+    assert verl.install(cls) and verl.install(cls)  # twice: wrapped once
+    assert not hasattr(cls._build_module.__wrapped__, "__wrapped__")
+    return cls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_actor_trains_in_fp4_on_fp32_masters(engine_cls, family, monkeypatch):
+    monkeypatch.setenv(verl.RECIPE_ENV, "hif4+resq-2:4")
+    plain, _ = tiny_model(family)
+    actor = engine_cls(family)._build_module()
+    layers = fp4_layers(actor)
+    assert layers and all(m.mode is Mode.TRAIN for m in layers.values())
+    assert {m.recipe.train.weights for m in layers.values()} == {"hif4"}
+    assert all(p.dtype == torch.float32 for p in actor.parameters())
+    assert actor.state_dict().keys() == plain.state_dict().keys()  # what verl syncs to vLLM
+    ids = torch.randint(0, actor.config.vocab_size, (2, 12))
+    actor(ids, labels=ids).loss.backward()
+    grads = [m.weight.grad for m in layers.values()]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
+
+
+def test_the_reference_model_is_left_as_verl_builds_it(engine_cls):
+    reference = engine_cls("llama", forward_only=True)._build_module()
+    assert not fp4_layers(reference)
+
+
+def test_the_recipe_comes_from_the_environment(engine_cls, monkeypatch):
+    monkeypatch.setenv(verl.RECIPE_ENV, "nvfp4")
+    layers = fp4_layers(engine_cls("llama")._build_module())
+    assert {m.recipe.train.weights for m in layers.values()} == {"nvfp4"}
+    monkeypatch.delenv(verl.RECIPE_ENV)
+    assert verl.recipe_from_env() == get_recipe(verl.DEFAULT_RECIPE)
+
+
+def test_an_actor_without_fp32_masters_is_warned_about():
+    model, _ = tiny_model("llama")
+    with pytest.warns(RuntimeWarning, match="model_dtype at fp32"):
+        verl.fp4_actor(model.to(torch.bfloat16), "hif4")
+
+
+def test_without_verl_nothing_is_patched(monkeypatch):
+    def absent(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(verl.importlib.metadata, "version", absent)
+    assert verl.install() is False
+
+
+def test_a_verl_release_outside_the_followed_range_is_warned_about(monkeypatch):
+    fake = SimpleNamespace(FSDPEngine=type("FSDPEngine", (StandInEngine,), {}))
+    monkeypatch.setattr(verl.importlib.metadata, "version", lambda name: "0.7.1")
+    monkeypatch.setattr(verl.importlib, "import_module", lambda name: fake)
+    with pytest.warns(RuntimeWarning, match="outside the releases"):
+        assert verl.install() is True
+    assert getattr(fake.FSDPEngine._build_module, "fp4rl_wrapped", False)
+
+
+@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4", "mxfp4+resq-channel:0.5"])
+def test_the_overrides_parse_in_hydra_to_the_engine_arguments(recipe):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides(verl.hydra_overrides(recipe))
+    values = {o.key_or_group: o.value() for o in overrides}
+    prefix = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+    kwargs = verl.engine_kwargs(recipe)
+    assert values["actor_rollout_ref.model.external_lib"] == "fp4rl.integrations.verl"
+    assert values[f"{prefix}.quantization"] == kwargs["quantization"] == "fp4rl"
+    assert values[f"{prefix}.hf_overrides"] == kwargs["hf_overrides"]
+    assert recipe_from_config(values[f"{prefix}.hf_overrides"]["quantization_config"]) \
+        .rollout == get_recipe(recipe).rollout
+    assert values[f"ray_kwargs.ray_init.runtime_env.env_vars.{verl.RECIPE_ENV}"] == recipe
+
+
+def test_the_overrides_command_says_one_line_on_a_bad_recipe(capsys):
+    assert verl.main(["--recipe", "hif4+smoothquant"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot run inside vLLM" in err[0]
+    assert verl.main(["--recipe", "hif4"]) == 0
+    assert "external_lib=fp4rl.integrations.verl" in capsys.readouterr().out
