@@ -116,3 +116,13 @@ def test_the_overrides_command_says_one_line_on_a_bad_recipe(capsys):
     assert len(err) == 1 and "cannot run inside vLLM" in err[0]
     assert verl.main(["--recipe", "hif4"]) == 0
     assert "external_lib=fp4rl.integrations.verl" in capsys.readouterr().out
+
+
+def test_a_verl_without_the_engine_class_stops_with_one_line(monkeypatch):
+    def missing(name: str):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(verl.importlib.metadata, "version", lambda name: "0.9.1")
+    monkeypatch.setattr(verl.importlib, "import_module", missing)
+    with pytest.raises(ImportError, match=r"verl 0\.9\.1 has no .*FSDPEngine"):
+        verl.install()

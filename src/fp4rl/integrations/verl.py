@@ -121,7 +121,11 @@ def _verl_engine_class() -> type | None:
                       f"({SUPPORTED_VERL}); check that {ENGINE_CLASS}._build_module still "
                       "builds the actor", RuntimeWarning, stacklevel=3)
     module, _, name = ENGINE_CLASS.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:  # the actor would silently train in bf16
+        raise ImportError(f"fp4rl: verl {version} has no {ENGINE_CLASS} ({err}); the FP4 "
+                          f"actor hook follows verl {SUPPORTED_VERL}") from None
 
 
 def engine_kwargs(recipe: Recipe | str, weight_storage: str = "dequantized") -> dict[str, Any]:
