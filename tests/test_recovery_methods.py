@@ -85,18 +85,18 @@ def test_the_stacked_resq_terms_enter_the_gemm_without_a_copy(fmt, inference):
     """The kernel's two operands are halves of one buffer: mm multiplies that buffer in
     place (the product equals stacking copies), while terms elsewhere are copied. It holds
     under ``torch.inference_mode`` too, where views keep no ``_base`` (a serving engine)."""
-    from fp4rl.gemm import Operand, _stack, mm
+    from fp4rl.gemm import Operand, mm, stack_rows
     from fp4rl.recovery.resq import ResQ, ResQConfig
 
     x = outlier_activations(16, 256).bfloat16()
     with torch.inference_mode(inference):
         terms = ResQ(ResQConfig("2:4"), fmt, 256, seed=0).activation(x, torch.bfloat16)
-    stacked = _stack([t.values for t in terms])
+    stacked = stack_rows([t.values for t in terms])
     assert stacked.data_ptr() == terms[0].values.data_ptr() and stacked.shape == (32, 256)
     assert torch.equal(stacked, torch.cat([t.values for t in terms]))
     apart = [terms[1].values.clone(), terms[0].values.clone()]
-    assert torch.equal(_stack(apart), torch.cat(apart))
-    assert _stack(apart).data_ptr() not in (a.data_ptr() for a in apart)
+    assert torch.equal(stack_rows(apart), torch.cat(apart))
+    assert stack_rows(apart).data_ptr() not in (a.data_ptr() for a in apart)
     w = Operand(quantize(torch.randn(64, 256), fmt).bfloat16())
     copies = [Operand(t.values.clone()) for t in terms]
     assert torch.equal(mm(terms, w.t(), torch.bfloat16), mm(copies, w.t(), torch.bfloat16))

@@ -175,9 +175,10 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
     imported into ``trl.generation.vllm_generation``; that name is swapped for the
     constructor's duration only.
 
-    On CPU the engine runs eagerly, as fp4rl's own does, and its KV cache is 1 GiB: there
-    vLLM reads ``vllm_gpu_memory_utilization`` as a share of the machine's RAM, which the
-    trainer in the same process needs (``VLLM_CPU_KVCACHE_SPACE``, in GiB, sets another)."""
+    On CPU the engine runs eagerly, as fp4rl's own does, and its KV cache is 1 GiB, split
+    between the engines of a launched run on one machine: there vLLM reads
+    ``vllm_gpu_memory_utilization`` as a share of the machine's RAM, which the trainer in
+    the same process needs (``VLLM_CPU_KVCACHE_SPACE``, in GiB, sets another)."""
     from trl.generation import vllm_generation
 
     from fp4rl.integrations import vllm as fp4vllm
@@ -189,7 +190,7 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
     if args.use_cpu or not torch.cuda.is_available():
         extra["enforce_eager"] = True
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            extra["kv_cache_memory_bytes"] = 1 << 30
+            extra["kv_cache_memory_bytes"] = fp4vllm.default_kv_cache_bytes()
     build = vllm_generation.LLM
 
     def llm_with_fp4rl(**kwargs: Any) -> Any:

@@ -52,6 +52,7 @@ from fp4rl.rollout.vllm.config import (
 from fp4rl.rollout.vllm.engine import (
     EngineSpec,
     VLLMEngine,
+    default_kv_cache_bytes,
     engine_model,
     make_llm,
     method_kwargs,
@@ -63,7 +64,8 @@ from fp4rl.rollout.vllm.refit import RefitPayload, RefitStats, refit, refit_payl
 
 __all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",
-           "VLLMError", "check_storage", "engine_model", "hf_layer_names", "make_llm",
+           "VLLMError", "check_storage", "default_kv_cache_bytes", "engine_model",
+           "hf_layer_names", "make_llm",
            "method_kwargs", "model_dir", "quantization_config", "recipe_from_config",
            "refit", "refit_payload", "register", "require_vllm", "rollout_recipe",
            "sharing_the_process", "storage_from_config", "supported_recovery"]
