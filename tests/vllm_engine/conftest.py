@@ -7,6 +7,9 @@ so that a CI log says which machine could not run them and why."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -56,3 +59,18 @@ def smollm_dir() -> str:
     from fp4rl.integrations.vllm import model_dir
 
     return model_dir("smollm2-135m")
+
+
+@pytest.fixture(autouse=True)
+def _one_tests_memory():
+    """What a test's engines held is let go before the next test: dynamo's caches keep
+    compiled forwards (and through them an engine's weights) alive, and glibc keeps freed
+    blocks for reuse; the suite's process then stays about one engine large, leaving room
+    for the multi-process tests late in the suite."""
+    yield
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -73,3 +73,20 @@ def test_engine_memory_against_a_bf16_engine():
     assert rows["packed"]["block_bytes_per_param"] <= 0.3 * 2
     for storage in ("dequantized", "packed"):
         assert rows[storage]["refit_bytes"] <= 0.5 * rows["bf16"]["refit_bytes"]
+
+
+def test_a_deleted_engine_frees_its_fp4rl_layers(smollm_dir):
+    """Each fp4rl layer's loader is an attribute of the layer's own parameter. Were it to
+    hold the layer strongly, the layer would sit in a reference cycle, which only the
+    garbage collector frees, and vLLM freezes the collector's objects after building an
+    engine: a process that builds engines one after another (benchmarks, experiment grids,
+    this test suite) would keep every one."""
+    import weakref
+
+    llm = make_llm(EngineSpec(smollm_dir, "hif4", max_model_len=64, kv_cache_bytes=32 << 20))
+    state = weakref.ref(next(m.fp4rl for m in engine_model(llm).modules()
+                             if hasattr(m, "fp4rl")))
+    assert state() is not None
+    del llm
+    gc.collect()
+    assert state() is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,17 @@ class LayerState:
         return {int(shard_id)}
 
 
+def _weak(loader: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+    """``loader`` held weakly where it is a layer's bound method. The loader fp4rl wraps
+    it in is an attribute of the layer's own parameter, so a strong reference would put
+    the layer in a reference cycle, which only the garbage collector frees; vLLM freezes
+    the collector's objects (``gc.freeze``) once an engine is built, and every engine
+    built in a process would then stay in memory."""
+    if hasattr(loader, "__self__"):
+        return weakref.WeakMethod(loader)  # type: ignore[return-value]
+    return lambda: loader
+
+
 def _staging_dtype(compute: torch.dtype, loaded: torch.Tensor) -> torch.dtype:
     """The dtype a loaded weight waits in until processing: float32 where it arrives in
     float32 (a trainer's masters, as verl and TRL send them), so that ``Q(W)`` is taken of
@@ -177,7 +189,7 @@ class FP4RLLinearMethod(LinearMethodBase):
                        params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         """A ``weight`` without storage until something is loaded into it, and, for a
         quantized layer, one empty parameter per packed field of its format."""
-        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight_loader = _weak(extra_weight_attrs.pop("weight_loader"))
         r = self.recipe.rollout
         recovery = make_recovery(r.recovery, r.activations, input_size_per_partition,
                                  self.seed, weight_format=r.weights)
@@ -193,7 +205,7 @@ class FP4RLLinearMethod(LinearMethodBase):
                 param.data = torch.empty(shape, dtype=_staging_dtype(params_dtype, loaded),
                                          device=param.device)
             state.written |= state.parts_of(_shard_id(loaded, args, kwargs))
-            return weight_loader(param, loaded, *args, **kwargs)
+            return weight_loader()(param, loaded, *args, **kwargs)
 
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),
