@@ -103,8 +103,7 @@ class PackedOperand:
         p = self.packed
         names = sorted(p.fields)
         values = torch.ops.fp4rl.decode_rows([p.fields[n] for n in names], ",".join(names),
-                                             p.format,
-                                             p.shape[0], p.shape[1], p.dim, dtype)
+                                             p.format, p.shape[0], p.shape[1], p.dim, dtype)
         return Operand(values, self.scale)
 
     def row_fields(self) -> dict[str, torch.Tensor]:
@@ -147,10 +146,9 @@ def _decode_rows(fields: list[torch.Tensor], names: str, fmt: str, rows: int,
                  cols: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """A packed 2-D operand's values (:func:`~fp4rl.formats.row_decode.decode_rows`) in
     ``dtype``, from its fields (``names``, comma-separated, in order)."""
-    options = dict(_row_options(fmt, cols))
-    packed = PackedTensor(fmt, (rows, cols), dim, torch.float32, dict(zip(names.split(","), fields,
-                                                                          strict=True)),
-                          None, options)
+    by_name = dict(zip(names.split(","), fields, strict=True))
+    packed = PackedTensor(fmt, (rows, cols), dim, torch.float32, by_name, None,
+                          dict(_row_options(fmt, cols)))
     return decode_rows(packed).to(dtype)
 
 

@@ -1,7 +1,7 @@
 """Writing a training run's checkpoints, and loading the latest one that loads.
 
 What one checkpoint holds on disk is :mod:`fp4rl.rl.checkpoint`'s; which settings may
-change on ``--resume`` is :class:`~fp4rl.rl.rundir.RunDir`'s. This module knows how the
+change on ``--resume`` is :mod:`fp4rl.rl.rundir`'s. This module knows how the
 trainer's model is laid out across processes: under one process or DDP the model is
 whole on every rank and rank 0 writes it; under FSDP each rank holds shards, writes its
 own, and the unsharded rollout copy is refreshed from them after a load.
@@ -12,16 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fp4rl.errors import CheckpointError, ConfigError, ResumeError
+from fp4rl.errors import CheckpointError, ConfigError
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.distributed import Dist, full_model_state
-
-if TYPE_CHECKING:
-    from fp4rl.rl.config import TrainConfig
 
 
 @dataclass
@@ -92,16 +89,4 @@ class Checkpointer:
         return state
 
 
-def check_same_run(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
-    """Refuse to continue checkpoint ``path`` (whose settings are ``saved``) under
-    ``config`` when they differ beyond :data:`~fp4rl.rl.config.RESUMABLE`: continuing it
-    would mix two runs."""
-    from fp4rl.rl.config import changed_settings, describe_changes, validate
-
-    changed = changed_settings(validate(saved), config)
-    if changed:
-        raise ResumeError(f"{path} was trained with other settings: "
-                          f"{describe_changes(changed)}")
-
-
-__all__ = ["Checkpointer", "check_same_run"]
+__all__ = ["Checkpointer"]

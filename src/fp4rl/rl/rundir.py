@@ -148,6 +148,19 @@ class RunDir:
         return read_metrics(self.metrics_file)
 
 
+def check_same_run(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
+    """Refuse to continue checkpoint ``path`` (whose settings are ``saved``) under
+    ``config`` when they differ beyond :data:`~fp4rl.rl.config.RESUMABLE`: continuing it
+    would mix two runs. :meth:`RunDir.resumable_config` checks the settings file before
+    any model loads; this checks the settings a loaded checkpoint itself carries."""
+    from fp4rl.rl.config import changed_settings, describe_changes, validate
+
+    changed = changed_settings(validate(saved), config)
+    if changed:
+        raise ResumeError(f"{path} was trained with other settings: "
+                          f"{describe_changes(changed)}")
+
+
 def resolved_like(requested: TrainConfig, saved: TrainConfig) -> TrainConfig:
     """``requested`` with each ``auto`` the trainer resolves (device, mixed precision,
     strategy) taken from ``saved``, which holds what it resolved to."""
@@ -177,4 +190,5 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["CONFIG_FILE", "METRICS", "RunDir", "read_metrics", "resolved_like"]
+__all__ = ["CONFIG_FILE", "METRICS", "RunDir", "check_same_run", "read_metrics",
+           "resolved_like"]

@@ -63,9 +63,9 @@ from fp4rl.rl.distributed import (
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
-from fp4rl.rl.resume import Checkpointer, check_same_run
+from fp4rl.rl.resume import Checkpointer
 from fp4rl.rl.rewards import get_reward
-from fp4rl.rl.rundir import RunDir
+from fp4rl.rl.rundir import RunDir, check_same_run
 from fp4rl.rollout import (
     RolloutBatch,
     RolloutEngine,
