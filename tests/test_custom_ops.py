@@ -10,7 +10,7 @@ import torch
 
 from fp4rl.gemm import Operand, mm, pack_operand, quantize_operand
 from fp4rl.recovery import Recovery, make_recovery
-from fp4rl.recovery.ops import TracedActivation
+from fp4rl.recovery.ops import TracedActivation, handle_of
 
 FORMATS = ("hif4", "mxfp4", "nvfp4")
 METHODS = ("", "resq-2:4")
@@ -29,10 +29,31 @@ def inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(tmp_path_factory, monkeypatch):
+    """Each test compiles afresh, with inductor's on-disk cache of this session only: a
+    cache a run under another ``ATEN_CPU_CAPABILITY`` left would hand back kernels built
+    for other vector widths."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp()
+                                                      / "inductor"))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def test_a_handle_names_the_settings_not_the_object():
+    """A compiled artifact loaded in another process finds each layer's method by its
+    handle, so equal settings give equal handles and any other setting another one."""
+    assert handle_of(method("hif4", "resq-2:4")) == handle_of(method("hif4", "resq-2:4"))
+    handles = {handle_of(method(fmt, spec)) for fmt in FORMATS for spec in METHODS}
+    wider = make_recovery(Recovery.parse("resq-2:4"), "hif4", 128, 0, weight_format="hif4")
+    assert len(handles) == len(FORMATS) * len(METHODS)
+    assert handle_of(wider) not in handles
+    assert handle_of(method("hif4", "resq-channel:0.5")) not in handles
+
+
+def test_a_method_with_state_between_calls_is_refused():
+    with pytest.raises(ValueError, match="keeps state between calls"):
+        TracedActivation(method("hif4", "smoothquant"))
 
 
 @pytest.mark.parametrize("spec", METHODS)

@@ -9,35 +9,46 @@ operator: the tracer records one call from the fake implementation, which knows 
 output's shape from :meth:`~fp4rl.recovery.base.RolloutRecovery.activation_scales`, and at
 run time the same kernels run as in eager mode, so a compiled forward gives the same bits.
 
-A method object is handed to the operator as a handle (:class:`TracedActivation`): an
-operator takes tensors, numbers and strings only. The handle is a string, so that a tracer
-keeps it a constant of the graph (one per layer) where it would make an integer symbolic.
-The operator only reads the method: methods whose activation changes their state per call
-do not serve in engines (``serves_in_engines``).
+The operator names a method by a handle (:class:`TracedActivation`), as an operator takes
+tensors, numbers and strings only. The handle is the method's settings written out
+(method, parameters, formats, width, seed), not a counter: a compiled artifact that vLLM
+saves and loads in another process bakes the handles in, and there they must name the same
+computation whatever order that process built its layers in. The settings name the
+computation only for methods with no state between calls, the ones that serve in engines
+(``serves_in_engines``); others are refused. A string also stays a constant of the graph
+where a tracer would make an integer symbolic.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
+import json
 
 import torch
 
 from fp4rl.gemm import UNQUANTIZED, Operand, stack_rows
 from fp4rl.recovery.base import RolloutRecovery
+from fp4rl.recovery.spec import Recovery
 
 #: the compute dtypes a rollout runs in
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_traced: weakref.WeakValueDictionary[str, TracedActivation] = weakref.WeakValueDictionary()
-_next = itertools.count()
+#: one traced activation per handle (methods with the same settings compute the same)
+_traced: dict[str, TracedActivation] = {}
+
+
+def handle_of(method: RolloutRecovery) -> str:
+    """The settings that fix what ``method``'s activation computes, as one string."""
+    return json.dumps({"recovery": Recovery(method.name, method.config).to_dict(),
+                       "activations": method.act_format, "weights": method.weight_format,
+                       "in_features": method.in_features, "seed": method.seed},
+                      sort_keys=True)
 
 
 def _entry(handle: str) -> TracedActivation:
     try:
         return _traced[handle]
     except KeyError:
-        raise RuntimeError(f"fp4rl::rollout_activation: no recovery method has handle "
-                           f"{handle} (its layer was freed)") from None
+        raise RuntimeError(f"fp4rl::rollout_activation: no layer of this process has the "
+                           f"recovery settings {handle}") from None
 
 
 @torch.library.custom_op("fp4rl::rollout_activation", mutates_args=())
@@ -69,11 +80,14 @@ class TracedActivation:
     constants only."""
 
     def __init__(self, method: RolloutRecovery) -> None:
+        if not method.serves_in_engines:
+            raise ValueError(f"recovery method {method.name!r} keeps state between calls: "
+                             "its settings do not fix its activation, so it cannot trace")
         self.method = method
         #: per compute dtype, whether each operand carries a per-tensor scale
         self.scales = {dtype: method.activation_scales(dtype) for dtype in _DTYPES}
-        self.handle = str(next(_next))
-        _traced[self.handle] = self  # weakly: the layer holds this
+        self.handle = handle_of(method)
+        _traced.setdefault(self.handle, self)
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         if self.method.act_format == UNQUANTIZED:  # plain tensor code: traces as it is
@@ -84,4 +98,4 @@ class TracedActivation:
                 for i, scaled in enumerate(self.scales[dtype])]
 
 
-__all__ = ["TracedActivation"]
+__all__ = ["TracedActivation", "handle_of"]
