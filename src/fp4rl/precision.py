@@ -129,22 +129,31 @@ def compute_dtype(mixed_precision: str) -> torch.dtype:
 @contextlib.contextmanager
 def autocast(device: torch.device, mixed_precision: str) -> Iterator[None]:
     """The run's compute context: bf16 autocast on ``device``, or nothing for ``no``."""
-    if mixed_precision != "bf16":
-        yield
+    if mixed_precision != "bf16" or not torch.amp.is_autocast_available(device.type):
+        yield  # a device without autocast (``meta``) runs each op in its inputs' dtype
         return
     with torch.autocast(device.type, dtype=torch.bfloat16):
         yield
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager[None]:
+    """Autocast switched off for ``device_type`` (nothing to switch where the device has
+    no autocast, such as ``meta``)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def active_compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The compute dtype in force for ``x``: the autocast dtype if autocast is on for its
     device, else ``x``'s own floating dtype. FP4 layers follow it as ``nn.Linear`` does."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype if x.dtype.is_floating_point else torch.float32
 
 
 __all__ = ["MIXED_PRECISION", "MixedPrecision", "active_compute_dtype", "autocast",
+           "autocast_off",
            "compute_dtype", "cpu_info", "describe_cpu", "native_bf16", "resolve_device",
            "resolve_mixed_precision", "slow_bf16_note"]

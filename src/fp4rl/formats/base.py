@@ -103,8 +103,9 @@ class NumberFormat(ABC):
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
 
     def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
-        """The per-tensor float32 scale ``quantize`` divides ``x`` by, or None (only NVFP4
-        has one). GEMMs keep it outside the product (see ``fp4rl.gemm``)."""
+        """The per-tensor float32 scale ``quantize`` divides ``x`` by, a 0-dim tensor on
+        ``x``'s device, or None (only NVFP4 has one). GEMMs keep it outside the product
+        (see ``fp4rl.gemm``)."""
         return None
 
     @abstractmethod
@@ -172,8 +173,7 @@ class BlockFormat(NumberFormat):
         fields = self.fields(torch.where(nan, 0.0, blocks), noise)
         buffers = self.pack(fields, nan.squeeze(-1))
         return PackedTensor(self.name, tuple(x.shape), d, x.dtype, buffers,
-                            tensor_scale=None if scale is None else float(scale),
-                            options={"length": rows.shape[-1]})
+                            tensor_scale=scale, options={"length": rows.shape[-1]})
 
     def decode(self, packed: PackedTensor) -> torch.Tensor:
         """Rebuild the fake-quantized tensor from a :class:`PackedTensor`."""
@@ -185,7 +185,7 @@ class BlockFormat(NumberFormat):
         rows = values.to(torch.float32).reshape(-1, _padded(length, self.block_size))
         rows = rows[:, :length]
         if packed.tensor_scale is not None:
-            rows = rows * torch.tensor(packed.tensor_scale, dtype=torch.float32)
+            rows = rows * packed.tensor_scale
         if not packed.shape:
             return rows.reshape(()).to(packed.dtype)
         moved = list(packed.shape)
@@ -202,8 +202,7 @@ class BlockFormat(NumberFormat):
         rows, restore = _to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         noise = self._noise(*rows.shape, rows.device, opts)
-        g = None if scale is None else float(scale)
-        out = quantize_rows(self.name, rows, noise, g) if fast else None
+        out = quantize_rows(self.name, rows, noise, scale) if fast else None
         if out is None:
             out = self._reference_rows(rows if scale is None else rows / scale, noise)
             if scale is not None:
@@ -217,7 +216,7 @@ class BlockFormat(NumberFormat):
         m = x.to(torch.float32)
         scale = self._tensor_scale(m, opts)
         noise = self._noise(m.shape[1 - dim], m.shape[dim], m.device, opts)
-        out = quantize_matrix(self.name, m, dim, noise, None if scale is None else float(scale))
+        out = quantize_matrix(self.name, m, dim, noise, scale)
         if out is None:
             raise RuntimeError(f"no matrix kernel for {self.name!r} (check has_matrix_kernel)")
         return out.to(x.dtype)
@@ -246,7 +245,8 @@ class BlockFormat(NumberFormat):
         return torch.rand(shape, generator=opts.generator, dtype=torch.float32, device=device)
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
-        """Per-tensor float32 scale g (blocks see ``x / g``), or None; only NVFP4 has one."""
+        """Per-tensor float32 scale g (blocks see ``x / g``) as a 0-dim tensor on the
+        device of ``rows``, or None; only NVFP4 has one."""
         return None
 
 

@@ -13,10 +13,25 @@ import torch
 from fp4rl.formats._exact import bf16_round, floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+from fp4rl.formats.tables import DeviceTable, signed_table
 
 C = 0.142578125  # bf16(1/7)
 SCALE_MIN, SCALE_MAX = 2.0**-48, 49152.0  # E6M2 range; 1.75 * 2**15 is the NaN code
 NAN_CODE = 0xFF
+
+
+def _scale_values(code: torch.Tensor) -> torch.Tensor:
+    """float64 value of E6M2 scale codes (int64): ``(4 + m) * 2^(e - 50)``."""
+    return (4 + (code & 3)).to(torch.float64) * pow2((code >> 2) - 50)
+
+
+#: float32 value of each E6M2 scale byte (the NaN code: NaN)
+SCALES = DeviceTable(lambda: torch.where(torch.arange(256) == NAN_CODE, torch.nan,
+                                         _scale_values(torch.arange(256))).float())
+#: float32 values of the signed 4-bit S1P2 element codes (m4 in 0-7, sign in bit 3)
+ELEMENTS = signed_table((0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0))
+#: 2^(d - 2) of an element's level-2 + level-3 exponent bits d in 0-2
+QUARTERS = DeviceTable(lambda: torch.tensor([0.25, 0.5, 1.0]))
 
 
 class HiF4(BlockFormat):
@@ -71,7 +86,7 @@ class HiF4(BlockFormat):
                                                                torch.Tensor]:
         code = buffers["scale"].to(torch.int64)
         nan = code == NAN_CODE
-        s = (4 + (code & 3)).to(torch.float64) * pow2((code >> 2) - 50)
+        s = _scale_values(code)
         elements = unpack_nibbles(buffers["codes"]).to(torch.int64)
         fields = {
             "scale": s.unsqueeze(-1),

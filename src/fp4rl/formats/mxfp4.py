@@ -12,12 +12,32 @@ import torch
 from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
+from fp4rl.formats.tables import DeviceTable, signed_table
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-# index of each magnitude on the E2M1 grid, looked up by 2 * value (0, 1, 2, 3, 4, 6, 8, 12)
-_E2M1_INDEX = torch.zeros(13, dtype=torch.int64)
-_E2M1_INDEX[(2 * E2M1_VALUES).to(torch.int64)] = torch.arange(8)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = DeviceTable(lambda: torch.tensor(E2M1_GRID, dtype=torch.float64))
+#: float32 values of the signed 4-bit E2M1 codes (sign in bit 3)
+E2M1_SIGNED = signed_table(E2M1_GRID)
 E8M0_NAN = 0xFF
+
+
+def _e2m1_index() -> torch.Tensor:
+    """Index of each magnitude on the E2M1 grid, looked up by 2 * value (0 .. 12)."""
+    index = torch.zeros(13, dtype=torch.int64)
+    index[(2 * torch.tensor(E2M1_GRID)).to(torch.int64)] = torch.arange(8)
+    return index
+
+
+_E2M1_INDEX = DeviceTable(_e2m1_index)
+
+
+def _e8m0_scales() -> torch.Tensor:
+    code = torch.arange(256)
+    return torch.where(code == E8M0_NAN, torch.nan, torch.pow(2.0, (code - 127).double())).float()
+
+
+#: float32 value of each E8M0 scale byte (0xFF: NaN)
+E8M0_SCALES = DeviceTable(_e8m0_scales)
 
 
 def e2m1_round(v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

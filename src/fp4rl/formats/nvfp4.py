@@ -15,6 +15,7 @@ from fp4rl.formats._exact import round_minifloat
 from fp4rl.formats.base import BlockFormat, QuantOptions
 from fp4rl.formats.mxfp4 import e2m1_codes, e2m1_decode, e2m1_round
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
+from fp4rl.formats.tables import DeviceTable
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
@@ -35,6 +36,15 @@ def e4m3_bytes(values: torch.Tensor) -> torch.Tensor:
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     """float64 values of E4M3 (fn) byte codes."""
     return codes.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def _e4m3_scales() -> torch.Tensor:
+    code = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    return torch.where((code & 0x7F) == E4M3_NAN, torch.nan, e4m3_values(code).float())
+
+
+#: float32 value of each E4M3 scale byte (NaN codes: NaN)
+E4M3_SCALES = DeviceTable(_e4m3_scales)
 
 
 class NVFP4(BlockFormat):
@@ -71,13 +81,26 @@ class NVFP4(BlockFormat):
         return self._tensor_scale(x.float(), self.options(**options))
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
-        """``g = amax / (6 * 448)`` in FP32 over the finite values, when enabled and non-zero."""
+        """``g = amax / (6 * 448)`` in FP32 over the finite values, a 0-dim tensor on the
+        device of ``rows``; 1 where no finite value is non-zero (blocks then see ``x``
+        itself, as without the scale). Never read back to the host: a GPU stream does not
+        stall on it and a CUDA graph captures it."""
         if not opts.per_tensor_scale:
             return None
-        low, high = torch.aminmax(rows)  # one pass, no |x| temporary
+        g = finite_amax(rows) / TENSOR_RANGE
+        return torch.where(g > 0, g, torch.ones_like(g))
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` (0 if none) as a 0-dim float32 tensor. On the
+    CPU one ``aminmax`` pass, and a second only where a NaN or Inf got into it (asking is
+    free there); elsewhere one masked pass, with no host sync."""
+    x = x.float()
+    if x.numel() == 0:
+        return x.new_zeros(())
+    if x.device.type == "cpu":
+        low, high = torch.aminmax(x)  # one pass, no |x| temporary
         amax = torch.maximum(-low, high)
-        if not torch.isfinite(amax):
-            finite = rows[torch.isfinite(rows)]
-            amax = finite.abs().amax() if finite.numel() else rows.new_zeros(())
-        g = amax / TENSOR_RANGE
-        return g if 0 < float(g) < float("inf") else None
+        if bool(torch.isfinite(amax)):
+            return amax
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()

@@ -31,13 +31,13 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     if bits.shape[-1] % 8:
         raise ValueError("pack_bits needs a multiple of 8 bits along the last axis")
     b = bits.to(torch.uint8).unflatten(-1, (-1, 8))
-    weights = (1 << torch.arange(8, dtype=torch.uint8))
+    weights = 1 << torch.arange(8, dtype=torch.uint8, device=bits.device)
     return (b * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 0/1 values, eight per byte."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
@@ -48,7 +48,8 @@ class PackedTensor:
     ``fields`` maps field names to uint8 buffers (for instance ``codes`` with two
     elements per byte, ``scale`` with one E6M2/E8M0/E4M3 byte per block). ``shape``,
     ``dim`` and ``dtype`` describe the tensor ``decode`` rebuilds; ``tensor_scale`` is
-    NVFP4's optional FP32 per-tensor scale.
+    NVFP4's optional FP32 per-tensor scale, a 0-dim tensor on the fields' device (kept
+    there: reading it back to the host would stall a GPU stream and break a CUDA graph).
     """
 
     format: str
@@ -56,7 +57,7 @@ class PackedTensor:
     dim: int
     dtype: torch.dtype
     fields: dict[str, torch.Tensor]
-    tensor_scale: float | None = None
+    tensor_scale: torch.Tensor | None = None
     options: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -20,6 +20,7 @@ import torch
 from fp4rl.formats import get_format
 from fp4rl.formats._exact import pow2
 from fp4rl.formats.base import BlockFormat
+from fp4rl.formats.hif4 import QUARTERS
 from fp4rl.formats.mxfp4 import shared_exponent
 from fp4rl.formats.nvfp4 import E4M3_MAX, e4m3_round
 from fp4rl.formats.packing import PackedTensor
@@ -34,11 +35,8 @@ def _hif4(fmt: BlockFormat, blocks: torch.Tensor) -> tuple[dict[str, torch.Tenso
                                                           torch.Tensor]:
     v16 = blocks.abs().unflatten(-1, (16, 4)).amax(-1).double()
     s, _, d8, d16 = fmt.hierarchy(v16)  # type: ignore[attr-defined]
-    factor = _QUARTERS[d8.repeat_interleave(2, -1) + d16] * s.float()  # 2^(d - 2) * s
+    factor = QUARTERS[d8.repeat_interleave(2, -1) + d16] * s.float()  # 2^(d - 2) * s
     return {"scale": s, "d8": d8, "d16": d16}, factor.unsqueeze(-1)
-
-
-_QUARTERS = torch.tensor([0.25, 0.5, 1.0])
 
 
 def _mxfp4(fmt: BlockFormat, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor],
@@ -96,7 +94,7 @@ def encode_rows(fmt_name: str, rows: torch.Tensor) -> PackedTensor | None:
         rows, q = (torch.nn.functional.pad(t, (0, pad)) for t in (rows, q))
     blocks, qb = rows.reshape(-1, bs), q.reshape(-1, bs)
     nan = ~torch.isfinite(blocks.abs().amax(-1, keepdim=True))  # NaN and Inf reach the max
-    if bool(nan.any()):
+    if blocks.device.type != "cpu" or bool(nan.any()):  # asking costs a host sync elsewhere
         blocks, qb = torch.where(nan, 0.0, blocks), torch.where(nan, 0.0, qb)
     fields, scale = scales_of(fmt, blocks)
     empty = blocks[:, :0]  # the elements are packed below; the format packs its scales

@@ -108,11 +108,12 @@ def has_matrix_kernel(fmt_name: str, x: torch.Tensor) -> bool:
 
 
 def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
-                  tensor_scale: float | None = None) -> torch.Tensor | None:
+                  tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Fake-quantize contiguous float32 ``(R, L)`` rows along L, or None if no fast path.
 
-    ``tensor_scale`` g (NVFP4's per-tensor scale) quantizes ``rows / g`` and returns
-    the result times g, both steps in float32.
+    ``tensor_scale`` g (NVFP4's per-tensor scale, a 0-dim float32 tensor on the rows'
+    device) quantizes ``rows / g`` and returns the result times g, both steps in float32.
+    The Triton kernels read g on the device; only the C kernel takes it as a number.
     """
     kernels = _backend(fmt_name, rows.device, "rows")
     if kernels is None:
@@ -120,12 +121,12 @@ def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
     if noise is not None:
         noise = noise.contiguous()
     if kernels is cpu:
-        return cpu.quantize_rows_cpu(fmt_name, rows, noise, tensor_scale)
+        return cpu.quantize_rows_cpu(fmt_name, rows, noise, _number(tensor_scale))
     return kernels.quantize_2d(fmt_name, rows, 1, noise, tensor_scale)
 
 
 def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
-                    tensor_scale: float | None = None) -> torch.Tensor | None:
+                    tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Fake-quantize a float32 matrix along ``axis`` without a transposed copy, or None
     where :func:`has_matrix_kernel` is False (check it first: the caller's random draws
     depend on the path). ``noise`` is laid out as rows along ``axis``."""
@@ -139,8 +140,13 @@ def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tens
     flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
     if flipped:
         x, axis = x.t(), 1 - axis
-    out = cpu.quantize_rows_cpu(fmt_name, x.contiguous(), noise, tensor_scale, axis)
+    out = cpu.quantize_rows_cpu(fmt_name, x.contiguous(), noise, _number(tensor_scale), axis)
     return out.t() if flipped and out is not None else out
+
+
+def _number(tensor_scale: torch.Tensor | None) -> float | None:
+    """A CPU tensor's scale as the number the C kernel takes (no sync on a CPU)."""
+    return None if tensor_scale is None else float(tensor_scale)
 
 
 def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:

@@ -129,14 +129,16 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, snr, snc, g,
+def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, snr, snc, g_ptr,
                      FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                      HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
     inside = (rows < n_rows) & (cols < length)
     x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0)
+    g = 1.0
     if HAS_SCALE:
+        g = tl.load(g_ptr)  # on the device: no host sync, capturable in a CUDA graph
         x = tl.math.div_rn(x, tl.zeros_like(x) + g)
     noise = 0.0
     if HAS_NOISE:
@@ -181,12 +183,13 @@ def _format(fmt_name: str) -> tuple[int, int]:
 
 
 def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
-                tensor_scale: float | None = None) -> torch.Tensor:
+                tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fake-quantize a float32 matrix along ``axis`` (0 or 1), blocks along that axis.
 
     ``noise`` holds the stochastic-rounding draws laid out as rows along the axis:
     shape (other dim, padded length), as :class:`fp4rl.formats.base.BlockFormat` draws them.
-    ``tensor_scale`` g quantizes ``x / g`` and multiplies the result by g (NVFP4).
+    ``tensor_scale`` g, a float32 tensor of one value on ``x``'s device, quantizes
+    ``x / g`` and multiplies the result by g (NVFP4); the kernel reads it there.
     """
     if x.dim() != 2 or x.dtype != torch.float32 or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float32 matrix and axis 0 or 1")
@@ -199,8 +202,9 @@ def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor |
     rows = _rows_per_program(bs)
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(length, bs))
     snr, snc = noise.stride() if noise is not None else (0, 0)
+    g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(1)
     _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
-                           snr, snc, float(tensor_scale or 0.0), FMT=code, BS=bs, ROWS=rows,
+                           snr, snc, g, FMT=code, BS=bs, ROWS=rows,
                            HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None)
     return y
 

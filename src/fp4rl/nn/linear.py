@@ -37,7 +37,7 @@ from torch import nn
 
 from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
 from fp4rl.nn.recipe import Recipe, TrainPrecision
-from fp4rl.precision import active_compute_dtype
+from fp4rl.precision import active_compute_dtype, autocast_off
 from fp4rl.recovery import RolloutRecovery, make_recovery
 
 
@@ -179,7 +179,7 @@ class FP4Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
                 return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype)
             return self._rollout_forward(x, dtype)

@@ -60,10 +60,10 @@ def _next_order_statistic(flat: Tensor, kth: Tensor, k: int) -> Tensor:
 
     Two elementwise passes instead of a second selection: it equals ``kth``
     when ``kth`` repeats beyond rank k, else it is the smallest larger value.
+    Chosen on the device (no host sync).
     """
-    if (flat <= kth).sum().item() > k:
-        return kth
-    return torch.where(flat > kth, flat, torch.inf).amin()
+    repeats = (flat <= kth).sum() > k
+    return torch.where(repeats, kth, torch.where(flat > kth, flat, torch.inf).amin())
 
 
 def clamp_outliers(x: Tensor, quantile: float = 0.99) -> tuple[Tensor, Tensor]:
@@ -73,8 +73,8 @@ def clamp_outliers(x: Tensor, quantile: float = 0.99) -> tuple[Tensor, Tensor]:
     exactly in ``[-t, t]`` and ``residual = x - clamped`` is non-zero exactly
     where ``|x| > t``: about a ``1 - quantile`` share of the entries.
     """
-    threshold = abs_quantile(x, quantile).to(x.dtype).item()
-    clamped = x.clamp(-threshold, threshold)
+    threshold = abs_quantile(x, quantile).to(x.dtype)  # stays on the device: no host sync
+    clamped = torch.clamp(x, -threshold, threshold)
     return clamped, x - clamped
 
 
@@ -95,11 +95,15 @@ def residual_matmul(
 
     The CSR route reads ``w.T`` row by row: passing ``w`` as the transposed
     view of a contiguous ``(d, n)`` tensor saves a transposing copy of it.
+    Off the CPU the product is one dense GEMM: choosing a route counts the
+    non-zeros on the host, which would stall a GPU stream and break a CUDA graph.
     """
     d, n = residual.shape[-1], w.shape[0]
     if w.shape != (n, d):
         raise ValueError(f"w must have shape (n, {d}), got {tuple(w.shape)}")
     flat = residual.reshape(-1, d)
+    if flat.device.type != "cpu":
+        return (flat @ w.t()).reshape(*residual.shape[:-1], n)
     nonzero = flat != 0
     nnz = nonzero.sum().item()
     if nnz == 0:

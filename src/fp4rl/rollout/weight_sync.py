@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fp4rl.formats import get_format
 from fp4rl.formats.base import NumberFormat
+from fp4rl.formats.nvfp4 import finite_amax
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.gemm import Operand, pack_operand
 from fp4rl.nn import FP4Linear, fp4_layers
@@ -106,8 +107,7 @@ def _gather_fields(packed: PackedTensor, name: str, world_size: int) -> list[tor
 def _tensor_scale(fmt: NumberFormat, local: torch.Tensor) -> torch.Tensor | None:
     """The format's per-tensor scale of the whole weight (None for formats without one):
     the scale depends on the tensor's amax alone, which the ranks agree on here."""
-    finite = local[torch.isfinite(local)]
-    amax = finite.abs().amax() if finite.numel() else local.new_zeros(())
+    amax = finite_amax(local)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     return fmt.tensor_scale(amax.reshape(1))
 

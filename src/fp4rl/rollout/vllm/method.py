@@ -30,7 +30,7 @@ import contextlib
 import ctypes
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -277,7 +277,9 @@ def _field_loader(state: LayerState, name: str) -> Callable[..., None]:
         if len(parts) != 1:
             raise VLLMError(f"packed fp4rl field {name} arrived for parts {sorted(parts)} "
                             "at once; an fp4rl export stores each of q/k/v, gate/up apart")
-        state.incoming.setdefault(parts.pop(), {})[name] = loaded.detach().clone()
+        # on the layer's device: vLLM's loader may hand over the checkpoint's CPU tensors
+        state.incoming.setdefault(parts.pop(), {})[name] = \
+            loaded.detach().to(param.device, copy=True)
 
     return load
 
@@ -312,13 +314,26 @@ def process(layer: torch.nn.Module) -> bool:
         if state.store is None:  # nothing loaded yet (vLLM's "dummy" load format, which
             # verl starts from before its first sync): zero weights in the layer's own
             # layout until the first load, which then writes into the same tensors
-            zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype)
+            zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype,
+                                device=layer.weight.device)
             state.store = WeightStore.build(_quantized_parts(state, zeros), state.storage,
                                             state.dtype, state.prepack)
         return False
+    parts = [_on(p, layer.weight.device) for p in parts]
     new = WeightStore.build(parts, state.storage, state.dtype, state.prepack)
-    state.store = new if state.store is None else state.store.refilled(new)
+    state.store = new if state.store is None else \
+        state.store.refilled(new, in_place=not state.prepack)
     return True
+
+
+def _on(part: Part, device: torch.device) -> Part:
+    """``part`` on the layer's device (a refit's payload arrives wherever the wire left it)."""
+    if isinstance(part, Operand):
+        return Operand(part.values.to(device),
+                       None if part.scale is None else part.scale.to(device))
+    fields = {k: v.to(device) for k, v in part.packed.fields.items()}
+    return PackedOperand(replace(part.packed, fields=fields),
+                         None if part.scale is None else part.scale.to(device))
 
 
 def _engine_is_eager() -> bool:
@@ -340,6 +355,7 @@ def _from_fields(state: LayerState) -> list[Part] | None:
     for index, rows in enumerate(state.shards):
         fields = dict(state.incoming[index])
         scale = fields.pop(_TENSOR_SCALE, None)
+        scale = None if scale is None else scale.reshape(())  # stored as [1], used as ()
         parts.append(PackedOperand.from_row_fields(state.fmt, (rows, state.in_features),
                                                    fields, scale))
     return parts
@@ -404,15 +420,23 @@ class WeightStore:
             return [t for p in self.parts for t in _part_tensors(p)]
         return [t for _, op, _ in self.ready for t in _part_tensors(op)]
 
-    def refilled(self, new: WeightStore) -> WeightStore:
+    def refilled(self, new: WeightStore, in_place: bool = False) -> WeightStore:
         """This store holding ``new``'s weights, written into its own tensors where the
-        layouts agree (a compiled forward, and the CUDA graphs captured from it, read the
-        tensors they traced, at their addresses), else ``new``."""
+        layouts (shape, dtype, device of every tensor) agree, else ``new``. ``in_place``
+        (a compiled engine: its forward, and the CUDA graphs captured from it, read the
+        tensors they traced, at their addresses) refuses a layout change: swapping in
+        new tensors would leave the graph reading the old weights, with no error."""
         mine, theirs = self.tensors(), new.tensors()
         prepacked = self.ready is not None and any(k is not None for _, _, k in self.ready)
-        if prepacked or self.storage != new.storage or len(mine) != len(theirs) or \
-                any(a.shape != b.shape or a.dtype != b.dtype
-                    for a, b in zip(mine, theirs, strict=True)):
+        changed = self.storage != new.storage or len(mine) != len(theirs) or \
+            any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                for a, b in zip(mine, theirs, strict=True))
+        if changed and in_place:
+            raise VLLMError("a refit changed the layout of a compiled engine's weights "
+                            f"({_layout(mine)} -> {_layout(theirs)}); its captured forward "
+                            "would keep reading the old ones: send Q(W) in the layout the "
+                            "engine was built with, or build it with enforce_eager=True")
+        if prepacked or changed:
             return new
         with torch.no_grad():
             for a, b in zip(mine, theirs, strict=True):
@@ -424,6 +448,11 @@ class WeightStore:
             return self.ready
         return [(rows, op, None) for rows, op in _joined([p.decode(self.dtype)
                                                           for p in self.parts])]
+
+
+def _layout(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device}"
+                     for t in tensors)
 
 
 def _joined(operands: list[Operand]) -> list[tuple[int, Operand]]:
@@ -466,7 +495,10 @@ def _packed_matmul(values: torch.Tensor
 
     if not getattr(ops, "_supports_onednn", False):
         return None
-    handle = ops.create_onednn_mm(values.t(), 32)
+    try:
+        handle = ops.create_onednn_mm(values.t(), 32)
+    except RuntimeError:  # a CPU oneDNN has no bf16 matmul for (avx2 only): torch's GEMM,
+        return None       # as vLLM's own linears fall back to
     return lambda rows, bias: ops.onednn_mm(handle, rows, bias)
 
 

@@ -52,13 +52,15 @@ class RefitPayload:
         grids: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         for name, g in self.grids.items():
-            scale = None if g.scale is None else float(g.scale.reshape(()))
+            scaled = g.scale is not None  # the scale travels as a tensor: no host sync
+            if scaled:
+                tensors[f"g/{name}/scale"] = g.scale.reshape(())
             if isinstance(g, PackedOperand):
                 grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
-                               "scale": scale, "fields": sorted(g.packed.fields)}
+                               "scale": scaled, "fields": sorted(g.packed.fields)}
                 tensors.update({f"g/{name}/{k}": v for k, v in g.row_fields().items()})
             else:
-                grids[name] = {"scale": scale}
+                grids[name] = {"scale": scaled}
                 tensors[f"g/{name}/values"] = g.values
         tensors.update({f"t/{n}": t for n, t in self.tensors})
         wire = {"grids": grids, "tensors": [n for n, _ in self.tensors]}
@@ -78,8 +80,7 @@ class RefitPayload:
             data = wire["data"]
         grids: dict[str, Operand | PackedOperand] = {}
         for name, g in wire["grids"].items():
-            scale = None if g["scale"] is None else torch.tensor([g["scale"]],
-                                                                 dtype=torch.float32)
+            scale = data[f"g/{name}/scale"] if g["scale"] else None
             if "format" in g:
                 fields = {k: data[f"g/{name}/{k}"] for k in g["fields"]}
                 grids[name] = PackedOperand.from_row_fields(g["format"], tuple(g["shape"]),

@@ -1,0 +1,166 @@
+"""The device-discipline tier: fp4rl's GPU code paths run with every tensor on a device
+that is not the CPU.
+
+PyTorch's ``meta`` device stands in for a GPU on any machine: an op mixing a CPU tensor
+(a look-up table built without ``device=``) with a meta tensor raises, and so do
+``.item()``, ``.tolist()`` and ``bool()`` of a meta tensor, the host syncs a CUDA graph
+cannot capture and a GPU stream stalls on. Each test runs a path on meta tensors and
+checks that what comes out is on meta too (indexing a CPU table with meta indices does
+not raise, but gives a CPU result). Paths that cannot run on meta, and why, are listed in
+docs/training.md ("What a CPU proves of the GPU path").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4rl
+from fp4rl.formats import get_format
+from fp4rl.formats.row_decode import decode_rows
+from fp4rl.gemm import PackedOperand, mm, pack_operand, quantize_operand
+from fp4rl.models import tiny_model
+from fp4rl.recovery import recovery_variants
+from fp4rl.rollout.batch import SamplingConfig
+from fp4rl.rollout.sampling import sample_next
+
+META = torch.device("meta")
+BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
+FOUR_BIT = ["hif4", "mxfp4", "nvfp4"]
+
+
+def on_meta(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None:
+            assert t.device == META, f"a {tuple(t.shape)} tensor landed on {t.device}"
+
+
+def packed_on_meta(p: PackedOperand) -> None:
+    on_meta(*p.packed.fields.values(), p.scale, p.packed.tensor_scale)
+
+
+@pytest.mark.parametrize("fmt", [*BLOCK_FORMATS, "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_on_the_device(fmt, dtype):
+    f = get_format(fmt)
+    x = torch.empty(8, 192, device=META, dtype=dtype)
+    on_meta(f.quantize(x), f.quantize(x, dim=0), f.quantize_reference(x),
+            f.quantize(x, rounding="stochastic"), f.quantize(x.reshape(2, 4, 192), dim=1))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_encode_and_decode_on_the_device(fmt):
+    f = get_format(fmt)
+    packed = f.encode(torch.empty(8, 192, device=META))
+    on_meta(*packed.fields.values(), packed.tensor_scale, f.decode(packed))
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+def test_packed_operands_on_the_device(fmt):
+    w = torch.empty(32, 192, device=META)
+    p = pack_operand(w, fmt)
+    packed_on_meta(p)
+    on_meta(decode_rows(p.packed), p.decode(torch.bfloat16).values)
+    again = PackedOperand.from_row_fields(fmt, (32, 192), p.row_fields(), p.scale)
+    packed_on_meta(again)
+
+
+def test_nvfp4_tensor_scale_stays_on_the_device():
+    """No host sync: the scale is a 0-dim tensor on the device, read by the GEMM there."""
+    g = get_format("nvfp4").tensor_scale(torch.empty(4, 64, device=META))
+    assert g is not None and g.shape == () and g.device == META
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_gemm_operands_on_the_device(fmt):
+    x = torch.empty(4, 128, device=META, dtype=torch.bfloat16)
+    w = torch.empty(16, 128, device=META)
+    a, b = quantize_operand(x, fmt), quantize_operand(w, fmt)
+    on_meta(a.values, a.scale, mm(a, b.t(), torch.bfloat16), mm([a, a], b.t(), torch.float32))
+
+
+def _meta_model(arch: str, recipe: str) -> torch.nn.Module:
+    model, _ = tiny_model(arch)
+    fp4rl.quantize_model(model, recipe)
+    return model.to(META)
+
+
+#: one recipe of each family: every training precision, every rollout precision, each
+#: format, and recovery on top
+RECIPES = ["hif4", "mxfp4", "nvfp4", "hif4:fp4-reuse/fp4", "mxfp4:fp4/w4a8",
+           "nvfp4:bf16/w16a4", "mxfp8_e4m3:fp4/w4a16", "hif4+resq-2:4", "nvfp4+resq-dense"]
+
+
+@pytest.mark.parametrize(("arch", "recipe"), [("llama", r) for r in RECIPES] + [
+    ("qwen2", r) for r in ("hif4+resq-2:4", "nvfp4", "mxfp4:fp4/w4a8")])
+def test_patched_model_trains_and_rolls_out_on_the_device(arch, recipe):
+    model = _meta_model(arch, recipe)
+    ids = torch.zeros(2, 8, dtype=torch.long, device=META)
+    with fp4rl.rollout_mode(model):
+        on_meta(model(input_ids=ids).logits)
+    model(input_ids=ids).logits.float().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        on_meta(p.grad)
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "nvfp4"])
+@pytest.mark.parametrize("variant", [v for v, _ in recovery_variants()])
+def test_every_recovery_method_rolls_out_on_the_device(fmt, variant):
+    model = _meta_model("llama", f"{fmt}+{variant}" if variant else fmt)
+    with fp4rl.rollout_mode(model):
+        on_meta(model(input_ids=torch.zeros(2, 8, dtype=torch.long, device=META)).logits)
+
+
+def test_precision_policy_takes_a_device_without_autocast():
+    from fp4rl.precision import active_compute_dtype, autocast
+
+    assert not torch.amp.is_autocast_available("meta")
+    x = torch.empty(2, device=META)
+    with autocast(META, "bf16"):
+        assert active_compute_dtype(x) == torch.float32
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4", "mxfp4"])
+def test_refit_payload_is_built_and_read_on_the_device(recipe, packed):
+    from fp4rl.rollout.vllm.refit import RefitPayload, refit_payload
+
+    payload = refit_payload(_meta_model("llama", recipe), torch.bfloat16, packed)
+    assert payload.grids
+    back = RefitPayload.from_wire(payload.to_wire())
+    for g in back.grids.values():
+        if isinstance(g, PackedOperand):
+            packed_on_meta(g)
+        else:
+            on_meta(g.values, g.scale)
+    on_meta(*(t for _, t in back.tensors))
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+def test_fsdp_packed_gather_on_the_device(fmt, monkeypatch):
+    """The FSDP2 packed gather's own steps (the whole weight's amax, packing the shard,
+    decoding every rank's fields) on meta; the collectives are the one part stubbed
+    (gloo and NCCL move real bytes), as a 1-rank gather that hands back its own."""
+    import fp4rl.rollout.weight_sync as ws
+
+    monkeypatch.setattr(ws.dist, "all_reduce", lambda t, op=None: None)
+    monkeypatch.setattr(ws.dist, "all_gather",
+                        lambda out, t: [o.copy_(t) for o in out] and None)
+
+    class Shard:
+        shape = (32, 128)
+
+        @staticmethod
+        def to_local() -> torch.Tensor:
+            return torch.empty(32, 128, device=META)
+
+    operand, _ = ws._gather_packed(Shard(), fmt, 1)
+    on_meta(operand.values, operand.scale)
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(greedy=True),
+                                    SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampling_step_on_the_device(config):
+    tokens, logprobs = sample_next(torch.empty(3, 50, device=META), config)
+    on_meta(tokens, logprobs)
