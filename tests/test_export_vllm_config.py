@@ -179,9 +179,18 @@ def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
         load_config(None, ["rollout.vllm={storage: packed}"])
 
 
+@pytest.mark.parametrize("key", ["kv_cache_bytes", "refit_piece_bytes"])
 @pytest.mark.parametrize("value", ["0", "-5", "1.5", "lots"])
-def test_the_engines_kv_cache_is_a_positive_number_of_bytes(value):
-    with pytest.raises(ConfigError, match=r"rollout\.vllm\.kv_cache_bytes must be a positive"):
-        load_config(None, [f"rollout.vllm.kv_cache_bytes={value}"])
-    cfg = load_config(None, ["rollout.vllm.kv_cache_bytes=268435456"])
-    assert cfg.vllm_settings()["kv_cache_bytes"] == 1 << 28
+def test_the_engines_byte_sizes_are_positive_numbers_of_bytes(key, value):
+    with pytest.raises(ConfigError, match=rf"rollout\.vllm\.{key} must be a positive"):
+        load_config(None, [f"rollout.vllm.{key}={value}"])
+    cfg = load_config(None, [f"rollout.vllm.{key}=268435456"])
+    assert cfg.vllm_settings()[key] == 1 << 28
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "most"])
+def test_the_engines_gpu_share_lies_in_zero_one(value):
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a share"):
+        load_config(None, [f"rollout.vllm.gpu_memory_utilization={value}"])
+    cfg = load_config(None, ["rollout.vllm.gpu_memory_utilization=0.5"])
+    assert cfg.vllm_settings()["gpu_memory_utilization"] == 0.5

@@ -104,7 +104,7 @@ def test_engines_sharing_a_cpu_split_the_kv_cache(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert default_kv_cache_bytes() == 1 << 29  # two engines, one machine's memory
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_kv_cache_bytes() == 1 << 30  # a GPU each
+    assert default_kv_cache_bytes() is None  # a GPU each, sized by vLLM's share of it
 
 
 @pytest.mark.parametrize("value", ["maybe", "1", "0.5"])
@@ -118,9 +118,9 @@ def test_enforce_eager_is_auto_or_a_boolean(value):
         "enforce_eager"] is False
 
 
-def test_engines_compile_on_gpus_unless_a_format_reads_its_scale_back(monkeypatch):
-    """auto: eager on CPU; on GPUs compiled, except where NVFP4's per-tensor activation
-    scale is read back to the host per call (a CUDA graph cannot capture that)."""
+def test_engines_compile_on_gpus_for_every_format(monkeypatch):
+    """auto: eager on CPU; compiled on GPUs, NVFP4 included (its per-tensor activation
+    scale stays on the device: tests/test_device_discipline.py)."""
     import torch
 
     from fp4rl.rollout.vllm.engine import EngineSpec
@@ -133,6 +133,26 @@ def test_engines_compile_on_gpus_unless_a_format_reads_its_scale_back(monkeypatc
     assert not spec("hif4", eager=False).eager
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not spec("hif4+resq-2:4").eager and not spec("mxfp4").eager
-    assert not spec(None).eager
-    assert spec("nvfp4").eager and spec("nvfp4", eager=True).eager
-    assert not spec("nvfp4", eager=False).eager
+    assert not spec(None).eager and not spec("nvfp4").eager
+    assert spec("nvfp4", eager=True).eager
+
+
+def test_engine_core_runs_in_its_own_process_on_gpus(monkeypatch):
+    """On a CPU the core shares the trainer's process; on GPUs vLLM's default (its own
+    process) stands, except under vLLM's external launcher; a user's setting wins."""
+    import os
+
+    import torch
+
+    from fp4rl.rollout.vllm.engine import sharing_the_process
+
+    for cuda, in_process, expected in ((False, None, "0"), (True, None, None),
+                                       (True, True, "0")):
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        with sharing_the_process(in_process):
+            assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with sharing_the_process():
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

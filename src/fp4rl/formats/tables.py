@@ -34,7 +34,8 @@ class DeviceTable:
                 if table is None:
                     cpu = self._copies.get(torch.device("cpu"))
                     if cpu is None:
-                        cpu = self._build()
+                        with torch.device("cpu"):  # whatever default device is in force
+                            cpu = self._build()
                         self._copies[torch.device("cpu")] = cpu
                     table = cpu.to(device)
                     self._copies[device] = table

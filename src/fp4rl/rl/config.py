@@ -27,9 +27,12 @@ from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, VLLMError, rollout_recipe
 
 #: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config,
 #: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
-#: scales, or its values in bf16), ``kv_cache_bytes``, each engine's KV cache, and
-#: ``enforce_eager`` (``auto``: eager on CPU, CUDA graphs and torch.compile on GPUs)
-VLLM_KEYS = ("weight_storage", "refit_wire", "kv_cache_bytes", "enforce_eager")
+#: scales, or its values in bf16), ``refit_piece_bytes``, the bound on one refit message,
+#: ``kv_cache_bytes``, each engine's KV cache (default: 1 GiB on a CPU, vLLM's share of
+#: the GPU on GPUs), ``gpu_memory_utilization``, that share, and ``enforce_eager``
+#: (``auto``: eager on CPU, CUDA graphs and torch.compile on GPUs)
+VLLM_KEYS = ("weight_storage", "refit_wire", "refit_piece_bytes", "kv_cache_bytes",
+             "gpu_memory_utilization", "enforce_eager")
 REFIT_WIRES = ("packed", "bf16")
 
 
@@ -167,10 +170,16 @@ class TrainConfig(_Section):
         if unknown:
             raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
                              f"{', '.join(VLLM_KEYS)}")
-        kv = self.vllm_settings().get("kv_cache_bytes", 1)
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
-            raise ValueError(f"rollout.vllm.kv_cache_bytes must be a positive integer (bytes), "
-                             f"got {kv!r}")
+        for key in ("kv_cache_bytes", "refit_piece_bytes"):
+            n = self.vllm_settings().get(key, 1)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"rollout.vllm.{key} must be a positive integer (bytes), "
+                                 f"got {n!r}")
+        share = self.vllm_settings().get("gpu_memory_utilization", 0.5)
+        if isinstance(share, bool) or not isinstance(share, int | float) or \
+                not 0 < share <= 1:
+            raise ValueError("rollout.vllm.gpu_memory_utilization must be a share of the "
+                             f"GPU's memory in (0, 1], got {share!r}")
         eager = self.vllm_settings().get("enforce_eager", "auto")
         if eager != "auto" and not isinstance(eager, bool):
             raise ValueError("rollout.vllm.enforce_eager must be auto, true or false")

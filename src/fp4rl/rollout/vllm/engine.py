@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fp4rl.errors import ConfigError
-from fp4rl.gemm import UNQUANTIZED, has_tensor_scale
 from fp4rl.precision import compute_dtype
 from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
@@ -30,7 +29,7 @@ from fp4rl.rollout.vllm.config import (
     rollout_recipe,
 )
 from fp4rl.rollout.vllm.plugin import register
-from fp4rl.rollout.vllm.refit import refit
+from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
 from fp4rl.rollout.weight_sync import sync_rollout_weights
 
 if TYPE_CHECKING:
@@ -47,7 +46,11 @@ class EngineSpec:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     max_model_len: int = 1024
-    kv_cache_bytes: int = 1 << 30
+    #: the KV cache's bytes; None: vLLM sizes it from ``gpu_memory_utilization`` (GPUs)
+    kv_cache_bytes: int | None = 1 << 30
+    #: the share of the GPU's memory the engine may take, weights and KV cache (a
+    #: colocated engine shares the GPU with the trainer: TRL's colocate default)
+    gpu_memory_utilization: float = 0.3
     weight_storage: str = "dequantized"
     #: one engine in each process of a launched run (torchrun, accelerate): vLLM joins the
     #: trainer's process group as its external launcher, each engine on its own rank
@@ -58,15 +61,11 @@ class EngineSpec:
     @property
     def eager(self) -> bool:
         """``enforce_eager``, or by default: eager on CPU (where vLLM's compiled mode gains
-        nothing and costs about a minute of start-up) and for activation formats with a
-        per-tensor scale (NVFP4 reads its scale back to the host on every call, which a
-        CUDA graph cannot capture); compiled on GPUs otherwise."""
+        nothing and costs about a minute of start-up), compiled on GPUs (every format,
+        NVFP4 included: its per-tensor scale stays on the device)."""
         if self.enforce_eager is not None:
             return self.enforce_eager
-        acts = UNQUANTIZED if self.recipe is None \
-            else rollout_recipe(self.recipe).rollout.activations
-        return not torch.cuda.is_available() or \
-            (acts != UNQUANTIZED and has_tensor_scale(acts))
+        return not torch.cuda.is_available()
 
 
 def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
@@ -82,14 +81,17 @@ def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
 
 
 @contextlib.contextmanager
-def sharing_the_process() -> Iterator[None]:
+def sharing_the_process(in_process: bool | None = None) -> Iterator[None]:
     """Build an engine in a trainer's process without taking its threads: vLLM's CPU
     worker drops torch to one thread unless OMP_NUM_THREADS is set, and then turns
-    ``torch.set_num_threads`` into a no-op. Also keeps the engine in this process (no
-    worker processes) unless VLLM_ENABLE_V1_MULTIPROCESSING says otherwise: on a CPU
-    shared with a trainer, handing weights over in-process is cheapest; a refit works
-    either way."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ``torch.set_num_threads`` into a no-op. ``in_process`` (default: on a CPU) keeps the
+    engine core in this process unless VLLM_ENABLE_V1_MULTIPROCESSING says otherwise: on
+    a CPU shared with a trainer, handing weights over in-process is cheapest; on GPUs the
+    core runs in its own process, as vLLM runs it by default. A refit works either way."""
+    if in_process is None:
+        in_process = not torch.cuda.is_available()
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     set_num_threads = torch.set_num_threads
     try:
@@ -102,22 +104,25 @@ def make_llm(spec: EngineSpec) -> Any:
     """A vLLM engine running ``spec``'s rollout policy, with log-probs of the distribution
     actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
-    with sharing_the_process():
+    # vLLM's external launcher runs the engine core in the launched process
+    with sharing_the_process(True if spec.per_rank else None):
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
+        memory = {"gpu_memory_utilization": spec.gpu_memory_utilization} \
+            if spec.kv_cache_bytes is None else {"kv_cache_memory_bytes": spec.kv_cache_bytes}
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=spec.eager, max_model_len=spec.max_model_len,
-                        kv_cache_memory_bytes=spec.kv_cache_bytes,
-                        logprobs_mode="processed_logprobs", **launcher,
+                        logprobs_mode="processed_logprobs", **launcher, **memory,
                         **method_kwargs(spec.recipe, spec.weight_storage))
 
 
-def default_kv_cache_bytes() -> int:
-    """The KV cache of one engine: 1 GiB, split between the engines of a launched run that
-    share this machine's memory on a CPU (``LOCAL_WORLD_SIZE``); on GPUs each rank's engine
-    has its own device and takes the whole 1 GiB."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    shared = not torch.cuda.is_available() and local > 1
-    return (1 << 30) // local if shared else 1 << 30
+def default_kv_cache_bytes() -> int | None:
+    """The KV cache of one engine on a CPU: 1 GiB, split between the engines of a
+    launched run that share this machine's memory (``LOCAL_WORLD_SIZE``). None on GPUs:
+    each rank's engine has its own device, and vLLM sizes the cache from its share of
+    that device's memory (``gpu_memory_utilization``)."""
+    if torch.cuda.is_available():
+        return None
+    return (1 << 30) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
@@ -157,12 +162,14 @@ class VLLMEngine:
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
                  refit_wire: str = "packed", policy: torch.nn.Module | None = None,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, refit_piece_bytes: int = PIECE_BYTES) -> None:
         """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
         :func:`make_llm`, or TRL's colocated engine). Under FSDP ``policy`` is the
-        trainer's unsharded rollout copy, refreshed from the shards before each refit."""
+        trainer's unsharded rollout copy, refreshed from the shards before each refit.
+        A refit travels in pieces of at most ``refit_piece_bytes``."""
         self.llm = llm
         self.packed_wire = refit_wire == "packed"
+        self.piece_bytes = refit_piece_bytes
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.policy = policy
@@ -187,22 +194,26 @@ class VLLMEngine:
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
         compute dtype, one per process of a launched run; ``options``: ``weight_storage``,
-        ``refit_wire``, ``kv_cache_bytes`` (default :func:`default_kv_cache_bytes`) and
-        ``enforce_eager`` (``auto``: :attr:`EngineSpec.eager`)."""
+        ``refit_wire``, ``refit_piece_bytes``, ``kv_cache_bytes`` (default
+        :func:`default_kv_cache_bytes`), ``gpu_memory_utilization`` and ``enforce_eager``
+        (``auto``: :attr:`EngineSpec.eager`)."""
         options = {"weight_storage": "dequantized", "refit_wire": "packed",
                    "kv_cache_bytes": default_kv_cache_bytes(), "enforce_eager": "auto",
-                   **setup.options}
+                   "gpu_memory_utilization": EngineSpec.gpu_memory_utilization,
+                   "refit_piece_bytes": PIECE_BYTES, **setup.options}
         eager = options["enforce_eager"]
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
                           dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
                           max_model_len=setup.max_model_len,
                           kv_cache_bytes=options["kv_cache_bytes"],
+                          gpu_memory_utilization=options["gpu_memory_utilization"],
                           weight_storage=options["weight_storage"],
                           per_rank=setup.world_size > 1,
                           enforce_eager=None if eager == "auto" else bool(eager))
         return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
                              options["refit_wire"], policy=setup.policy,
-                             world_size=setup.world_size)
+                             world_size=setup.world_size,
+                             refit_piece_bytes=options["refit_piece_bytes"])
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
         """Refit the engine with ``Q(W)`` of ``model``'s current weights (as 4-bit codes and
@@ -213,11 +224,11 @@ class VLLMEngine:
         rollout copy (:mod:`fp4rl.rollout.weight_sync`, never a full-precision copy of
         those weights), which then refits this rank's engine with ``Q(W)``'s values."""
         if self.policy is None or model is self.policy:
-            return refit(self.llm, model, packed=self.packed_wire).metrics()
+            return refit(self.llm, model, self.packed_wire, self.piece_bytes).metrics()
         start = time.perf_counter()
         sent = sync_rollout_weights(model, self.policy, self.world_size)
         gathered = {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
-        return {**gathered, **refit(self.llm, self.policy, packed=False).metrics()}
+        return {**gathered, **refit(self.llm, self.policy, False, self.piece_bytes).metrics()}
 
     def close(self) -> None:
         """Shut the engine core down now (idempotent). vLLM freezes its objects against

@@ -10,6 +10,7 @@ process or in its own, and the engine installs the grid without re-quantizing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class RefitPayload:
         for name, g in self.grids.items():
             scaled = g.scale is not None  # the scale travels as a tensor: no host sync
             if scaled:
-                tensors[f"g/{name}/scale"] = g.scale.reshape(())
+                tensors[f"s/{name}"] = g.scale.reshape(())
             if isinstance(g, PackedOperand):
                 grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
                                "scale": scaled, "fields": sorted(g.packed.fields)}
@@ -80,7 +81,7 @@ class RefitPayload:
             data = wire["data"]
         grids: dict[str, Operand | PackedOperand] = {}
         for name, g in wire["grids"].items():
-            scale = data[f"g/{name}/scale"] if g["scale"] else None
+            scale = data[f"s/{name}"] if g["scale"] else None
             if "format" in g:
                 fields = {k: data[f"g/{name}/{k}"] for k in g["fields"]}
                 grids[name] = PackedOperand.from_row_fields(g["format"], tuple(g["shape"]),
@@ -90,39 +91,101 @@ class RefitPayload:
         return cls(grids, [(n, data[f"t/{n}"]) for n in wire["tensors"]])
 
 
+#: the default bound on the bytes of one refit piece (``rollout.vllm.refit_piece_bytes``)
+PIECE_BYTES = 256 << 20
+
+
 def refit_payload(model: torch.nn.Module, dtype: torch.dtype, packed: bool = False
                   ) -> RefitPayload:
-    """The payload that brings an engine to ``model``'s current weights: for every fp4rl
-    layer whose rollout needs only ``Q(W)``, the ``Q(W)`` its rollout mode uses (bit for
-    bit: the cached operand, exact in bf16; ``packed``: the format's 4-bit codes and
-    scales instead, a quarter of the bytes, encoded here); every other floating tensor in
-    the engine's ``dtype``. A model without fp4rl layers sends plain tensors only."""
-    from fp4rl.nn import fp4_layers
-
+    """The payload that brings an engine to ``model``'s current weights, whole (the pieces
+    of :func:`refit_pieces` joined): for every fp4rl layer whose rollout needs only
+    ``Q(W)``, the ``Q(W)`` its rollout mode uses (bit for bit: the cached operand, exact
+    in bf16; ``packed``: the format's 4-bit codes and scales instead, a quarter of the
+    bytes, encoded here); every other floating tensor in the engine's ``dtype``. A model
+    without fp4rl layers sends plain tensors only."""
     grids: dict[str, Operand | PackedOperand] = {}
-    for name, layer in fp4_layers(model).items():
-        if not layer.rollout_reads_weight_only():
-            continue
-        if packed:
-            w = layer.recovery.transform_weight(layer.weight.detach())
-            grids[name] = pack_operand(w, layer.recipe.rollout.weights)
-        else:
-            grids[name] = layer.rollout_weight(torch.float32).to(torch.bfloat16)
-    skip = {f"{n}.weight" for n in grids}
-    tensors = [(n, p.detach().to(dtype) if p.is_floating_point() else p.detach())
-               for n, p in model.named_parameters() if n not in skip]
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for piece in refit_pieces(model, dtype, packed, max_bytes=None):
+        grids.update(piece.grids)
+        tensors.extend(piece.tensors)
     return RefitPayload(grids, tensors)
 
 
-def refit(llm: Any, model: torch.nn.Module, packed: bool = False) -> RefitStats:
+def refit_pieces(model: torch.nn.Module, dtype: torch.dtype, packed: bool = False,
+                 max_bytes: int | None = PIECE_BYTES) -> Iterator[RefitPayload]:
+    """:func:`refit_payload` in pieces of at most ``max_bytes`` each (None: one piece),
+    built as they are taken, so the sender holds one piece at a time. The ``Q(W)`` of the
+    linears of one module (an attention block's q/k/v/o, an MLP's gate/up/down) travel in
+    the same piece, as vLLM merges some of them into one layer; a piece exceeds the bound
+    only where one such group does."""
+    from fp4rl.nn import fp4_layers
+
+    layers = {n: la for n, la in fp4_layers(model).items() if la.rollout_reads_weight_only()}
+    grids: dict[str, Operand | PackedOperand] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for unit in _units(model, layers):
+        unit_grids = {n: _grid(layers[n], packed) for n in unit if n in layers}
+        unit_tensors = [] if unit_grids else [_plain(n, p, dtype) for n, p in unit.items()]
+        unit_size = RefitPayload(unit_grids, unit_tensors).nbytes
+        if max_bytes is not None and size and size + unit_size > max_bytes:
+            yield RefitPayload(grids, tensors)
+            grids, tensors, size = {}, [], 0
+        grids.update(unit_grids)
+        tensors.extend(unit_tensors)
+        size += unit_size
+    if grids or tensors:
+        yield RefitPayload(grids, tensors)
+
+
+def _units(model: torch.nn.Module, layers: dict[str, torch.nn.Module]
+           ) -> Iterator[dict[str, torch.Tensor]]:
+    """What travels together, in the model's parameter order: the grid layers of one
+    parent module (by layer name), or one other parameter (by parameter name)."""
+    by_parent: dict[str, list[str]] = {}
+    for name in layers:
+        by_parent.setdefault(name.rpartition(".")[0], []).append(name)
+    done: set[str] = set()
+    for name, p in model.named_parameters():
+        layer, _, leaf = name.rpartition(".")
+        if layer in layers and leaf == "weight":
+            parent = layer.rpartition(".")[0]
+            if parent not in done:
+                done.add(parent)
+                yield {n: layers[n].weight for n in by_parent[parent]}
+        else:
+            yield {name: p}
+
+
+def _grid(layer: Any, packed: bool) -> Operand | PackedOperand:
+    if packed:
+        w = layer.recovery.transform_weight(layer.weight.detach())
+        return pack_operand(w, layer.recipe.rollout.weights)
+    return layer.rollout_weight(torch.float32).to(torch.bfloat16)
+
+
+def _plain(name: str, p: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    return name, p.detach().to(dtype) if p.is_floating_point() else p.detach()
+
+
+def refit(llm: Any, model: torch.nn.Module, packed: bool = False,
+          max_bytes: int | None = PIECE_BYTES) -> RefitStats:
     """Bring a running engine to ``model``'s current weights (:func:`refit_payload`),
-    through vLLM's ``collective_rpc`` and fp4rl's worker extension: the next rollout
+    through vLLM's ``collective_rpc`` and fp4rl's worker extension, one piece of at most
+    ``max_bytes`` per call (:func:`refit_pieces`): the engine installs each as it arrives,
+    and no message holds the model (vLLM's msgpack caps one at 4 GiB). The next rollout
     samples from the new policy, with no restart."""
     start = time.perf_counter()
-    payload = refit_payload(model, llm.llm_engine.model_config.dtype, packed)
     in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    nbytes = count = 0
     with torch.no_grad():
-        llm.collective_rpc("fp4rl_refit", args=(payload.to_wire(as_bytes=not in_process),))
+        for piece in refit_pieces(model, llm.llm_engine.model_config.dtype, packed,
+                                  max_bytes):
+            wire = piece.to_wire(as_bytes=not in_process)
+            llm.collective_rpc("fp4rl_refit", args=({**wire, "last": False},))
+            nbytes += piece.nbytes
+            count += len(piece.grids) + len(piece.tensors)
+        empty = RefitPayload({}, []).to_wire(as_bytes=not in_process)
+        llm.collective_rpc("fp4rl_refit", args=({**empty, "last": True},))
     llm.reset_prefix_cache()
-    return RefitStats(time.perf_counter() - start, payload.nbytes,
-                      len(payload.grids) + len(payload.tensors))
+    return RefitStats(time.perf_counter() - start, nbytes, count)

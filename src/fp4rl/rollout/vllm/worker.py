@@ -25,13 +25,17 @@ class FP4RLWorkerExtension:
     device: Any
 
     def fp4rl_refit(self, payload: dict[str, Any]) -> int:
-        """Load a :class:`RefitPayload` (in its wire form): plain tensors through the
-        model's own ``load_weights``, each fp4rl layer's ``Q(W)`` as sent (never
-        re-quantized), then vLLM's post-load processing; returns how many fp4rl layers
-        took a new ``Q(W)``."""
+        """Load a :class:`RefitPayload` (in its wire form), whole or one piece of it:
+        plain tensors through the model's own ``load_weights``, each fp4rl layer's
+        ``Q(W)`` as sent (never re-quantized), stored at once so that a piece's staging
+        is freed before the next arrives. The last piece (``last``, true where absent)
+        ends with vLLM's own post-load processing, as verl runs it after each sync: vLLM's
+        other layers rebuild what they derive from their weights (on a CPU the LM head's
+        prepacked GEMM copy, which would otherwise keep the embeddings of the first
+        load). Returns how many fp4rl layers took a new ``Q(W)``."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from fp4rl.rollout.vllm.method import LayerState, install
+        from fp4rl.rollout.vllm.method import LayerState, install, process
 
         sent = RefitPayload.from_wire(payload)
         model = self.model_runner.model
@@ -49,13 +53,11 @@ class FP4RLWorkerExtension:
                                     " (one merged vLLM layer): send all of them")
                 if all(present):
                     install(module, [sent.grids[n] for n in names])
+                    process(module)
                     installed += 1
-            # vLLM's own processing after a load, as verl runs it after each sync: the fp4rl
-            # layers store what they were sent, and vLLM's other layers rebuild what they
-            # derive from their weights (on a CPU the LM head's prepacked GEMM copy, which
-            # would otherwise keep the embeddings of the first load)
-            process_weights_after_loading(model, self.model_runner.model_config,
-                                          torch.device(self.device))
+            if payload.get("last", True):
+                process_weights_after_loading(model, self.model_runner.model_config,
+                                              torch.device(self.device))
         return installed
 
 
