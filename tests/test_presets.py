@@ -110,3 +110,31 @@ def test_installed_wheel_trains_the_smoke_preset_outside_the_checkout(tmp_path):
     assert imported.is_relative_to(site) and not imported.is_relative_to(REPO)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-3b-gsm8k", "qwen2.5-math-7b-dapo"])
+def test_paper_presets_roll_out_in_vllm_on_a_gpu_and_in_fp4rls_engine_on_a_cpu(
+        preset, monkeypatch):
+    """The engine a user would choose, with no override: vLLM where a GPU and vLLM are
+    there (and its plug-in runs the recipe), fp4rl's own engine otherwise."""
+    import importlib.util
+
+    import torch
+
+    from fp4rl.rl.config import load_config
+    from fp4rl.rollout import resolve_engine
+
+    cfg = load_config(preset, [])
+    assert cfg.rollout_engine == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    find_spec = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, ok=installed: (object() if ok else None)
+                            if name == "vllm" else find_spec(name, *a))
+        assert resolve_engine(cfg.rollout_engine, cpu, cfg.recipe()) == "hf"
+        assert resolve_engine(cfg.rollout_engine, cuda, cfg.recipe()) == \
+            ("vllm" if installed else "hf")
+        smooth = load_config(preset, ["rollout.recovery={method: smoothquant}"])
+        assert resolve_engine("auto", cuda, smooth.recipe()) == "hf"  # vLLM cannot run it
+    assert resolve_engine("fp4rl", cuda, cfg.recipe()) == "hf"

@@ -96,37 +96,38 @@ import json, os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_refit import RECIPE, prompt_logprobs, updated_model
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit
+from fp4rl.integrations.vllm import engine_model
 if __name__ == "__main__":
     model, tok = updated_model()
     llm = make_llm(EngineSpec({model_dir!r}, RECIPE, dtype=torch.bfloat16, max_model_len=256,
                               kv_cache_bytes=256 << 20))
-    stats = refit(llm, model, packed={packed})
-    print("RESULT", json.dumps({{"bytes": stats.bytes, "logprobs": prompt_logprobs(llm, tok)}}))
+    stats = refit(llm, model, packed=True, max_bytes={max_bytes})
+    print("RESULT", json.dumps({{"bytes": stats.bytes, "tensors": stats.tensors,
+                                "logprobs": prompt_logprobs(llm, tok)}}))
 """
 
 
-@pytest.mark.parametrize("packed", [True], ids=["packed"])
-def test_refit_is_the_same_with_the_engine_core_in_its_own_process(smollm_dir, packed):
-    """vLLM's default on GPUs: the engine core in a process of its own, reached only
-    through ``collective_rpc``. The refit (with the default wire, packed codes) gives the
-    same engine as in-process; the bf16 wire carries the same Q(W)
-    (``test_the_payload_is_the_rollout_q_w_bit_for_bit_and_at_most_bf16_bytes``)."""
+def test_refit_in_bounded_pieces_is_the_same_with_the_engine_core_anywhere(smollm_dir):
+    """A refit in many small pieces (a 1 MiB bound: one attention or MLP block, or one
+    tensor, a piece) gives the engine a one-piece refit gives, bit for bit, with the
+    engine core in this process and in its own (vLLM's default on GPUs, reached only
+    through ``collective_rpc``, where no message may exceed msgpack's 4 GiB)."""
     from pathlib import Path
 
     results = {}
-    for multi in ("0", "1"):
+    for multi, max_bytes in (("0", None), ("0", 1 << 20), ("1", 1 << 20)):
         env = {**__import__("os").environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multi}
         code = CHILD.format(tests=str(Path(__file__).parent), model_dir=smollm_dir,
-                            packed=packed)
+                            max_bytes=max_bytes)
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
-        results[multi] = json.loads(line.removeprefix("RESULT "))
-    assert results["0"] == results["1"]
+        results[multi, max_bytes] = json.loads(line.removeprefix("RESULT "))
+    one = results["0", None]
+    assert results["0", 1 << 20] == one and results["1", 1 << 20] == one
     model, _ = updated_model()
-    bf16_bytes = sum(p.numel() * 2 for p in model.parameters())
-    assert results["1"]["bytes"] <= (0.5 if packed else 1.0) * bf16_bytes
+    assert one["bytes"] <= 0.5 * sum(p.numel() * 2 for p in model.parameters())
 
 
 def test_plain_weights_through_vllms_own_load_and_processing_every_step(smollm_dir):

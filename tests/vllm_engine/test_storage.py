@@ -90,3 +90,35 @@ def test_a_deleted_engine_frees_its_fp4rl_layers(smollm_dir):
     del llm
     gc.collect()
     assert state() is None
+
+
+AVX2_CHILD = """
+import math, sys
+import torch
+from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm
+if __name__ == "__main__":
+    llm = make_llm(EngineSpec(sys.argv[1], sys.argv[2], dtype=torch.bfloat16,
+                              max_model_len=256, kv_cache_bytes=128 << 20))
+    stores = [m.fp4rl.store for m in engine_model(llm).modules() if hasattr(m, "fp4rl")]
+    assert stores and all(k is None for s in stores for _, _, k in s.gemms())
+    from vllm import SamplingParams
+    out = llm.generate(["1 + 1 ="], SamplingParams(max_tokens=4, temperature=0, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert all(math.isfinite(d[t].logprob) for t, d in zip(out.token_ids, out.logprobs))
+    print("OK")
+"""
+
+
+def test_an_engine_starts_where_onednn_cannot_prepack_bf16(exported):
+    """On a CPU without AVX-512 (``ONEDNN_MAX_CPU_ISA=AVX2`` makes any x86 CPU one)
+    oneDNN cannot build vLLM's prepacked bf16 matmul: the store falls back to torch's
+    GEMM, as vLLM's own linears do, instead of dying at start."""
+    import os
+    import subprocess
+    import sys
+
+    recipe, directory = exported
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = subprocess.run([sys.executable, "-c", AVX2_CHILD, directory, recipe], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]

@@ -23,8 +23,9 @@ from transformers import PreTrainedModel
 
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError, block_linears
-from fp4rl.gemm import UNQUANTIZED, pack_operand
+from fp4rl.gemm import UNQUANTIZED, PackedOperand
 from fp4rl.nn.recipe import Recipe
+from fp4rl.recovery import make_recovery
 from fp4rl.rollout.vllm.config import MERGED, quantization_config, rollout_recipe
 
 #: the rollout recipe ``fp4rl export --format vllm`` writes when none is given
@@ -70,7 +71,11 @@ def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
                        quantization_config=quantization_config(recipe))
     tensors = unquantized_tensors(model, skip=set(layers))
     for name, layer in layers.items():
-        packed = pack_operand(layer.weight.detach().float(), fmt)
+        # Q(W) as the rollout takes it (the recovery's weight transform, then the format)
+        recovery = make_recovery(recipe.rollout.recovery, recipe.rollout.activations,
+                                 layer.in_features, 0, weight_format=fmt)
+        packed = recovery.weight_operand(layer.weight.detach().float(), packed=True)
+        assert isinstance(packed, PackedOperand)
         for field, value in packed.row_fields().items():
             tensors[f"{name}.weight_{field}"] = value.contiguous()
         if packed.scale is not None:

@@ -174,8 +174,7 @@ class FP4Linear(nn.Linear):
         if self._received is not None and self._received[0] == self._weight_key():
             return self._received[1]
         with torch.no_grad():
-            w = self.recovery.transform_weight(self.weight.detach())
-            return quantize_operand(w, self.recipe.rollout.weights, -1)
+            return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)

@@ -23,7 +23,15 @@ from typing import Any, ClassVar
 import torch
 
 from fp4rl.errors import RecipeError, did_you_mean
-from fp4rl.gemm import UNQUANTIZED, Operand, has_tensor_scale, mm, quantize_operand
+from fp4rl.gemm import (
+    UNQUANTIZED,
+    Operand,
+    PackedOperand,
+    has_tensor_scale,
+    mm,
+    pack_operand,
+    quantize_operand,
+)
 from fp4rl.registry import Registry
 
 _SCALARS: dict[str, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (bool,),
@@ -110,6 +118,19 @@ class RolloutRecovery(ABC):
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:
         """High-precision weight transform applied before weight quantization."""
         return w
+
+    def weight_operand(self, w: torch.Tensor, packed: bool = False,
+                       tensor_scale: torch.Tensor | None = None) -> Operand | PackedOperand:
+        """``Q(W)`` of the rollout: ``w`` (out, in) transformed (:meth:`transform_weight`)
+        and quantized along in_features in :attr:`weight_format`; ``packed``: as the
+        format's 4-bit codes and scales (the same values). Every consumer of the rollout
+        weight takes it from here (the FP4 layer, a refit, the vLLM method, the FSDP2
+        gather, a vLLM export), so they agree bit for bit. ``tensor_scale``: the whole
+        weight's per-tensor scale, for a shard of it (NVFP4)."""
+        w = self.transform_weight(w)
+        if packed and self.weight_format != UNQUANTIZED:
+            return pack_operand(w, self.weight_format, tensor_scale)
+        return quantize_operand(w, self.weight_format, -1)
 
     @abstractmethod
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:

@@ -74,6 +74,7 @@ from fp4rl.rollout import (
     build_engine,
     concat_batches,
     get_engine,
+    resolve_engine,
     sample_seed,
 )
 
@@ -239,9 +240,10 @@ class Trainer:
         serve this run (the config has already refused recipes it cannot run) is one
         line, before any step."""
         cfg = self.cfg
-        engine = get_engine(cfg.rollout_engine)
+        name = resolve_engine(cfg.rollout_engine, self.device, self.recipe)
+        engine = get_engine(name)
         engine.check(self.recipe, self.device, self.dist.world_size)
-        return build_engine(cfg.rollout_engine, RolloutSetup(
+        return build_engine(name, RolloutSetup(
             model=cfg.model, policy=self.policy, recipe=self.recipe,
             mixed_precision=self.mixed_precision, seed=cfg.run.seed,
             max_model_len=cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,

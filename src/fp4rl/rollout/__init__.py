@@ -26,6 +26,7 @@ from fp4rl.rollout.registry import (
     get_engine,
     list_engines,
     register_engine,
+    resolve_engine,
 )
 from fp4rl.rollout.sampling import row_generators, sample_next, sample_seed
 from fp4rl.rollout.vllm.engine import VLLMEngine
@@ -33,4 +34,5 @@ from fp4rl.rollout.vllm.engine import VLLMEngine
 __all__ = ["ALIASES", "EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
            "RolloutEngine", "RolloutSetup", "SamplingConfig", "VLLMEngine", "build_engine",
            "concat_batches", "engine_name", "generate", "get_engine", "left_pad", "list_engines",
-           "position_ids", "register_engine", "row_generators", "sample_next", "sample_seed"]
+           "position_ids", "register_engine", "resolve_engine", "row_generators", "sample_next",
+           "sample_seed"]

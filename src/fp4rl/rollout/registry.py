@@ -1,16 +1,26 @@
 """The rollout engines by name: ``hf`` (fp4rl's KV-cache engine, also accepted as
-``fp4rl``) and ``vllm`` (vLLM with the fp4rl quantization method). The training config's
+``fp4rl``) and ``vllm`` (vLLM with the fp4rl quantization method); ``auto`` picks vLLM on
+a GPU where it is installed, else ``hf``. The training config's
 ``rollout.engine``, ``fp4rl demo --rollout-engine``, ``fp4rl bench rollout --engine`` and
 the TRL plug-in's ``fp4_rollout_engine`` all read names from here; an engine of one's own
 registers with :func:`register_engine` and is then accepted wherever those are."""
 
 from __future__ import annotations
 
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+
 from fp4rl.errors import UserError
 from fp4rl.registry import Registry
 from fp4rl.rollout.base import RolloutEngine, RolloutSetup
 from fp4rl.rollout.kv_cache import KVCacheEngine
+from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
 from fp4rl.rollout.vllm.engine import VLLMEngine
+
+if TYPE_CHECKING:
+    from fp4rl.nn.recipe import Recipe
 
 
 class EngineError(UserError):
@@ -38,12 +48,33 @@ def list_engines() -> list[str]:
     return _ENGINES.names()
 
 
+#: the engine a user would pick on the run's device (:func:`resolve_engine`)
+AUTO = "auto"
+
+
 def engine_name(name: str) -> str:
-    """The engine's one name for ``name`` (an engine or an alias); else one line listing
-    them."""
+    """The engine's one name for ``name`` (an engine, an alias, or ``auto``); else one
+    line listing them."""
+    if name == AUTO:
+        return name
     name = ALIASES.get(name, name)
     _ENGINES.get(name)
     return name
+
+
+def resolve_engine(name: str, device: torch.device, recipe: Recipe) -> str:
+    """The engine ``name`` stands for on ``device``: itself, or for ``auto`` vLLM on a
+    CUDA device where vLLM is installed and its plug-in runs ``recipe``'s rollout (what
+    users run on GPUs), else fp4rl's own engine."""
+    if name != AUTO:
+        return engine_name(name)
+    if device.type != "cuda" or importlib.util.find_spec("vllm") is None:
+        return KVCacheEngine.name
+    try:
+        rollout_recipe(recipe)
+    except VLLMError:
+        return KVCacheEngine.name
+    return VLLMEngine.name
 
 
 def get_engine(name: str) -> type[RolloutEngine]:

@@ -25,7 +25,7 @@ from fp4rl.formats import get_format
 from fp4rl.formats.base import NumberFormat
 from fp4rl.formats.nvfp4 import finite_amax
 from fp4rl.formats.packing import PackedTensor
-from fp4rl.gemm import Operand, pack_operand
+from fp4rl.gemm import Operand, PackedOperand
 from fp4rl.nn import FP4Linear, fp4_layers
 
 
@@ -57,7 +57,7 @@ def sync_rollout_weights(model: torch.nn.Module, policy: torch.nn.Module,
     packed_params = set()
     for name, layer in fp4_layers(model).items():
         if packable(layer):
-            qw, nbytes = _gather_packed(layer.weight, layer.recipe.rollout.weights, world_size)
+            qw, nbytes = _gather_packed(layer, world_size)
             targets[name].receive_rollout_weight(qw)
             sent.packed += nbytes
             sent.packed_as_bf16 += _received(layer.weight.numel() * 2, world_size)
@@ -78,15 +78,17 @@ def _received(nbytes: int, world_size: int) -> int:
     return nbytes * (world_size - 1) // world_size
 
 
-def _gather_packed(weight: torch.Tensor, fmt_name: str, world_size: int
-                   ) -> tuple[Operand, int]:
+def _gather_packed(layer: FP4Linear, world_size: int) -> tuple[Operand, int]:
     """The whole weight's rollout operand, from every rank's packed shard; and the bytes
     this rank received."""
-    local = weight.to_local().detach().float()
-    rows = weight.shape[0]
+    fmt_name = layer.recipe.rollout.weights
+    local = layer.weight.to_local().detach().float()
+    rows = layer.weight.shape[0]
     per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))
-    mine = pack_operand(padded, fmt_name, _tensor_scale(get_format(fmt_name), local))
+    mine = layer.recovery.weight_operand(padded, packed=True,
+                                         tensor_scale=_tensor_scale(get_format(fmt_name), local))
+    assert isinstance(mine, PackedOperand)  # packable layers quantize their weight
     packed = mine.packed
     names = sorted(packed.fields)
     gathered = {name: _gather_fields(packed, name, world_size) for name in names}

@@ -45,8 +45,6 @@ from fp4rl.gemm import (
     PackedOperand,
     has_tensor_scale,
     mm,
-    pack_operand,
-    quantize_operand,
 )
 from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
@@ -379,10 +377,8 @@ def _quantized_parts(state: LayerState, w: torch.Tensor) -> list[Part]:
     start = 0
     with torch.no_grad():
         for rows in state.shards:
-            shard = state.recovery.transform_weight(w[start:start + rows])
-            packed = state.storage == "packed" and state.fmt != UNQUANTIZED
-            parts.append(pack_operand(shard, state.fmt) if packed
-                         else quantize_operand(shard, state.fmt, -1))
+            parts.append(state.recovery.weight_operand(w[start:start + rows],
+                                                       packed=state.storage == "packed"))
             start += rows
     return parts
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fp4rl.gemm import Operand, PackedOperand, pack_operand
+from fp4rl.gemm import Operand, PackedOperand
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,7 @@ def _units(model: torch.nn.Module, layers: dict[str, torch.nn.Module]
 
 def _grid(layer: Any, packed: bool) -> Operand | PackedOperand:
     if packed:
-        w = layer.recovery.transform_weight(layer.weight.detach())
-        return pack_operand(w, layer.recipe.rollout.weights)
+        return layer.recovery.weight_operand(layer.weight.detach(), packed=True)
     return layer.rollout_weight(torch.float32).to(torch.bfloat16)
 
 
