@@ -12,6 +12,8 @@ docs/training.md ("What a CPU proves of the GPU path").
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from fp4rl.formats import get_format
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.gemm import PackedOperand, mm, pack_operand, quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.recovery import recovery_variants
+from fp4rl.nn.recipe import get_recipe
+from fp4rl.recovery import make_recovery, recovery_variants
 from fp4rl.rollout.batch import SamplingConfig
 from fp4rl.rollout.sampling import sample_next
 
@@ -155,7 +158,10 @@ def test_fsdp_packed_gather_on_the_device(fmt, monkeypatch):
         def to_local() -> torch.Tensor:
             return torch.empty(32, 128, device=META)
 
-    operand, _ = ws._gather_packed(Shard(), fmt, 1)
+    recipe = get_recipe(fmt)
+    layer = SimpleNamespace(weight=Shard(), recipe=recipe, recovery=make_recovery(
+        recipe.rollout.recovery, fmt, 128, 0, weight_format=fmt))
+    operand, _ = ws._gather_packed(layer, 1)
     on_meta(operand.values, operand.scale)
 
 

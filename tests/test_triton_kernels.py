@@ -117,3 +117,110 @@ def test_any_scale_and_shape(fmt, exponent, rows, cols, seed):
         assert _bits_equal(fp4rl.quantize(x, fmt), get_format(fmt).quantize_reference(x))
     finally:
         del os.environ["FP4RL_KERNELS"]
+
+
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that a NaN's payload and sign may differ (a bf16 NaN's bits
+    depend on the converting hardware)."""
+    both = torch.isnan(a.float()) & torch.isnan(b.float())
+    return a.dtype == b.dtype and _bits_equal(torch.where(both, 0, a), torch.where(both, 0, b))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_rows_to_bf16_block_values_in_one_pass(triton_path, fmt):
+    """A bf16 activation read and written once in bf16: ``Q(x / g)`` with NVFP4's ``g``
+    outside (a GEMM operand keeps it there), the reference's values exactly."""
+    from fp4rl.kernels import quantize_rows_bf16
+
+    x = (_heavy_tailed((19, 200), seed=8)).bfloat16()
+    x[2, 5] = float("nan")
+    f = get_format(fmt)
+    g = f.tensor_scale(x)
+    fast = quantize_rows_bf16(fmt, x, g)
+    assert fast is not None and fast.dtype == torch.bfloat16
+    opts = {} if g is None else {"per_tensor_scale": False}
+    ref = f.quantize_reference(x.float() if g is None else x.float() / g, **opts)
+    assert _same_or_both_nan(fast, ref.bfloat16())
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "mxfp8_e4m3"])
+@pytest.mark.parametrize("pattern", ["dense", "2:4", "4:16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resq_terms_written_once_each(triton_path, fmt, pattern, dtype):
+    from fp4rl.kernels import resq_terms
+
+    x = _heavy_tailed((21, 160), seed=9).to(dtype)
+    keep, group = (0, 0) if pattern == "dense" else map(int, pattern.split(":"))
+    terms = resq_terms(fmt, x, keep, group)
+    assert terms is not None  # the Triton kernel ran
+    q = get_format(fmt).quantize_reference
+    qx = q(x.float())
+    assert _bits_equal(terms[0], qx.bfloat16())
+    assert _bits_equal(terms[1], sparsify(q(x.float() - qx), pattern).bfloat16())
+    assert terms[1].data_ptr() == terms[0].data_ptr() + terms[0].numel() * 2  # one buffer
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [64, 200])
+def test_packed_decode_kernel_matches_the_reference_decoder(triton_path, fmt, dtype, cols):
+    from fp4rl.formats.row_decode import decode_rows
+    from fp4rl.gemm import pack_operand
+    from fp4rl.kernels import triton_decode
+
+    x = _heavy_tailed((9, cols), seed=10) * 2.0 ** 30
+    x[3, 7] = float("nan")  # a NaN block
+    x[5] = 0.0
+    packed = pack_operand(x, fmt).packed
+    ref = get_format(fmt).decode(packed)
+    fields = {k: v.reshape(9, -1) for k, v in packed.fields.items()}
+    got = triton_decode.decode_2d(fmt, fields, 9, cols, dtype)
+    assert _same_or_both_nan(got, ref.to(dtype))
+    assert _same_or_both_nan(decode_rows(packed, dtype), ref.to(dtype))  # the dispatch
+
+
+def test_every_op_on_a_gpu_selects_its_triton_kernel():
+    """For a CUDA device (no GPU needed to ask), every operation of every format runs a
+    Triton kernel; the only ones without are NVFP4's ResQ passes, which compose its
+    quantizer's Triton passes (the residual has a per-tensor scale of its own) and MXFP8's
+    packed decode (no rollout weight is stored in 8 bits)."""
+    from fp4rl.kernels import OPERATIONS, kernel_plan
+
+    composed = {("nvfp4", "resq"), ("nvfp4", "resq_terms"), ("mxfp8_e4m3", "decode")}
+    for fmt in FORMATS:
+        plan = kernel_plan(fmt, "cuda")
+        assert set(plan) == set(OPERATIONS)
+        for op, backend in plan.items():
+            assert backend == ("none" if (fmt, op) in composed else "triton"), (fmt, op)
+
+
+@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "mxfp4+resq-dense", "nvfp4+resq-2:4",
+                                    "mxfp4:fp4/w4a8"])
+def test_a_model_on_the_triton_path_never_takes_the_reference(triton_path, recipe,
+                                                              monkeypatch):
+    """A patched model's rollout (bf16 compute, packed weights decoded per call) and its
+    training step (forward and backward GEMMs, stochastic gradient rounding) with every
+    reference quantizer and decoder switched off: each op finds its Triton kernel (what a
+    CUDA tensor selects, through the same dispatch)."""
+    from fp4rl.formats import row_decode
+    from fp4rl.formats.base import BlockFormat
+    from fp4rl.gemm import pack_operand
+    from fp4rl.models import tiny_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference path ran")
+
+    monkeypatch.setattr(BlockFormat, "_reference_rows", refuse)
+    monkeypatch.setattr(BlockFormat, "decode", refuse)
+    monkeypatch.setattr(row_decode, "_BLOCKS", {f: refuse for f in row_decode._BLOCKS})
+    model, _ = tiny_model("llama", num_hidden_layers=1)
+    fp4rl.quantize_model(model, recipe)
+    ids = torch.randint(0, 100, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with fp4rl.rollout_mode(model):
+            assert torch.isfinite(model(input_ids=ids).logits).all()
+        model(input_ids=ids).logits.float().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    fmt = recipe.split(":")[0].split("+")[0]
+    assert torch.isfinite(pack_operand(w, fmt).decode(torch.bfloat16).values).all()

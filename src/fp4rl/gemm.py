@@ -64,12 +64,13 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     if fmt == UNQUANTIZED:
         return Operand(x)
     f = get_format(fmt)
-    if not stochastic and x.dim() == 2 and dim in (-1, 1):
-        values = quantize_rows_bf16(f.name, x)  # a bf16 engine's activations, one pass
-        if values is not None:
-            return Operand(values)
-    rounding = "stochastic" if stochastic else "nearest"
     scale = f.tensor_scale(x)
+    if not stochastic and x.dim() == 2 and dim in (-1, 1):
+        # a bf16 engine's activations: read and written once, in bf16
+        values = quantize_rows_bf16(f.name, x, scale)
+        if values is not None:
+            return Operand(values, scale)
+    rounding = "stochastic" if stochastic else "nearest"
     if scale is None:
         return Operand(f.quantize(x, dim, rounding=rounding, generator=generator))
     # The same division the quantizer does internally, so values * scale is its output.
@@ -149,7 +150,7 @@ def _decode_rows(fields: list[torch.Tensor], names: str, fmt: str, rows: int,
     by_name = dict(zip(names.split(","), fields, strict=True))
     packed = PackedTensor(fmt, (rows, cols), dim, torch.float32, by_name, None,
                           dict(_row_options(fmt, cols)))
-    return decode_rows(packed).to(dtype)
+    return decode_rows(packed, dtype)
 
 
 @_decode_rows.register_fake

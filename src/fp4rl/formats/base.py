@@ -213,10 +213,9 @@ class BlockFormat(NumberFormat):
         """A matrix quantized along either axis by a strided kernel (no transposed copy),
         with the same scale and noise draws as the row path; only where
         :func:`has_matrix_kernel` holds."""
-        m = x.to(torch.float32)
-        scale = self._tensor_scale(m, opts)
-        noise = self._noise(m.shape[1 - dim], m.shape[dim], m.device, opts)
-        out = quantize_matrix(self.name, m, dim, noise, scale)
+        scale = self._tensor_scale(x, opts)
+        noise = self._noise(x.shape[1 - dim], x.shape[dim], x.device, opts)
+        out = quantize_matrix(self.name, x, dim, noise, scale)  # widens x where it must
         if out is None:
             raise RuntimeError(f"no matrix kernel for {self.name!r} (check has_matrix_kernel)")
         return out.to(x.dtype)

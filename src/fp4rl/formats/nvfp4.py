@@ -77,8 +77,9 @@ class NVFP4(BlockFormat):
         return {"scale": s, "q": q, "neg": neg}, nan
 
     def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
-        """``amax / (6 * 448)`` of ``x`` in float32, or None where switched off or zero."""
-        return self._tensor_scale(x.float(), self.options(**options))
+        """``amax / (6 * 448)`` of ``x`` as a 0-dim float32 tensor on its device (1 where
+        ``x`` has no finite non-zero value), or None where switched off."""
+        return self._tensor_scale(x, self.options(**options))
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
         """``g = amax / (6 * 448)`` in FP32 over the finite values, a 0-dim tensor on the
@@ -95,12 +96,11 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """The largest finite magnitude of ``x`` (0 if none) as a 0-dim float32 tensor. On the
     CPU one ``aminmax`` pass, and a second only where a NaN or Inf got into it (asking is
     free there); elsewhere one masked pass, with no host sync."""
-    x = x.float()
     if x.numel() == 0:
-        return x.new_zeros(())
+        return x.new_zeros((), dtype=torch.float32)
     if x.device.type == "cpu":
         low, high = torch.aminmax(x)  # one pass, no |x| temporary
-        amax = torch.maximum(-low, high)
+        amax = torch.maximum(-low, high).float()  # a max is exact in x's own dtype
         if bool(torch.isfinite(amax)):
             return amax
-    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax().float()

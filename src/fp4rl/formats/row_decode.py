@@ -22,6 +22,7 @@ from fp4rl.formats.mxfp4 import E2M1_SIGNED, E8M0_SCALES
 from fp4rl.formats.nvfp4 import E4M3_SCALES
 from fp4rl.formats.packing import PackedTensor, unpack_bits, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
+from fp4rl.kernels import decode_rows as kernel_decode
 
 
 def _hif4(fields: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -47,18 +48,25 @@ _BLOCKS: dict[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]] = {
     "hif4": _hif4, "mxfp4": _e2m1(E8M0_SCALES), "nvfp4": _e2m1(E4M3_SCALES)}
 
 
-def decode_rows(packed: PackedTensor) -> torch.Tensor:
+def decode_rows(packed: PackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``get_format(packed.format).decode(packed)`` for a 2-D tensor packed along its rows,
-    in float32, bit for bit; through table look-ups where the format has them."""
+    in float32 (then ``dtype``), bit for bit: by a kernel where one decodes the format on
+    the fields' device (Triton on a GPU, straight into ``dtype``), else through table
+    look-ups where the format has them."""
     block = _BLOCKS.get(packed.format)
     if block is None or len(packed.shape) != 2 or packed.dim != 1 or \
             packed.format != get_format(packed.format).name:
-        return get_format(packed.format).decode(packed).float()
+        return get_format(packed.format).decode(packed).float().to(dtype)
     rows, length = packed.shape
-    values = block(packed.fields).reshape(rows, -1)[:, :length]
-    if packed.tensor_scale is not None:
+    scaled = packed.tensor_scale is not None
+    fields = {k: v.reshape(rows, -1) for k, v in packed.fields.items()}
+    values = kernel_decode(packed.format, fields, rows, length,
+                           torch.float32 if scaled else dtype)
+    if values is None:
+        values = block(packed.fields).reshape(rows, -1)[:, :length]
+    if scaled:
         values = values * packed.tensor_scale
-    return values
+    return values.to(dtype)
 
 
 __all__ = ["decode_rows"]

@@ -25,17 +25,24 @@ from fp4rl.kernels import cpu
 RESQ_MAX_GROUP = 64
 
 _QUANTIZE = frozenset({"rows", "cols"})
-_QUANTIZE_AND_RESQ = _QUANTIZE | {"resq"}
+_QUANTIZE_AND_RESQ = _QUANTIZE | {"resq", "resq_terms"}
 _C_BLOCK_ONLY = _QUANTIZE_AND_RESQ | {"rows_bf16"}
+_TRITON_FP4 = _QUANTIZE_AND_RESQ | {"rows_bf16", "decode"}
 #: format name -> backend -> operations it runs ("rows"/"cols": quantize along axis 1/0,
-#: "resq": the fused ResQ pass, "rows_bf16": quantize bf16 rows to bf16 in one pass; NVFP4
-#: lacks the last two, as its per-tensor scale needs a pass over the whole tensor first)
+#: "resq": the fused ResQ pass, "resq_terms": ResQ's two bf16 GEMM operands in one pass,
+#: "rows_bf16": bf16 rows to their bf16 block values in one pass, "decode": packed codes
+#: to values). The C kernel lacks NVFP4's ResQ and bf16 passes, as its per-tensor scale
+#: needs a pass over the whole tensor first; NVFP4's ResQ composes quantizer passes on
+#: either backend (its residual has a scale of its own). Packed weights decode on a CPU
+#: through the formats' tables (fp4rl.formats.row_decode), no kernel needed.
 _SUPPORT: dict[str, dict[str, frozenset[str]]] = {
-    "hif4": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
-    "mxfp4": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
-    "nvfp4": {"c": _QUANTIZE, "triton": _QUANTIZE},
-    "mxfp8_e4m3": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ},
+    "hif4": {"c": _C_BLOCK_ONLY, "triton": _TRITON_FP4},
+    "mxfp4": {"c": _C_BLOCK_ONLY, "triton": _TRITON_FP4},
+    "nvfp4": {"c": _QUANTIZE, "triton": _QUANTIZE | {"rows_bf16", "decode"}},
+    "mxfp8_e4m3": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ | {"rows_bf16"}},
 }
+#: every operation a kernel may run
+OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode")
 _AXIS_OPS = {0: "cols", 1: "rows"}
 
 
@@ -93,6 +100,15 @@ def kernel_choice(fmt_name: str, device: torch.device | str) -> tuple[str, str]:
     return "c", f"fused C kernel, {cpu._library_path().name}"
 
 
+def kernel_plan(fmt_name: str, device: torch.device | str) -> dict[str, str]:
+    """For each operation (:data:`OPERATIONS`), which backend runs it for ``fmt_name`` on
+    ``device``: ``"c"``, ``"triton"``, or ``"none"`` where no kernel does (the caller
+    then composes other operations, or takes the reference path)."""
+    device = torch.device(device)
+    names = {None: "none", cpu: "c"}
+    return {op: names.get(_backend(fmt_name, device, op), "triton") for op in OPERATIONS}
+
+
 def has_kernel(fmt_name: str, device: torch.device | str, axis: int = 1) -> bool:
     """Whether a kernel quantizes ``fmt_name`` along ``axis`` (1: rows, 0: columns) of a
     matrix on ``device``; False for formats the kernels do not know."""
@@ -127,7 +143,8 @@ def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
 
 def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
                     tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Fake-quantize a float32 matrix along ``axis`` without a transposed copy, or None
+    """Fake-quantize a float matrix along ``axis`` without a transposed copy (Triton: in
+    ``x``'s dtype, read and written once; C: in float32), or None
     where :func:`has_matrix_kernel` is False (check it first: the caller's random draws
     depend on the path). ``noise`` is laid out as rows along ``axis``."""
     if not has_matrix_kernel(fmt_name, x):
@@ -135,8 +152,9 @@ def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tens
     if noise is not None:
         noise = noise.contiguous()
     tri = _triton_for(x.device)
-    if tri is not None:
+    if tri is not None:  # reads bf16 and fp16 as they are, writes x's dtype
         return tri.quantize_2d(fmt_name, x, axis, noise, tensor_scale)
+    x = x.float()
     flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
     if flipped:
         x, axis = x.t(), 1 - axis
@@ -169,31 +187,55 @@ def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch
 def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
                group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float32
-    or bfloat16 CPU rows in one pass (the terms :func:`resq_rows` sums), or None where no
+    or bfloat16 rows in one pass (the terms :func:`resq_rows` sums), or None where no
     fused path applies. The two are consecutive halves of one buffer, so a GEMM of both
     reads them without a copy (see :func:`fp4rl.gemm.mm`)."""
-    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.device.type != "cpu" or \
-            group > RESQ_MAX_GROUP:
+    if rows.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if _backend(fmt_name, rows.device, "resq") is not cpu:
+    kernels = _backend(fmt_name, rows.device, "resq_terms")
+    if kernels is None:
         return None
-    out = cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+    if kernels is cpu:
+        if group > RESQ_MAX_GROUP:
+            return None
+        out = cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+    else:
+        out = kernels.resq_terms(fmt_name, rows, keep, group)
     if out is None:
         return None
     n = rows.shape[0]
     return out[:n], out[n:]
 
 
-def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None:
-    """``Q(x)`` along the rows of a bfloat16 CPU matrix, nearest rounding, in bfloat16 (the
-    same values as quantizing its float32 widening), or None where no kernel applies: a
-    format with a per-tensor scale (NVFP4) or none in the C kernel, another device."""
-    if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.device.type != "cpu":
+def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor,
+                       tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``Q(x / g)`` along the rows of a bfloat16 matrix, nearest rounding, in bfloat16 (the
+    same values as quantizing its float32 widening; every block value is exact in bf16),
+    read and written once; ``tensor_scale`` g (NVFP4) stays outside, as a GEMM operand
+    keeps it. None where no kernel applies (the C kernel has no per-tensor scale)."""
+    if rows.dtype != torch.bfloat16 or rows.dim() != 2:
         return None
-    if _backend(fmt_name, rows.device, "rows_bf16") is not cpu:
+    kernels = _backend(fmt_name, rows.device, "rows_bf16")
+    if kernels is None:
         return None
-    return cpu.quantize_bf16_cpu(fmt_name, rows.contiguous())
+    if kernels is cpu:
+        return None if tensor_scale is not None else \
+            cpu.quantize_bf16_cpu(fmt_name, rows.contiguous())
+    return kernels.quantize_2d(fmt_name, rows, 1, None, tensor_scale,
+                               out_dtype=torch.bfloat16, rescale=False)
 
 
-__all__ = ["has_kernel", "has_matrix_kernel", "quantize_matrix", "quantize_rows",
-           "quantize_rows_bf16", "resq_rows", "resq_terms"]
+def decode_rows(fmt_name: str, fields: dict[str, torch.Tensor], rows: int, length: int,
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """The values of a weight packed along its rows (fields laid out per row, as
+    :meth:`fp4rl.gemm.PackedOperand.row_fields` gives them) in ``dtype``, by a kernel, or
+    None where none applies (the caller decodes through the format's tables)."""
+    if _backend(fmt_name, fields["codes"].device, "decode") is None:
+        return None
+    from fp4rl.kernels import triton_decode
+
+    return triton_decode.decode_2d(fmt_name, fields, rows, length, dtype)
+
+
+__all__ = ["OPERATIONS", "decode_rows", "has_kernel", "has_matrix_kernel", "kernel_plan",
+           "quantize_matrix", "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms"]

@@ -129,13 +129,17 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, snr, snc, g_ptr,
-                     FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc, snr, snc,
+                     g_ptr, FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     RESCALE: tl.constexpr):
+    """Q(x / g) (times g where RESCALE) of a tile; x of any float dtype (widened to
+    float32 exactly), y stored in its own dtype (FP4 and FP8 block values are exact in
+    bf16; a rescaled value rounds to nearest even there, as a cast of the float32 does)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
     inside = (rows < n_rows) & (cols < length)
-    x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0)
+    x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
     g = 1.0
     if HAS_SCALE:
         g = tl.load(g_ptr)  # on the device: no host sync, capturable in a CUDA graph
@@ -145,19 +149,35 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, snr, snc
         noise = tl.load(noise_ptr + rows * snr + cols * snc, mask=rows < n_rows,
                         other=0.0).to(tl.float64)
     y = _quantize_tile(x, noise, FMT, ROWS, HAS_NOISE)
-    if HAS_SCALE:
+    if HAS_SCALE and RESCALE:
         y = y * g
-    tl.store(y_ptr + rows * sxr + cols * sxc, y, mask=inside)
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = _bf16_rne(y)
+    tl.store(y_ptr + rows * syr + cols * syc, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _resq_kernel(x_ptr, y_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.constexpr,
-                 ROWS: tl.constexpr, KEEP: tl.constexpr, GROUP: tl.constexpr):
-    """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps KEEP of every GROUP (0: dense)."""
+def _bf16_rne(y):
+    """float32 values rounded to the nearest bfloat16 (ties to even), still as float32,
+    so that the store's conversion is exact whatever rounding it does (Triton's
+    interpreter truncates): the bits a torch cast gives. NaN and Inf pass unchanged."""
+    bits = y.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded.to(tl.float32, bitcast=True), y)
+
+
+@triton.jit
+def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.constexpr,
+                 ROWS: tl.constexpr, KEEP: tl.constexpr, GROUP: tl.constexpr,
+                 TERMS: tl.constexpr):
+    """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps KEEP of every GROUP (0: dense).
+    TERMS: the two terms written apart instead, Q(x) to y and S(...) to r (each exact in
+    bf16: a bf16 GEMM's two operands), from x of any float dtype."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
     inside = (rows < n_rows) & (cols < length)
-    x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0)
+    x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
     q = _quantize_tile(x, 0.0, FMT, ROWS, False)
     res = _quantize_tile(x - q, 0.0, FMT, ROWS, False)
     if GROUP > 0:
@@ -168,7 +188,11 @@ def _resq_kernel(x_ptr, y_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.constex
             (a[:, :, None, :] == a[:, :, :, None]) & (idx[None, :] < idx[:, None])[None, None])
         rank = tl.reshape(tl.sum(beats.to(tl.int32), axis=3), (ROWS, BS))
         res = tl.where(rank < KEEP, res, 0.0)
-    tl.store(y_ptr + rows * length + cols, q + res, mask=inside)
+    if TERMS:
+        tl.store(y_ptr + rows * length + cols, q.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(r_ptr + rows * length + cols, res.to(r_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(y_ptr + rows * length + cols, q + res, mask=inside)
 
 
 def _rows_per_program(block: int) -> int:
@@ -182,30 +206,38 @@ def _format(fmt_name: str) -> tuple[int, int]:
         raise ValueError(f"the Triton kernels have no format {fmt_name!r}") from None
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
-                tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Fake-quantize a float32 matrix along ``axis`` (0 or 1), blocks along that axis.
+                tensor_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                rescale: bool = True) -> torch.Tensor:
+    """Fake-quantize a float matrix (float32, bf16 or fp16, read as it is) along ``axis``
+    (0 or 1), blocks along that axis, into ``out_dtype`` (default ``x``'s).
 
     ``noise`` holds the stochastic-rounding draws laid out as rows along the axis:
     shape (other dim, padded length), as :class:`fp4rl.formats.base.BlockFormat` draws them.
     ``tensor_scale`` g, a float32 tensor of one value on ``x``'s device, quantizes
-    ``x / g`` and multiplies the result by g (NVFP4); the kernel reads it there.
+    ``x / g`` and multiplies the result by g (NVFP4; ``rescale=False``: the block values
+    alone, exact in bf16, as a GEMM operand keeps g outside); the kernel reads it there.
     """
-    if x.dim() != 2 or x.dtype != torch.float32 or axis not in (0, 1):
-        raise ValueError("quantize_2d takes a float32 matrix and axis 0 or 1")
+    if x.dim() != 2 or x.dtype not in FLOATS or axis not in (0, 1):
+        raise ValueError("quantize_2d takes a float matrix and axis 0 or 1")
     code, bs = _format(fmt_name)
     if not (x.is_contiguous() or x.t().is_contiguous()):
         x = x.contiguous()
-    y = torch.empty_like(x)  # same strides as x
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype)  # same strides as x
     sxr, sxc = (x.stride(1), x.stride(0)) if axis == 0 else x.stride()
+    syr, syc = (y.stride(1), y.stride(0)) if axis == 0 else y.stride()
     n_rows, length = (x.shape[1], x.shape[0]) if axis == 0 else x.shape
     rows = _rows_per_program(bs)
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(length, bs))
     snr, snc = noise.stride() if noise is not None else (0, 0)
     g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(1)
     _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
-                           snr, snc, g, FMT=code, BS=bs, ROWS=rows,
-                           HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None)
+                           syr, syc, snr, snc, g, FMT=code, BS=bs, ROWS=rows,
+                           HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None,
+                           RESCALE=rescale)
     return y
 
 
@@ -216,12 +248,39 @@ def fused_resq(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torc
     over the whole tensor) or a group that is not a power of two dividing the block.
     """
     code, bs = _format(fmt_name)
-    if fmt_name == "nvfp4" or (group and (group & (group - 1) or bs % group)):
+    if not fuses_resq(fmt_name, group):
         return None
     rows = rows.contiguous()
     out = torch.empty_like(rows)
     per = _rows_per_program(bs)
     grid = (triton.cdiv(rows.shape[0], per), triton.cdiv(rows.shape[1], bs))
-    _resq_kernel[grid](rows, out, rows.shape[0], rows.shape[1], FMT=code, BS=bs,
-                       ROWS=per, KEEP=keep, GROUP=group)
+    _resq_kernel[grid](rows, out, out, rows.shape[0], rows.shape[1], FMT=code, BS=bs,
+                       ROWS=per, KEEP=keep, GROUP=group, TERMS=False)
+    return out
+
+
+def fuses_resq(fmt_name: str, group: int) -> bool:
+    """Whether the ResQ kernels take ``fmt_name`` and an n:m ``group`` (0: dense): not
+    NVFP4 (the residual's per-tensor scale needs a pass over the whole residual first:
+    its ResQ composes quantizer passes, all on the device), and a group that is a power of
+    two dividing the block."""
+    _, bs = _format(fmt_name)
+    return fmt_name != "nvfp4" and not (group and (group & (group - 1) or bs % group))
+
+
+def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int, group: int
+               ) -> torch.Tensor | None:
+    """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float
+    rows in one pass, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (each
+    written once); None where :func:`fuses_resq` does not hold."""
+    code, bs = _format(fmt_name)
+    if not fuses_resq(fmt_name, group) or rows.dtype not in FLOATS:
+        return None
+    rows = rows.contiguous()
+    n = rows.shape[0]
+    out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16, device=rows.device)
+    per = _rows_per_program(bs)
+    grid = (triton.cdiv(n, per), triton.cdiv(rows.shape[1], bs))
+    _resq_kernel[grid](rows, out, out[n:], n, rows.shape[1], FMT=code, BS=bs, ROWS=per,
+                       KEEP=keep, GROUP=group, TERMS=True)
     return out
