@@ -55,16 +55,18 @@ class Operand:
 
 
 def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool = False,
-                     generator: torch.Generator | None = None) -> Operand:
+                     generator: torch.Generator | None = None,
+                     tensor_scale: torch.Tensor | None = None) -> Operand:
     """``x`` quantized along ``dim`` as a GEMM operand (``"bf16"``: ``x`` itself).
 
     ``Operand.dense()`` equals ``fp4rl.quantize(x, fmt, dim)`` bit for bit; ``values``
-    holds the block-scaled part, exact in bf16.
+    holds the block-scaled part, exact in bf16. A format with a per-tensor scale takes
+    ``tensor_scale`` when given (the whole weight's, for a shard of it).
     """
     if fmt == UNQUANTIZED:
         return Operand(x)
     f = get_format(fmt)
-    scale = f.tensor_scale(x)
+    scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
         values = quantize_rows_bf16(f.name, x, scale)

@@ -130,7 +130,7 @@ class RolloutRecovery(ABC):
         w = self.transform_weight(w)
         if packed and self.weight_format != UNQUANTIZED:
             return pack_operand(w, self.weight_format, tensor_scale)
-        return quantize_operand(w, self.weight_format, -1)
+        return quantize_operand(w, self.weight_format, -1, tensor_scale=tensor_scale)
 
     @abstractmethod
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:

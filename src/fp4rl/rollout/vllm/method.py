@@ -39,6 +39,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
+from fp4rl.formats import get_format
+from fp4rl.formats.nvfp4 import finite_amax
 from fp4rl.gemm import (
     UNQUANTIZED,
     Operand,
@@ -56,6 +58,13 @@ from fp4rl.rollout.vllm.config import (
     hf_layer_names,
     recipe_from_config,
     storage_from_config,
+)
+from fp4rl.rollout.vllm.sharding import (
+    Partition,
+    check_partition,
+    rank_field,
+    rank_part,
+    whole_amax,
 )
 
 #: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
@@ -133,6 +142,8 @@ class LayerState:
     written: set[int] = field(default_factory=set)
     #: ``Q(W)`` parts handed over ready-made (:func:`install`)
     ready: list[Part] | None = None
+    #: how tensor parallelism split the layer; None where it did not
+    partition: Partition | None = None
 
     def parts_of(self, shard_id: Any) -> set[int]:
         """The parts a loader's shard id names: None the whole layer (a checkpoint that
@@ -191,9 +202,13 @@ class FP4RLLinearMethod(LinearMethodBase):
         r = self.recipe.rollout
         recovery = make_recovery(r.recovery, r.activations, input_size_per_partition,
                                  self.seed, weight_format=r.weights)
+        partition = Partition(input_size, input_size_per_partition, output_size,
+                              tuple(output_partition_sizes), weight_loader)
+        check_partition(partition, self.recipe)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
                            params_dtype, r.weights, self.storage, recovery,
-                           TracedActivation(recovery), prepack=_engine_is_eager())
+                           TracedActivation(recovery), prepack=_engine_is_eager(),
+                           partition=partition if partition.split else None)
         layer.fp4rl = state
         shape = (sum(state.shards), input_size_per_partition)
 
@@ -266,18 +281,16 @@ def _field_loader(state: LayerState, name: str) -> Callable[..., None]:
 
     def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
              **kwargs: Any) -> None:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() != 1:
-            raise VLLMError("packed fp4rl weights load with tensor_parallel_size=1 only; "
-                            "export with --format bf16 for a sharded engine")
         parts = state.parts_of(_shard_id(loaded, args, kwargs))
         if len(parts) != 1:
             raise VLLMError(f"packed fp4rl field {name} arrived for parts {sorted(parts)} "
                             "at once; an fp4rl export stores each of q/k/v, gate/up apart")
+        index = parts.pop()
         # on the layer's device: vLLM's loader may hand over the checkpoint's CPU tensors
-        state.incoming.setdefault(parts.pop(), {})[name] = \
-            loaded.detach().to(param.device, copy=True)
+        value = loaded.detach().to(param.device, copy=True)
+        if state.partition is not None and name != _TENSOR_SCALE:  # the scale: whole's
+            value = rank_field(state.partition, index, value)
+        state.incoming.setdefault(index, {})[name] = value
 
     return load
 
@@ -287,6 +300,8 @@ def install(layer: torch.nn.Module, parts: list[Part]) -> None:
     """Hand ``layer`` its ``Q(W)`` parts ready-made (one per logical layer, in row order);
     the next :func:`process` stores them without re-quantizing."""
     state: LayerState = layer.fp4rl
+    if state.partition is not None and len(parts) == len(state.shards):
+        parts = [rank_part(state.partition, i, p) for i, p in enumerate(parts)]
     if [p.values.shape[0] if isinstance(p, Operand) else p.rows for p in parts] != state.shards:
         raise VLLMError(f"a refit sent parts of {len(parts)} layers for an fp4rl layer of "
                         f"parts {state.shards}")
@@ -314,8 +329,8 @@ def process(layer: torch.nn.Module) -> bool:
             # layout until the first load, which then writes into the same tensors
             zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype,
                                 device=layer.weight.device)
-            state.store = WeightStore.build(_quantized_parts(state, zeros), state.storage,
-                                            state.dtype, state.prepack)
+            state.store = WeightStore.build(_quantized_parts(state, zeros, whole=False),
+                                            state.storage, state.dtype, state.prepack)
         return False
     parts = [_on(p, layer.weight.device) for p in parts]
     new = WeightStore.build(parts, state.storage, state.dtype, state.prepack)
@@ -371,16 +386,29 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
     return _quantized_parts(state, layer.weight.detach())
 
 
-def _quantized_parts(state: LayerState, w: torch.Tensor) -> list[Part]:
-    """``Q(W)`` of each logical layer of ``w``, packed where the layer stores 4-bit codes."""
+def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> list[Part]:
+    """``Q(W)`` of each logical layer of ``w``, packed where the layer stores 4-bit codes;
+    ``whole``: NVFP4's scale over the whole weight (of a rank's share, its ranks agree on
+    it; zeros, as a dummy start holds, need no agreement)."""
     parts: list[Part] = []
     start = 0
     with torch.no_grad():
         for rows in state.shards:
-            parts.append(state.recovery.weight_operand(w[start:start + rows],
-                                                       packed=state.storage == "packed"))
+            shard = w[start:start + rows]
+            parts.append(state.recovery.weight_operand(
+                shard, packed=state.storage == "packed",
+                tensor_scale=_whole_scale(state, shard) if whole else None))
             start += rows
     return parts
+
+
+def _whole_scale(state: LayerState, shard: torch.Tensor) -> torch.Tensor | None:
+    """The per-tensor scale of the whole weight a rank's ``shard`` is part of (NVFP4 under
+    tensor parallelism), or None where the shard's own is the whole's or there is none."""
+    fmt = get_format(state.fmt) if state.fmt != UNQUANTIZED else None
+    if state.partition is None or fmt is None or not has_tensor_scale(state.fmt):
+        return None
+    return fmt.tensor_scale(whole_amax(finite_amax(shard)))
 
 
 def release_freed_memory() -> None:

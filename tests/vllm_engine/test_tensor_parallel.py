@@ -1,0 +1,184 @@
+"""Tensor parallelism in the ``fp4rl`` method, on vLLM's own linear classes.
+
+Each rank's layers are vLLM's ``QKVParallelLinear``, ``MergedColumnParallelLinear`` and
+``RowParallelLinear`` built at ``tensor_parallel_size=2`` for rank 0 and rank 1 (vLLM's
+rank and size functions answer for that rank; no process group is started, so vLLM's
+own weight loaders do the cutting, as in an engine). Whatever way ``Q(W)`` arrives (a
+refit's whole grid on either wire, vLLM's loader with a checkpoint's weights, an
+export's packed fields), each rank holds exactly its share of the whole layer's ``Q(W)``
+as fp4rl's trainer computes it: its rows of q/k/v (KV heads included), gate/up, and its
+inputs of down, with NVFP4's per-tensor scale the whole weight's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
+                           "these tests in an environment of its own")
+
+from fp4rl.gemm import pack_operand  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
+from fp4rl.recovery import make_recovery  # noqa: E402
+from fp4rl.rollout.vllm.config import VLLMError  # noqa: E402
+from fp4rl.rollout.vllm.method import FP4RLConfig, install, process  # noqa: E402
+
+TP = 2
+HIDDEN, HEAD, HEADS, KV_HEADS, FFN = 128, 16, 8, 2, 256
+#: (vLLM layer, HF parts, their rows, inputs)
+LAYERS = {
+    "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"),
+                           (HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD), HIDDEN),
+    "mlp.gate_up_proj": (("gate_proj", "up_proj"), (FFN, FFN), HIDDEN),
+    "mlp.down_proj": (("down_proj",), (HIDDEN,), FFN),
+}
+
+
+def _as_rank(monkeypatch, rank: int) -> None:
+    import vllm.distributed as dist
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+
+    for module in (linear, parameter, dist):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: rank)
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: TP)
+
+
+def _layer(name: str, recipe: str, storage: str) -> torch.nn.Module:
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    config = FP4RLConfig(get_recipe(recipe), storage)
+    prefix = f"model.layers.0.{name}"
+    if name.endswith("qkv_proj"):
+        layer = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False,
+                                  quant_config=config, prefix=prefix)
+    elif name.endswith("gate_up_proj"):
+        layer = MergedColumnParallelLinear(HIDDEN, [FFN, FFN], bias=False,
+                                           quant_config=config, prefix=prefix)
+    else:
+        layer = RowParallelLinear(FFN, HIDDEN, bias=False, input_is_parallel=True,
+                                  reduce_results=False, quant_config=config, prefix=prefix)
+    layer.fp4rl.prepack = False  # keep the values readable (no oneDNN copy)
+    return layer
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {part: torch.randn(rows, cols, generator=g) * (1 + i)
+            for _, (parts, sizes, cols) in LAYERS.items()
+            for i, (part, rows) in enumerate(zip(parts, sizes, strict=True))}
+
+
+def _whole_q(recipe: str, w: torch.Tensor) -> torch.Tensor:
+    """fp4rl's trainer's ``Q(W)`` of the whole weight, dense, float32."""
+    r = get_recipe(recipe).rollout
+    method = make_recovery(r.recovery, r.activations, w.shape[1], 0, weight_format=r.weights)
+    return method.weight_operand(w).dense().float()
+
+
+def _rank_share(name: str, part: str, rank: int, q: torch.Tensor) -> torch.Tensor:
+    """What vLLM gives rank ``rank`` of a whole weight: its rows (a KV head each here), or
+    for the row-parallel layer its inputs."""
+    if name.endswith("down_proj"):
+        per = q.shape[1] // TP
+        return q[:, rank * per:(rank + 1) * per]
+    per = q.shape[0] // TP
+    return q[rank * per:(rank + 1) * per]
+
+
+def _held(layer: torch.nn.Module) -> torch.Tensor:
+    """The layer's ``Q(W)`` as its store holds it, dense, float32, parts in row order."""
+    return torch.cat([op.values.float() * (1 if op.scale is None else op.scale)
+                      for _, op, _ in layer.fp4rl.store.gemms()])
+
+
+def _expected(recipe: str, name: str, rank: int, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    parts = LAYERS[name][0]
+    return torch.cat([_rank_share(name, p, rank, _whole_q(recipe, w[p])) for p in parts])
+
+
+RECIPES = ["hif4+resq-2:4", "mxfp4", "nvfp4:fp4/w4a16"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("storage", ["dequantized", "packed"])
+@pytest.mark.parametrize("wire", ["packed", "bf16"])
+def test_a_refit_installs_each_ranks_share(monkeypatch, recipe, storage, wire):
+    if storage == "packed" and wire == "bf16":
+        pytest.skip("a packed store takes the packed wire only")
+    w = _weights()
+    fmt = get_recipe(recipe).rollout.weights
+    for rank in range(TP):
+        _as_rank(monkeypatch, rank)
+        for name, (parts, _, _) in LAYERS.items():
+            layer = _layer(name, recipe, storage)
+            process(layer)  # the dummy start
+            grids = []
+            for p in parts:
+                r = get_recipe(recipe).rollout
+                method = make_recovery(r.recovery, r.activations, w[p].shape[1], 0,
+                                       weight_format=fmt)
+                g = method.weight_operand(w[p], packed=True)
+                grids.append(g if wire == "packed" else g.decode(torch.bfloat16))
+            install(layer, grids)
+            assert process(layer)
+            assert layer.fp4rl.store.storage == storage
+            assert torch.equal(_held(layer), _expected(recipe, name, rank, w)), (rank, name)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, recipe):
+    """A checkpoint's whole weights through vLLM's own loader, and an export's whole
+    packed fields through the method's field loaders: each rank quantizes (or keeps) its
+    share; NVFP4's per-tensor scale is the maximum over the ranks (the all-reduce is
+    answered from both ranks' shares here, as there is no process group)."""
+    import fp4rl.rollout.vllm.method as method_module
+    from fp4rl.formats.nvfp4 import finite_amax
+
+    w = _weights(1)
+    fmt = get_recipe(recipe).rollout.weights
+    whole_of = {float(finite_amax(_rank_share(n, p, r, w[p]))): finite_amax(w[p])
+                for n, (parts, _, _) in LAYERS.items() for p in parts for r in range(TP)}
+    monkeypatch.setattr(method_module, "whole_amax", lambda amax: whole_of[float(amax)])
+    for rank in range(TP):
+        _as_rank(monkeypatch, rank)
+        for name, (parts, _, _) in LAYERS.items():
+            ids = [None] if len(parts) == 1 else ("qkv" if len(parts) == 3 else (0, 1))
+            loaded = _layer(name, recipe, "dequantized")
+            for part, sid in zip(parts, ids, strict=False):
+                args = () if sid is None else (sid,)
+                loaded.weight.weight_loader(loaded.weight, w[part], *args)
+            assert process(loaded)
+            assert torch.equal(_held(loaded), _expected(recipe, name, rank, w)), (rank, name)
+
+            exported = _layer(name, recipe, "packed")
+            for part, sid in zip(parts, ids, strict=False):
+                packed = pack_operand(w[part], fmt)
+                fields = dict(packed.row_fields())
+                if packed.scale is not None:
+                    fields["tensor_scale"] = packed.scale.reshape(1)
+                for field, value in fields.items():
+                    param = getattr(exported, f"weight_{field}")
+                    param.weight_loader(param, value, *(() if sid is None else (sid,)))
+            assert process(exported)
+            assert torch.equal(_held(exported), _expected(recipe, name, rank, w)), (rank, name)
+
+
+@pytest.mark.parametrize(("recipe", "ffn", "match"), [
+    ("hif4", 192, r"splits .* across hif4's blocks of 64"),  # 96 inputs a rank
+    ("nvfp4", FFN, r"nvfp4 activations scale by the whole input's amax"),
+    ("hif4+resq-channel:0.5", FFN, r"ranks channels across the whole input"),
+])
+def test_splits_a_rank_cannot_serve_are_refused_when_the_engine_is_built(
+        monkeypatch, recipe, ffn, match):
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    _as_rank(monkeypatch, 0)
+    with pytest.raises(VLLMError, match=match):
+        RowParallelLinear(ffn, HIDDEN, bias=False, quant_config=FP4RLConfig(get_recipe(recipe)),
+                          prefix="model.layers.0.mlp.down_proj")
