@@ -34,6 +34,43 @@ def test_triton_quantizers_bit_exact_on_gpu(fmt, dim, dtype, monkeypatch):
                        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
+def _same_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    both = torch.isnan(a.float()) & torch.isnan(b.float())
+    return a.dtype == b.dtype and torch.equal(torch.where(both, 0, a.float()),
+                                              torch.where(both, 0, b.float()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch):
+    """The ops a GPU rollout runs, on CUDA tensors: bf16 activations to bf16 block values
+    (NVFP4's scale kept on the device), ResQ's two terms, and the packed decode."""
+    from fp4rl.gemm import pack_operand, quantize_operand
+    from fp4rl.kernels import kernel_plan, resq_terms
+    from fp4rl.recovery import sparsify
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "c" not in kernel_plan(fmt, "cuda").values()
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(33, 192, generator=g) * 4).bfloat16()
+    f = fp4rl.get_format(fmt)
+    op = quantize_operand(x.cuda(), fmt)
+    scale = f.tensor_scale(x)
+    opts = {} if scale is None else {"per_tensor_scale": False}
+    want = f.quantize_reference(x.float() if scale is None else x.float() / scale, **opts)
+    assert _same_or_both_nan(op.values.cpu(), want.bfloat16())
+    if fmt != "nvfp4":
+        terms = resq_terms(fmt, x.cuda(), 2, 4)
+        q = f.quantize_reference(x.float())
+        assert terms is not None and _same_or_both_nan(terms[0].cpu(), q.bfloat16())
+        assert _same_or_both_nan(terms[1].cpu(),
+                                 sparsify(f.quantize_reference(x.float() - q), "2:4").bfloat16())
+    if fmt != "mxfp8_e4m3":
+        w = torch.randn(40, 192, generator=g)
+        packed = pack_operand(w.cuda(), fmt)
+        want = f.decode(pack_operand(w, fmt).packed)
+        assert _same_or_both_nan(packed.decode(torch.float32).values.cpu(), want)
+
+
 def _one_step(device: str, tmp_path, precision: str) -> dict:
     # top_k=1 makes sampling device-independent; the reward is a fixed 0/1 stream, so
     # both runs train on the same advantages
