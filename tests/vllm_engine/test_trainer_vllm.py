@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
@@ -32,10 +33,16 @@ def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_pat
     gc.collect()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    bf16_bytes = sum(2 * p.numel() for p in load_model("smollm2-135m")[0].parameters())
+    # the engine computes in the run's dtype (auto: bf16 where this CPU does it natively,
+    # else fp32), and the tensors other than Q(W) travel in it: the packed grid keeps the
+    # refit under half the model's bytes in that dtype (0.43x in bf16, 0.32x in fp32)
+    from fp4rl.precision import compute_dtype, resolve_mixed_precision
+
+    itemsize = compute_dtype(resolve_mixed_precision("auto", torch.device("cpu"))).itemsize
+    engine_bytes = sum(itemsize * p.numel() for p in load_model("smollm2-135m")[0].parameters())
     for r in rows:
         assert r["time/refit"] > 0 and r["sync/bytes"] > 0  # refit before every rollout
-        assert r["sync/bytes"] <= 0.5 * bf16_bytes  # the packed Q(W) on the wire
+        assert r["sync/bytes"] <= 0.5 * engine_bytes  # the packed Q(W) on the wire
         assert r["completions/mean_length"] > 0
     trained = [r for r in rows if r["active_fraction"] > 0]
     assert trained, "the smoke preset earns reward within two steps"
