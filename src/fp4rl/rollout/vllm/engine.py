@@ -57,6 +57,8 @@ class EngineSpec:
     per_rank: bool = False
     #: no CUDA graphs or torch.compile; None: :attr:`eager` decides
     enforce_eager: bool | None = None
+    #: ranks one engine's layers are split over (each holds its share of ``Q(W)``)
+    tensor_parallel_size: int = 1
 
     @property
     def eager(self) -> bool:
@@ -112,6 +114,7 @@ def make_llm(spec: EngineSpec) -> Any:
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=spec.eager, max_model_len=spec.max_model_len,
                         logprobs_mode="processed_logprobs", **launcher, **memory,
+                        tensor_parallel_size=spec.tensor_parallel_size,
                         **method_kwargs(spec.recipe, spec.weight_storage))
 
 
