@@ -172,16 +172,22 @@ def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch
 
     Returns None where no fused path applies; the caller then composes the steps.
     """
-    if rows.dtype != torch.float32:
-        return None
-    kernels = _backend(fmt_name, rows.device, "resq")
+    kernels = _resq_backend(fmt_name, rows, "resq", group, (torch.float32,))
     if kernels is None:
         return None
     if kernels is cpu:
-        if group > RESQ_MAX_GROUP:
-            return None
         return cpu.resq_rows_cpu(fmt_name, rows.contiguous(), keep, group)
     return kernels.fused_resq(fmt_name, rows, keep, group)
+
+
+def _resq_backend(fmt_name: str, rows: torch.Tensor, op: str, group: int,
+                  dtypes: tuple[torch.dtype, ...]) -> ModuleType | None:
+    """The backend that runs ResQ's ``op`` on ``rows``, or None: a dtype it does not read,
+    or an n:m group wider than the C kernel takes."""
+    if rows.dtype not in dtypes:
+        return None
+    kernels = _backend(fmt_name, rows.device, op)
+    return None if kernels is cpu and group > RESQ_MAX_GROUP else kernels
 
 
 def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
@@ -190,14 +196,11 @@ def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
     or bfloat16 rows in one pass (the terms :func:`resq_rows` sums), or None where no
     fused path applies. The two are consecutive halves of one buffer, so a GEMM of both
     reads them without a copy (see :func:`fp4rl.gemm.mm`)."""
-    if rows.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    kernels = _backend(fmt_name, rows.device, "resq_terms")
+    kernels = _resq_backend(fmt_name, rows, "resq_terms", group,
+                            (torch.float32, torch.bfloat16))
     if kernels is None:
         return None
     if kernels is cpu:
-        if group > RESQ_MAX_GROUP:
-            return None
         out = cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
     else:
         out = kernels.resq_terms(fmt_name, rows, keep, group)
