@@ -147,9 +147,12 @@ def test_fsdp_packed_gather_on_the_device(fmt, monkeypatch):
     (gloo and NCCL move real bytes), as a 1-rank gather that hands back its own."""
     import fp4rl.rollout.weight_sync as ws
 
+    def all_gather(out: list[torch.Tensor], mine: torch.Tensor) -> None:
+        for o in out:
+            o.copy_(mine)
+
     monkeypatch.setattr(ws.dist, "all_reduce", lambda t, op=None: None)
-    monkeypatch.setattr(ws.dist, "all_gather",
-                        lambda out, t: [o.copy_(t) for o in out] and None)
+    monkeypatch.setattr(ws.dist, "all_gather", all_gather)
 
     class Shard:
         shape = (32, 128)

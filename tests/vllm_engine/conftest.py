@@ -74,3 +74,21 @@ def _one_tests_memory():
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@pytest.fixture
+def as_tp_rank(monkeypatch):
+    """``as_tp_rank(rank, size)``: vLLM's tensor-parallel rank and size functions answer
+    for that rank, with no process group started, so vLLM's own layers and weight loaders
+    can be built and called as on that rank of an engine."""
+
+    def set_rank(rank: int, size: int) -> None:
+        import vllm.distributed as dist
+        import vllm.model_executor.layers.linear as linear
+        import vllm.model_executor.parameter as parameter
+
+        for module in (linear, parameter, dist):
+            monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: rank)
+            monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: size)
+
+    return set_rank

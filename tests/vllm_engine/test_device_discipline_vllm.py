@@ -32,13 +32,8 @@ IN, PARTS = 128, [32, 16, 16]  # a merged q/k/v layer
 
 
 @pytest.fixture(autouse=True)
-def _tensor_parallel_one(monkeypatch):
-    import vllm.distributed as dist
-    import vllm.model_executor.parameter as parameter
-
-    for module in (parameter, dist):
-        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 0)
-        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 1)
+def _tensor_parallel_one(as_tp_rank):
+    as_tp_rank(0, 1)
 
 
 def _merged_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

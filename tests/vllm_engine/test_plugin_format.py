@@ -25,13 +25,8 @@ from fp4rl.rollout.vllm.method import FP4RLLinearMethod, process  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _tensor_parallel_one(monkeypatch):
-    import vllm.distributed as dist
-    import vllm.model_executor.parameter as parameter
-
-    for module in (parameter, dist):
-        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 0)
-        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: 1)
+def _tensor_parallel_one(as_tp_rank):
+    as_tp_rank(0, 1)
 
 
 @pytest.mark.parametrize("storage", ["dequantized", "packed"])

@@ -35,16 +35,6 @@ LAYERS = {
 }
 
 
-def _as_rank(monkeypatch, rank: int) -> None:
-    import vllm.distributed as dist
-    import vllm.model_executor.layers.linear as linear
-    import vllm.model_executor.parameter as parameter
-
-    for module in (linear, parameter, dist):
-        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: rank)
-        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: TP)
-
-
 def _layer(name: str, recipe: str, storage: str) -> torch.nn.Module:
     from vllm.model_executor.layers.linear import (
         MergedColumnParallelLinear,
@@ -108,13 +98,13 @@ RECIPES = ["hif4+resq-2:4", "mxfp4", "nvfp4:fp4/w4a16"]
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("storage", ["dequantized", "packed"])
 @pytest.mark.parametrize("wire", ["packed", "bf16"])
-def test_a_refit_installs_each_ranks_share(monkeypatch, recipe, storage, wire):
+def test_a_refit_installs_each_ranks_share(as_tp_rank, recipe, storage, wire):
     if storage == "packed" and wire == "bf16":
         pytest.skip("a packed store takes the packed wire only")
     w = _weights()
     fmt = get_recipe(recipe).rollout.weights
     for rank in range(TP):
-        _as_rank(monkeypatch, rank)
+        as_tp_rank(rank, TP)
         for name, (parts, _, _) in LAYERS.items():
             layer = _layer(name, recipe, storage)
             process(layer)  # the dummy start
@@ -132,7 +122,8 @@ def test_a_refit_installs_each_ranks_share(monkeypatch, recipe, storage, wire):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, recipe):
+def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, as_tp_rank,
+                                                                   recipe):
     """A checkpoint's whole weights through vLLM's own loader, and an export's whole
     packed fields through the method's field loaders: each rank quantizes (or keeps) its
     share; NVFP4's per-tensor scale is the maximum over the ranks (the all-reduce is
@@ -146,7 +137,7 @@ def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, re
                 for n, (parts, _, _) in LAYERS.items() for p in parts for r in range(TP)}
     monkeypatch.setattr(method_module, "whole_amax", lambda amax: whole_of[float(amax)])
     for rank in range(TP):
-        _as_rank(monkeypatch, rank)
+        as_tp_rank(rank, TP)
         for name, (parts, _, _) in LAYERS.items():
             ids = [None] if len(parts) == 1 else ("qkv" if len(parts) == 3 else (0, 1))
             loaded = _layer(name, recipe, "dequantized")
@@ -175,10 +166,10 @@ def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, re
     ("hif4+resq-channel:0.5", FFN, r"ranks channels across the whole input"),
 ])
 def test_splits_a_rank_cannot_serve_are_refused_when_the_engine_is_built(
-        monkeypatch, recipe, ffn, match):
+        as_tp_rank, recipe, ffn, match):
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    _as_rank(monkeypatch, 0)
+    as_tp_rank(0, TP)
     with pytest.raises(VLLMError, match=match):
         RowParallelLinear(ffn, HIDDEN, bias=False, quant_config=FP4RLConfig(get_recipe(recipe)),
                           prefix="model.layers.0.mlp.down_proj")

@@ -405,10 +405,9 @@ def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> 
 def _whole_scale(state: LayerState, shard: torch.Tensor) -> torch.Tensor | None:
     """The per-tensor scale of the whole weight a rank's ``shard`` is part of (NVFP4 under
     tensor parallelism), or None where the shard's own is the whole's or there is none."""
-    fmt = get_format(state.fmt) if state.fmt != UNQUANTIZED else None
-    if state.partition is None or fmt is None or not has_tensor_scale(state.fmt):
+    if state.partition is None or not has_tensor_scale(state.fmt):
         return None
-    return fmt.tensor_scale(whole_amax(finite_amax(shard)))
+    return get_format(state.fmt).tensor_scale(whole_amax(finite_amax(shard)))
 
 
 def release_freed_memory() -> None:

@@ -50,7 +50,7 @@ class Partition:
         return self.row_parallel or sum(self.rows_per_rank) != self.rows
 
 
-def check_partition(partition: Partition, recipe: Recipe, prefix: str = "") -> None:
+def check_partition(partition: Partition, recipe: Recipe) -> None:
     """Refuse, in one line, a split across which this rank's rollout would not equal its
     share of the whole layer's: a block of the weight or activation format straddling two
     ranks' inputs, NVFP4 activations (their per-tensor scale is the whole input's amax,
@@ -58,8 +58,7 @@ def check_partition(partition: Partition, recipe: Recipe, prefix: str = "") -> N
     if not partition.row_parallel:
         return
     r = recipe.rollout
-    where = (f"{prefix or 'a layer'} ({partition.in_features} inputs, "
-             f"{partition.in_per_rank} a rank)")
+    where = f"a layer ({partition.in_features} inputs, {partition.in_per_rank} a rank)"
     for fmt in dict.fromkeys((r.weights, r.activations)):
         if fmt == UNQUANTIZED:
             continue
