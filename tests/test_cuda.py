@@ -49,7 +49,7 @@ def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch)
     from fp4rl.recovery import sparsify
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "c" not in kernel_plan(fmt, "cuda").values()
+    assert "c" not in kernel_plan(fp4rl.get_format(fmt), "cuda").values()
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(33, 192, generator=g) * 4).bfloat16()
     f = fp4rl.get_format(fmt)
@@ -59,7 +59,7 @@ def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch)
     want = f.quantize_reference(x.float() if scale is None else x.float() / scale, **opts)
     assert _same_or_both_nan(op.values.cpu(), want.bfloat16())
     if fmt != "nvfp4":
-        terms = resq_terms(fmt, x.cuda(), 2, 4)
+        terms = resq_terms(f, x.cuda(), 2, 4)
         q = f.quantize_reference(x.float())
         assert terms is not None and _same_or_both_nan(terms[0].cpu(), q.bfloat16())
         assert _same_or_both_nan(terms[1].cpu(),

@@ -6,6 +6,7 @@ import json
 import re
 
 from fp4rl.cli import main
+from fp4rl.formats import get_format
 from fp4rl.kernels import kernel_choice
 
 
@@ -24,10 +25,10 @@ def test_env_prints_versions_devices_and_kernels(tmp_path, capsys):
 
 def test_env_says_why_a_format_takes_the_reference_path(monkeypatch, capsys):
     monkeypatch.setenv("FP4RL_DISABLE_KERNELS", "1")
-    assert kernel_choice("hif4", "cpu") == ("reference", "FP4RL_DISABLE_KERNELS=1")
+    assert kernel_choice(get_format("hif4"), "cpu") == ("reference", "FP4RL_DISABLE_KERNELS=1")
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"mxfp4 on cpu +reference: FP4RL_DISABLE_KERNELS=1", text)
     assert re.search(r"FP4RL_DISABLE_KERNELS +1\n", text)
     monkeypatch.delenv("FP4RL_DISABLE_KERNELS")
-    assert kernel_choice("no-such-format", "cpu")[0] == "reference"
+    assert kernel_choice(get_format("bf16"), "cpu") == ("reference", "no kernel knows this format")

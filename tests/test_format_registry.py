@@ -1,7 +1,8 @@
-"""Formats as plug-ins: registering one, and kernels looked up by format name.
+"""Formats as plug-ins: registering one, and the kernels each format object owns.
 
-A format registered from outside the package has no kernel, so every fast-path entry
-point declines it and the format's own reference path does the work.
+A format registered from outside the package has no kernel unless it declares one
+(``kernels``), so every fast-path entry point declines it and the format's own
+reference path does the work.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class MXINT4(MXFormat):
 
 
 class RenamedHiF4(HiF4):
-    """HiF4's arithmetic under another name, counting reference-path calls."""
+    """HiF4's arithmetic under another name, counting reference-path calls; its kernels
+    are the class's own, so they come with it."""
 
     name = "hif4_renamed"
 
@@ -90,19 +92,29 @@ def test_plugin_format_quantizes_through_its_reference():
     assert _bits_equal(fmt.decode(fmt.encode(y)), fp4rl.quantize(y, "mxint4_test"))
 
 
-def test_renamed_builtin_takes_the_reference_and_still_matches_the_kernel():
-    fmt = register_format(RenamedHiF4())
+class ReferenceHiF4(RenamedHiF4):
+    """A subclass that changes arithmetic must drop the kernels it inherits."""
+
+    name = "hif4_reference"
+    kernels = None
+
+
+@pytest.mark.skipif(cpu.load_library() is None, reason="the C kernel did not build")
+def test_kernels_follow_the_format_object_not_its_name():
+    renamed, plain = register_format(RenamedHiF4()), register_format(ReferenceHiF4())
     x = _heavy_tailed((9, 130), seed=2)
     for dim in (0, 1):
-        assert _bits_equal(fp4rl.quantize(x, "hif4_renamed", dim=dim),
-                           fp4rl.quantize(x, "hif4", dim=dim))
-    assert fmt.field_calls == 2  # no kernel ran in its place
+        expected = fp4rl.quantize(x, "hif4", dim=dim)
+        assert _bits_equal(fp4rl.quantize(x, "hif4_renamed", dim=dim), expected)
+        assert _bits_equal(fp4rl.quantize(x, "hif4_reference", dim=dim), expected)
+    assert renamed.field_calls == 0  # HiF4's kernel ran under the new name
+    assert plain.field_calls == 2  # no kernel: the reference, once per dim
 
 
 def test_fused_resq_declines_a_plugin_and_the_steps_compose():
     register_format(MXINT4())
     x = _heavy_tailed((5, 64), seed=3)
-    assert kernels.resq_rows("mxint4_test", x, 2, 4) is None
+    assert kernels.resq_rows(get_format("mxint4_test"), x, 2, 4) is None
     qx = fp4rl.quantize(x, "mxint4_test")
     expected = qx + sparsify(fp4rl.quantize(x - qx, "mxint4_test"), "2:4")
     assert _bits_equal(resq_activation(x, "mxint4_test", "2:4"), expected)
@@ -133,28 +145,36 @@ def test_unknown_name_suggests_the_closest():
 
 
 def test_no_kernel_for_a_plugin_format(monkeypatch):
+    fmt = MXINT4()
     x = _heavy_tailed((4, 64), seed=4)
-    assert not any(kernels.has_kernel("mxint4_test", "cpu", axis) for axis in (0, 1))
-    assert not kernels.has_matrix_kernel("mxint4_test", x)
-    assert kernels.quantize_rows("mxint4_test", x, None) is None
-    assert kernels.quantize_matrix("mxint4_test", x, 1, None) is None
+    assert not any(kernels.has_kernel(fmt, "cpu", axis) for axis in (0, 1))
+    assert not kernels.has_matrix_kernel(fmt, x)
+    assert kernels.quantize_rows(fmt, x, None) is None
+    assert kernels.quantize_matrix(fmt, x, 1, None) is None
     monkeypatch.setenv("FP4RL_KERNELS", "triton")
-    assert not kernels.has_kernel("mxint4_test", "cpu")
+    assert not kernels.has_kernel(fmt, "cpu")
+
+
+def test_a_format_declares_only_operations_that_exist():
+    with pytest.raises(ValueError, match=r"unknown kernel operations \['rows_fp8'\]"):
+        kernels.FormatKernels(kernels.FMT_HIF4, c=frozenset({"rows", "rows_fp8"}))
 
 
 @pytest.mark.skipif(cpu.load_library() is None, reason="the C kernel did not build")
-def test_builtin_kernels_found_by_name_on_cpu():
+def test_builtin_formats_own_their_cpu_kernels():
     x = _heavy_tailed((4, 64), seed=5)
     for name in ("hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"):
-        assert kernels.has_kernel(name, "cpu", 0)
-        assert kernels.has_kernel(name, torch.device("cpu"), 1)
-        assert kernels.has_matrix_kernel(name, x)
+        fmt = get_format(name)
+        assert kernels.has_kernel(fmt, "cpu", 0)
+        assert kernels.has_kernel(fmt, torch.device("cpu"), 1)
+        assert kernels.has_matrix_kernel(fmt, x)
         no_tensor_scale = {"per_tensor_scale": False} if name == "nvfp4" else {}
-        assert _bits_equal(kernels.quantize_rows(name, x, None),
-                           get_format(name).quantize_reference(x, **no_tensor_scale))
-    assert not kernels.has_kernel("bf16", "cpu")  # element-wise: no block kernel
-    assert not kernels.has_kernel("hif4", "meta")
-    assert kernels.resq_rows("hif4", x, 2, 4) is not None
-    assert kernels.resq_rows("nvfp4", x, 2, 4) is None  # its per-tensor scale needs two passes
+        assert _bits_equal(kernels.quantize_rows(fmt, x, None),
+                           fmt.quantize_reference(x, **no_tensor_scale))
+    hif4, nvfp4 = get_format("hif4"), get_format("nvfp4")
+    assert not kernels.has_kernel(get_format("bf16"), "cpu")  # element-wise: no block kernel
+    assert not kernels.has_kernel(hif4, "meta")
+    assert kernels.resq_rows(hif4, x, 2, 4) is not None
+    assert kernels.resq_rows(nvfp4, x, 2, 4) is None  # its per-tensor scale needs two passes
     with pytest.raises(ValueError, match="axis must be 0 or 1"):
-        kernels.has_kernel("hif4", "cpu", 2)
+        kernels.has_kernel(hif4, "cpu", 2)

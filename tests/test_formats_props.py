@@ -271,7 +271,7 @@ def test_bf16_row_kernel_matches_reference(fmt, x):
 
     rows = x.bfloat16()
     rows[0, 0] = float("nan") if x.shape[1] > 40 else rows[0, 0]  # a poisoned first block
-    fast = quantize_rows_bf16(fmt, rows)
+    fast = quantize_rows_bf16(fp4rl.get_format(fmt), rows)
     assert fast is not None and fast.dtype == torch.bfloat16
     reference = fp4rl.get_format(fmt).quantize_reference(rows.float())
     # every value exact (bf16 holds them all); NaN where the reference has NaN (a NaN's
@@ -286,5 +286,5 @@ def test_bf16_row_kernel_leaves_nvfp4_and_fp32_to_the_general_path():
     from fp4rl.kernels import quantize_rows_bf16
 
     x = torch.randn(4, 64)
-    assert quantize_rows_bf16("nvfp4", x.bfloat16()) is None
-    assert quantize_rows_bf16("hif4", x) is None
+    assert quantize_rows_bf16(fp4rl.get_format("nvfp4"), x.bfloat16()) is None
+    assert quantize_rows_bf16(fp4rl.get_format("hif4"), x) is None

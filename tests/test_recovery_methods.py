@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp4rl.formats import quantize
+from fp4rl.formats import get_format, quantize
 from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, get_recipe
 from fp4rl.recovery import Recovery
 from fp4rl.recovery.resq import resq_activation, resq_matmul
@@ -52,7 +52,7 @@ def test_fused_bf16_terms_equal_the_composed_steps(fmt, pattern, shape):
     x = outlier_activations(*shape)
     p = parse_pattern(pattern)
     keep, group = (p.n, p.m) if pattern != "dense" else (0, 0)
-    terms = resq_terms(fmt, x, keep, group)
+    terms = resq_terms(get_format(fmt), x, keep, group)
     assert terms is not None and all(t.dtype == torch.bfloat16 for t in terms)
     qx = quantize(x, fmt)
     residual = sparsify(quantize(x - qx, fmt), pattern)

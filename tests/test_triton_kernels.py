@@ -85,7 +85,7 @@ def test_fused_resq_matches_composed_reference(triton_path, fmt, pattern):
     from fp4rl.kernels import triton_quant
 
     keep, group = (0, 0) if pattern == "dense" else map(int, pattern.split(":"))
-    fused = triton_quant.fused_resq(fmt, x, keep, group)
+    fused = triton_quant.fused_resq(get_format(fmt), x, keep, group)
     assert fused is not None  # the kernel itself ran, not a fallback
     q = get_format(fmt).quantize_reference
     qx = q(x)
@@ -97,9 +97,9 @@ def test_fused_resq_declines_what_it_cannot_fuse(triton_path):
     from fp4rl.kernels import resq_rows, triton_quant
 
     x = _heavy_tailed((8, 64), seed=6)
-    assert resq_rows("nvfp4", x, 2, 4) is None
-    assert triton_quant.fused_resq("nvfp4", x, 2, 4) is None
-    assert triton_quant.fused_resq("hif4", x, 2, 6) is None
+    assert resq_rows(get_format("nvfp4"), x, 2, 4) is None
+    assert triton_quant.fused_resq(get_format("nvfp4"), x, 2, 4) is None
+    assert triton_quant.fused_resq(get_format("hif4"), x, 2, 6) is None
     q = get_format("hif4").quantize_reference
     qx = q(x)
     assert _bits_equal(resq_activation(x, "hif4", "2:6"), qx + sparsify(q(x - qx), "2:6"))
@@ -136,7 +136,7 @@ def test_bf16_rows_to_bf16_block_values_in_one_pass(triton_path, fmt):
     x[2, 5] = float("nan")
     f = get_format(fmt)
     g = f.tensor_scale(x)
-    fast = quantize_rows_bf16(fmt, x, g)
+    fast = quantize_rows_bf16(f, x, g)
     assert fast is not None and fast.dtype == torch.bfloat16
     opts = {} if g is None else {"per_tensor_scale": False}
     ref = f.quantize_reference(x.float() if g is None else x.float() / g, **opts)
@@ -151,7 +151,7 @@ def test_resq_terms_written_once_each(triton_path, fmt, pattern, dtype):
 
     x = _heavy_tailed((21, 160), seed=9).to(dtype)
     keep, group = (0, 0) if pattern == "dense" else map(int, pattern.split(":"))
-    terms = resq_terms(fmt, x, keep, group)
+    terms = resq_terms(get_format(fmt), x, keep, group)
     assert terms is not None  # the Triton kernel ran
     q = get_format(fmt).quantize_reference
     qx = q(x.float())
@@ -174,7 +174,7 @@ def test_packed_decode_kernel_matches_the_reference_decoder(triton_path, fmt, dt
     packed = pack_operand(x, fmt).packed
     ref = get_format(fmt).decode(packed)
     fields = {k: v.reshape(9, -1) for k, v in packed.fields.items()}
-    got = triton_decode.decode_2d(fmt, fields, 9, cols, dtype)
+    got = triton_decode.decode_2d(get_format(fmt), fields, 9, cols, dtype)
     assert _same_or_both_nan(got, ref.to(dtype))
     assert _same_or_both_nan(decode_rows(packed, dtype), ref.to(dtype))  # the dispatch
 
@@ -188,7 +188,7 @@ def test_every_op_on_a_gpu_selects_its_triton_kernel():
 
     composed = {("nvfp4", "resq"), ("nvfp4", "resq_terms"), ("mxfp8_e4m3", "decode")}
     for fmt in FORMATS:
-        plan = kernel_plan(fmt, "cuda")
+        plan = kernel_plan(get_format(fmt), "cuda")
         assert set(plan) == set(OPERATIONS)
         for op, backend in plan.items():
             assert backend == ("none" if (fmt, op) in composed else "triton"), (fmt, op)
@@ -202,7 +202,6 @@ def test_a_model_on_the_triton_path_never_takes_the_reference(triton_path, recip
     training step (forward and backward GEMMs, stochastic gradient rounding) with every
     reference quantizer and decoder switched off: each op finds its Triton kernel (what a
     CUDA tensor selects, through the same dispatch)."""
-    from fp4rl.formats import row_decode
     from fp4rl.formats.base import BlockFormat
     from fp4rl.gemm import pack_operand
     from fp4rl.models import tiny_model
@@ -212,7 +211,8 @@ def test_a_model_on_the_triton_path_never_takes_the_reference(triton_path, recip
 
     monkeypatch.setattr(BlockFormat, "_reference_rows", refuse)
     monkeypatch.setattr(BlockFormat, "decode", refuse)
-    monkeypatch.setattr(row_decode, "_BLOCKS", {f: refuse for f in row_decode._BLOCKS})
+    for fmt in {type(fp4rl.get_format(f)) for f in FORMATS}:
+        monkeypatch.setattr(fmt, "table_decode", refuse)
     model, _ = tiny_model("llama", num_hidden_layers=1)
     fp4rl.quantize_model(model, recipe)
     ids = torch.randint(0, 100, (2, 6))

@@ -15,7 +15,7 @@ from importlib import metadata
 
 import torch
 
-from fp4rl.formats import list_formats
+from fp4rl.formats import get_format, list_formats
 from fp4rl.kernels import kernel_choice
 from fp4rl.precision import cpu_info, native_bf16
 
@@ -63,7 +63,7 @@ def devices() -> dict[str, str]:
 
 def kernels() -> dict[str, str]:
     targets = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-    return {f"{fmt} on {d}": "{}: {}".format(*kernel_choice(fmt, d))
+    return {f"{fmt} on {d}": "{}: {}".format(*kernel_choice(get_format(fmt), d))
             for fmt in list_formats() if fmt != "bf16" for d in targets}
 
 

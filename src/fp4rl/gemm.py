@@ -69,7 +69,7 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
-        values = quantize_rows_bf16(f.name, x, scale)
+        values = quantize_rows_bf16(f, x, scale)
         if values is not None:
             return Operand(values, scale)
     rounding = "stochastic" if stochastic else "nearest"

@@ -22,7 +22,7 @@ import torch
 from fp4rl.errors import UserError
 from fp4rl.formats._exact import nonfinite_blocks
 from fp4rl.formats.packing import PackedTensor
-from fp4rl.kernels import has_matrix_kernel, quantize_matrix, quantize_rows
+from fp4rl.kernels import FormatKernels, has_matrix_kernel, quantize_matrix, quantize_rows
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,6 +72,8 @@ class NumberFormat(ABC):
     extra_options: ClassVar[tuple[str, ...]] = ()
     #: how tables and reports write the name (default: upper case)
     label: ClassVar[str] = ""
+    #: the compiled kernels this format has (None: the reference path only)
+    kernels: ClassVar[FormatKernels | None] = None
 
     @property
     def display_name(self) -> str:
@@ -128,9 +130,9 @@ class NumberFormat(ABC):
 class BlockFormat(NumberFormat):
     """A block-scaled format described by per-block integer fields.
 
-    The fast path looks kernels up by ``name`` (see :mod:`fp4rl.kernels`); a format the
-    kernels do not know quantizes through the reference path, so a new format needs
-    only the four methods below.
+    The fast path runs the kernels the format declares in ``kernels`` (see
+    :mod:`fp4rl.kernels`); a format without them quantizes through the reference path,
+    so a new format needs only the four methods below.
     """
 
     # ----- what each format defines -------------------------------------------------
@@ -150,6 +152,28 @@ class BlockFormat(NumberFormat):
     def unpack(self, buffers: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
                                                                torch.Tensor]:
         """Fields and the NaN-block mask back from the storage buffers."""
+
+    # ----- fast paths a format may offer (None: the reference serves) ----------------
+    def table_decode(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``(N, block_size)`` float32 values of packed blocks by look-ups in the format's
+        tables on the buffers' device, the reference's values bit for bit (NaN blocks
+        included); None where the format has no such tables (see
+        :mod:`fp4rl.formats.row_decode`)."""
+        return None
+
+    def block_scales(self, blocks: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        """For the fast encoder of 4-bit sign-magnitude codes (see
+        :mod:`fp4rl.formats.row_encode`): the fields :meth:`pack` takes besides the
+        elements, of finite ``(N, block_size)`` float32 blocks, with empty element fields,
+        and each element group's float32 scale ``(N, groups, 1)``; None where the format
+        has no fast encoder."""
+        return None
+
+    def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
+        """3-bit uint8 codes of element magnitudes ``m`` (float32 values on the element
+        grid); a format that offers :meth:`block_scales` defines it."""
+        raise NotImplementedError(f"format {self.name!r} has no fast encoder")
 
     # ----- public API ----------------------------------------------------------------
     def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
@@ -197,12 +221,12 @@ class BlockFormat(NumberFormat):
         d = check_tensor(x, dim)
         if x.numel() == 0:
             return x.clone()
-        if fast and x.dim() == 2 and has_matrix_kernel(self.name, x):
+        if fast and x.dim() == 2 and has_matrix_kernel(self, x):
             return self._quantize_matrix(x, d, opts)
         rows, restore = _to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         noise = self._noise(*rows.shape, rows.device, opts)
-        out = quantize_rows(self.name, rows, noise, scale) if fast else None
+        out = quantize_rows(self, rows, noise, scale) if fast else None
         if out is None:
             out = self._reference_rows(rows if scale is None else rows / scale, noise)
             if scale is not None:
@@ -215,7 +239,7 @@ class BlockFormat(NumberFormat):
         :func:`has_matrix_kernel` holds."""
         scale = self._tensor_scale(x, opts)
         noise = self._noise(x.shape[1 - dim], x.shape[dim], x.device, opts)
-        out = quantize_matrix(self.name, x, dim, noise, scale)  # widens x where it must
+        out = quantize_matrix(self, x, dim, noise, scale)  # widens x where it must
         if out is None:
             raise RuntimeError(f"no matrix kernel for {self.name!r} (check has_matrix_kernel)")
         return out.to(x.dtype)

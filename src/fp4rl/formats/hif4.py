@@ -14,6 +14,7 @@ from fp4rl.formats._exact import bf16_round, floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
+from fp4rl.kernels import FMT_HIF4, QUANTIZE_AND_RESQ, FormatKernels
 
 C = 0.142578125  # bf16(1/7)
 SCALE_MIN, SCALE_MAX = 2.0**-48, 49152.0  # E6M2 range; 1.75 * 2**15 is the NaN code
@@ -39,6 +40,9 @@ class HiF4(BlockFormat):
     label = "HiF4"
     block_size = 64
     bits_per_value = 4.5
+    #: the C kernel runs every block pass; Triton also decodes packed weights
+    kernels = FormatKernels(FMT_HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode"})
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()
@@ -96,3 +100,25 @@ class HiF4(BlockFormat):
             "neg": elements >= 8,
         }
         return fields, nan
+
+    def table_decode(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Element ``m4 * 2^(d8 + d16 - 2) * s``: one factor per group of 4 (its level-2 bit
+        covers 8 values, its level-3 bit 4), broadcast over the group's elements."""
+        blocks = buffers["scale"].shape[0]
+        elements = ELEMENTS[unpack_nibbles(buffers["codes"]).long()].view(blocks, 16, 4)
+        d = (unpack_bits(buffers["level2"].unsqueeze(-1)).repeat_interleave(2, -1)
+             + unpack_bits(buffers["level3"]))
+        factor = QUARTERS[d.long()] * SCALES[buffers["scale"].long()].unsqueeze(-1)
+        return (elements * factor.unsqueeze(-1)).view(blocks, 64)
+
+    def block_scales(self, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        v16 = blocks.abs().unflatten(-1, (16, 4)).amax(-1).double()
+        s, _, d8, d16 = self.hierarchy(v16)
+        factor = QUARTERS[d8.repeat_interleave(2, -1) + d16] * s.float()  # 2^(d - 2) * s
+        empty = blocks[:, :0]
+        fields = {"scale": s, "d8": d8, "d16": d16, "m4": empty.long(), "neg": empty.bool()}
+        return fields, factor.unsqueeze(-1)
+
+    def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
+        """S1P2 magnitudes are the integers 0-7, their own codes."""
+        return m.round().to(torch.uint8)

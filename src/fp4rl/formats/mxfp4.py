@@ -13,6 +13,7 @@ from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
+from fp4rl.kernels import FMT_MXFP4, QUANTIZE_AND_RESQ, FormatKernels
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = DeviceTable(lambda: torch.tensor(E2M1_GRID, dtype=torch.float64))
@@ -54,6 +55,20 @@ def e2m1_decode(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Magnitudes and sign mask from 4-bit E2M1 codes."""
     codes = codes.to(torch.int64)
     return E2M1_VALUES[codes & 7], codes >= 8
+
+
+def e2m1_magnitude_codes(m: torch.Tensor) -> torch.Tensor:
+    """Grid indices 0-7 of E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (float32), by
+    arithmetic rather than a look-up, for the fast encoder."""
+    m = torch.where(m <= 2, 2 * m, torch.where(m <= 4, m + 2, 7.0))
+    return m.round_().to(torch.uint8)
+
+
+def e2m1_table_decode(buffers: dict[str, torch.Tensor], scales: DeviceTable) -> torch.Tensor:
+    """Float32 values of E2M1 blocks with one byte scale each, ``scales`` giving each scale
+    byte's value (NaN codes: NaN)."""
+    elements = E2M1_SIGNED[unpack_nibbles(buffers["codes"]).long()]
+    return elements * scales[buffers["scale"].long()].unsqueeze(-1)
 
 
 def shared_exponent(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -109,6 +124,9 @@ class MXFormat(BlockFormat):
 class MXFP4(MXFormat):
     name = "mxfp4"
     bits_per_value = 4.25
+    #: the C kernel runs every block pass; Triton also decodes packed weights
+    kernels = FormatKernels(FMT_MXFP4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode"})
     scale_offset = 2  # E2M1's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
@@ -119,3 +137,15 @@ class MXFP4(MXFormat):
 
     def decode_elements(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return e2m1_decode(unpack_nibbles(codes))
+
+    def table_decode(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        return e2m1_table_decode(buffers, E8M0_SCALES)
+
+    def block_scales(self, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        e = shared_exponent(blocks.abs().amax(-1, keepdim=True).double(), self.scale_offset)
+        empty = blocks[:, :0]
+        fields = {"exponent": e, "q": empty.double(), "neg": empty.bool()}
+        return fields, pow2(e).float().unsqueeze(-1)
+
+    def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
+        return e2m1_magnitude_codes(m)

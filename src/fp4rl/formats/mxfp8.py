@@ -9,12 +9,16 @@ import torch
 
 from fp4rl.formats.mxfp4 import MXFormat
 from fp4rl.formats.nvfp4 import e4m3_bytes, e4m3_round, e4m3_values
+from fp4rl.kernels import FMT_MXFP8_E4M3, QUANTIZE_AND_RESQ, FormatKernels
 
 
 class MXFP8(MXFormat):
     name = "mxfp8_e4m3"
     label = "MXFP8"
     bits_per_value = 8.25
+    #: no packed decode kernel: MXFP8 weights are not packed for the rollout
+    kernels = FormatKernels(FMT_MXFP8_E4M3, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16"})
     scale_offset = 8  # E4M3's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -13,9 +13,16 @@ import torch
 
 from fp4rl.formats._exact import round_minifloat
 from fp4rl.formats.base import BlockFormat, QuantOptions
-from fp4rl.formats.mxfp4 import e2m1_codes, e2m1_decode, e2m1_round
+from fp4rl.formats.mxfp4 import (
+    e2m1_codes,
+    e2m1_decode,
+    e2m1_magnitude_codes,
+    e2m1_round,
+    e2m1_table_decode,
+)
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
+from fp4rl.kernels import FMT_NVFP4, QUANTIZE, FormatKernels
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
@@ -51,6 +58,10 @@ class NVFP4(BlockFormat):
     name = "nvfp4"
     block_size = 16
     bits_per_value = 4.5
+    #: the C kernel lacks the ResQ and bf16 passes, as the per-tensor scale needs a pass
+    #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
+    #: residual has a scale of its own)
+    kernels = FormatKernels(FMT_NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"})
     extra_options = ("per_tensor_scale",)
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -75,6 +86,20 @@ class NVFP4(BlockFormat):
         q, neg = e2m1_decode(unpack_nibbles(buffers["codes"]))
         s = e4m3_values(torch.where(nan, 0, scale).to(torch.uint8)).unsqueeze(-1)
         return {"scale": s, "q": q, "neg": neg}, nan
+
+    def table_decode(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The block values alone: the per-tensor scale stays with the caller."""
+        return e2m1_table_decode(buffers, E4M3_SCALES)
+
+    def block_scales(self, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Of blocks already divided by the per-tensor scale."""
+        s = e4m3_round(torch.clamp(blocks.abs().amax(-1, keepdim=True).double() / 6.0,
+                                   max=E4M3_MAX))
+        empty = blocks[:, :0]
+        return {"scale": s, "q": empty.double(), "neg": empty.bool()}, s.float().unsqueeze(-1)
+
+    def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
+        return e2m1_magnitude_codes(m)
 
     def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
         """``amax / (6 * 448)`` of ``x`` as a 0-dim float32 tensor on its device (1 where

@@ -2,20 +2,23 @@
 
 Every fast path is bit-identical to the float64 reference in :mod:`fp4rl.formats`;
 the functions here return None (or False) where no fast path applies, and the caller
-then uses the reference (which runs on any device). Kernels are looked up by format
-name in a table of what each backend does, so a format registered from outside the
-package simply has none. CUDA tensors take the Triton kernels; ``FP4RL_KERNELS=triton``
-sends CPU tensors there too, which with ``TRITON_INTERPRET=1`` runs them through
-Triton's interpreter (how they are tested without a GPU). ``FP4RL_DISABLE_KERNELS=1``
-turns every fast path off.
+then uses the reference (which runs on any device). Each format object owns its kernels:
+its ``kernels`` attribute (a :class:`FormatKernels`, or None) names the code both kernel
+sources branch on and the operations each backend runs for it, so a format registered
+from outside the package simply has none. CUDA tensors take the Triton kernels;
+``FP4RL_KERNELS=triton`` sends CPU tensors there too, which with ``TRITON_INTERPRET=1``
+runs them through Triton's interpreter (how they are tested without a GPU).
+``FP4RL_DISABLE_KERNELS=1`` turns every fast path off.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -24,25 +27,46 @@ from fp4rl.kernels import cpu
 #: largest n:m group the fused CPU path handles
 RESQ_MAX_GROUP = 64
 
-_QUANTIZE = frozenset({"rows", "cols"})
-_QUANTIZE_AND_RESQ = _QUANTIZE | {"resq", "resq_terms"}
-_C_BLOCK_ONLY = _QUANTIZE_AND_RESQ | {"rows_bf16"}
-_TRITON_FP4 = _QUANTIZE_AND_RESQ | {"rows_bf16", "decode"}
-#: format name -> backend -> operations it runs ("rows"/"cols": quantize along axis 1/0,
-#: "resq": the fused ResQ pass, "resq_terms": ResQ's two bf16 GEMM operands in one pass,
-#: "rows_bf16": bf16 rows to their bf16 block values in one pass, "decode": packed codes
-#: to values). The C kernel lacks NVFP4's ResQ and bf16 passes, as its per-tensor scale
-#: needs a pass over the whole tensor first; NVFP4's ResQ composes quantizer passes on
-#: either backend (its residual has a scale of its own). Packed weights decode on a CPU
-#: through the formats' tables (fp4rl.formats.row_decode), no kernel needed.
-_SUPPORT: dict[str, dict[str, frozenset[str]]] = {
-    "hif4": {"c": _C_BLOCK_ONLY, "triton": _TRITON_FP4},
-    "mxfp4": {"c": _C_BLOCK_ONLY, "triton": _TRITON_FP4},
-    "nvfp4": {"c": _QUANTIZE, "triton": _QUANTIZE | {"rows_bf16", "decode"}},
-    "mxfp8_e4m3": {"c": _C_BLOCK_ONLY, "triton": _QUANTIZE_AND_RESQ | {"rows_bf16"}},
-}
-#: every operation a kernel may run
+#: the ``FMT`` codes quant.c (its FMT_* enum) and the Triton kernels branch on
+FMT_HIF4, FMT_MXFP4, FMT_NVFP4, FMT_MXFP8_E4M3 = range(4)
+#: operations: "rows"/"cols" (quantize along axis 1/0), "resq" (the fused ResQ pass),
+#: "resq_terms" (ResQ's two bf16 GEMM operands in one pass), "rows_bf16" (bf16 rows to
+#: their bf16 block values in one pass), "decode" (packed codes to values)
 OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode")
+QUANTIZE = frozenset({"rows", "cols"})
+QUANTIZE_AND_RESQ = QUANTIZE | {"resq", "resq_terms"}
+
+
+@dataclass(frozen=True)
+class FormatKernels:
+    """The compiled kernels of one format, declared by the format itself.
+
+    ``code`` selects the format's branch in quant.c and in the Triton kernels (one of the
+    ``FMT_*`` constants); ``c`` and ``triton`` are the :data:`OPERATIONS` each backend
+    runs for it. An operation a backend lacks is composed from others or taken by the
+    reference path (NVFP4's per-tensor scale, say, needs a pass over the whole tensor
+    before the C kernel's block pass).
+    """
+
+    code: int
+    c: frozenset[str] = frozenset()
+    triton: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = (self.c | self.triton) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"unknown kernel operations {sorted(unknown)}; "
+                             f"known: {', '.join(OPERATIONS)}")
+
+
+class KernelFormat(Protocol):
+    """What the kernels read of a format object (:class:`fp4rl.formats.NumberFormat`)."""
+
+    name: str
+    block_size: int
+    kernels: FormatKernels | None
+
+
 _AXIS_OPS = {0: "cols", 1: "rows"}
 
 
@@ -66,27 +90,27 @@ def _triton_for(device: torch.device) -> ModuleType | None:
     return None
 
 
-def _backend(fmt_name: str, device: torch.device, op: str) -> ModuleType | None:
-    """The kernel module that runs ``op`` for ``fmt_name`` on ``device`` (``triton_quant``
-    or ``cpu``), or None. Where Triton is chosen it is the only candidate."""
-    support = _SUPPORT.get(fmt_name)
+def _backend(fmt: KernelFormat, device: torch.device, op: str) -> ModuleType | None:
+    """The kernel module that runs ``op`` for ``fmt`` on ``device`` (``triton_quant`` or
+    ``cpu``), or None. Where Triton is chosen it is the only candidate."""
+    support = fmt.kernels
     if support is None:
         return None
     tri = _triton_for(device)
     if tri is not None:
-        return tri if op in support["triton"] else None
-    if device.type == "cpu" and op in support["c"] and cpu.load_library() is not None:
+        return tri if op in support.triton else None
+    if device.type == "cpu" and op in support.c and cpu.load_library() is not None:
         return cpu
     return None
 
 
-def kernel_choice(fmt_name: str, device: torch.device | str) -> tuple[str, str]:
-    """Which path quantizes ``fmt_name`` rows on ``device`` (``"c"``, ``"triton"`` or
+def kernel_choice(fmt: KernelFormat, device: torch.device | str) -> tuple[str, str]:
+    """Which path quantizes ``fmt``'s rows on ``device`` (``"c"``, ``"triton"`` or
     ``"reference"``) and why, for ``fp4rl env`` and bug reports."""
     device = torch.device(device)
     if os.environ.get("FP4RL_DISABLE_KERNELS") == "1":
         return "reference", "FP4RL_DISABLE_KERNELS=1"
-    if fmt_name not in _SUPPORT:
+    if fmt.kernels is None:
         return "reference", "no kernel knows this format"
     if device.type == "cuda" or os.environ.get("FP4RL_KERNELS") == "triton":
         why = "CUDA tensor" if device.type == "cuda" else "FP4RL_KERNELS=triton"
@@ -100,30 +124,30 @@ def kernel_choice(fmt_name: str, device: torch.device | str) -> tuple[str, str]:
     return "c", f"fused C kernel, {cpu._library_path().name}"
 
 
-def kernel_plan(fmt_name: str, device: torch.device | str) -> dict[str, str]:
-    """For each operation (:data:`OPERATIONS`), which backend runs it for ``fmt_name`` on
+def kernel_plan(fmt: KernelFormat, device: torch.device | str) -> dict[str, str]:
+    """For each operation (:data:`OPERATIONS`), which backend runs it for ``fmt`` on
     ``device``: ``"c"``, ``"triton"``, or ``"none"`` where no kernel does (the caller
     then composes other operations, or takes the reference path)."""
     device = torch.device(device)
     names = {None: "none", cpu: "c"}
-    return {op: names.get(_backend(fmt_name, device, op), "triton") for op in OPERATIONS}
+    return {op: names.get(_backend(fmt, device, op), "triton") for op in OPERATIONS}
 
 
-def has_kernel(fmt_name: str, device: torch.device | str, axis: int = 1) -> bool:
-    """Whether a kernel quantizes ``fmt_name`` along ``axis`` (1: rows, 0: columns) of a
+def has_kernel(fmt: KernelFormat, device: torch.device | str, axis: int = 1) -> bool:
+    """Whether a kernel quantizes ``fmt`` along ``axis`` (1: rows, 0: columns) of a
     matrix on ``device``; False for formats the kernels do not know."""
     if axis not in _AXIS_OPS:
         raise ValueError(f"axis must be 0 or 1, got {axis}")
-    return _backend(fmt_name, torch.device(device), _AXIS_OPS[axis]) is not None
+    return _backend(fmt, torch.device(device), _AXIS_OPS[axis]) is not None
 
 
-def has_matrix_kernel(fmt_name: str, x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_matrix` runs for ``fmt_name`` on ``x``'s device, whichever
+def has_matrix_kernel(fmt: KernelFormat, x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_matrix` runs for ``fmt`` on ``x``'s device, whichever
     axis it is asked for (a transposed view may flip the axis the kernel sees)."""
-    return all(has_kernel(fmt_name, x.device, axis) for axis in _AXIS_OPS)
+    return all(has_kernel(fmt, x.device, axis) for axis in _AXIS_OPS)
 
 
-def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
+def quantize_rows(fmt: KernelFormat, rows: torch.Tensor, noise: torch.Tensor | None,
                   tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Fake-quantize contiguous float32 ``(R, L)`` rows along L, or None if no fast path.
 
@@ -131,35 +155,41 @@ def quantize_rows(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
     device) quantizes ``rows / g`` and returns the result times g, both steps in float32.
     The Triton kernels read g on the device; only the C kernel takes it as a number.
     """
-    kernels = _backend(fmt_name, rows.device, "rows")
+    kernels = _backend(fmt, rows.device, "rows")
     if kernels is None:
         return None
     if noise is not None:
         noise = noise.contiguous()
     if kernels is cpu:
-        return cpu.quantize_rows_cpu(fmt_name, rows, noise, _number(tensor_scale))
-    return kernels.quantize_2d(fmt_name, rows, 1, noise, tensor_scale)
+        return cpu.quantize_rows_cpu(_code(fmt), rows, noise, _number(tensor_scale))
+    return kernels.quantize_2d(fmt, rows, 1, noise, tensor_scale)
 
 
-def quantize_matrix(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
+def quantize_matrix(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tensor | None,
                     tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Fake-quantize a float matrix along ``axis`` without a transposed copy (Triton: in
     ``x``'s dtype, read and written once; C: in float32), or None
     where :func:`has_matrix_kernel` is False (check it first: the caller's random draws
     depend on the path). ``noise`` is laid out as rows along ``axis``."""
-    if not has_matrix_kernel(fmt_name, x):
+    if not has_matrix_kernel(fmt, x):
         return None
     if noise is not None:
         noise = noise.contiguous()
     tri = _triton_for(x.device)
     if tri is not None:  # reads bf16 and fp16 as they are, writes x's dtype
-        return tri.quantize_2d(fmt_name, x, axis, noise, tensor_scale)
+        return tri.quantize_2d(fmt, x, axis, noise, tensor_scale)
     x = x.float()
     flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
     if flipped:
         x, axis = x.t(), 1 - axis
-    out = cpu.quantize_rows_cpu(fmt_name, x.contiguous(), noise, _number(tensor_scale), axis)
+    out = cpu.quantize_rows_cpu(_code(fmt), x.contiguous(), noise, _number(tensor_scale), axis)
     return out.t() if flipped and out is not None else out
+
+
+def _code(fmt: KernelFormat) -> int:
+    """``fmt``'s kernel code; only called once a backend was chosen, so it has kernels."""
+    assert fmt.kernels is not None
+    return fmt.kernels.code
 
 
 def _number(tensor_scale: torch.Tensor | None) -> float | None:
@@ -167,50 +197,49 @@ def _number(tensor_scale: torch.Tensor | None) -> float | None:
     return None if tensor_scale is None else float(tensor_scale)
 
 
-def resq_rows(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+def resq_rows(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
     """Fused Rollout-ResQ activation ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` (group 0: dense).
 
     Returns None where no fused path applies; the caller then composes the steps.
     """
-    kernels = _resq_backend(fmt_name, rows, "resq", group, (torch.float32,))
+    kernels = _resq_backend(fmt, rows, "resq", group, (torch.float32,))
     if kernels is None:
         return None
     if kernels is cpu:
-        return cpu.resq_rows_cpu(fmt_name, rows.contiguous(), keep, group)
-    return kernels.fused_resq(fmt_name, rows, keep, group)
+        return cpu.resq_rows_cpu(_code(fmt), rows.contiguous(), keep, group)
+    return kernels.fused_resq(fmt, rows, keep, group)
 
 
-def _resq_backend(fmt_name: str, rows: torch.Tensor, op: str, group: int,
+def _resq_backend(fmt: KernelFormat, rows: torch.Tensor, op: str, group: int,
                   dtypes: tuple[torch.dtype, ...]) -> ModuleType | None:
     """The backend that runs ResQ's ``op`` on ``rows``, or None: a dtype it does not read,
     or an n:m group wider than the C kernel takes."""
     if rows.dtype not in dtypes:
         return None
-    kernels = _backend(fmt_name, rows.device, op)
+    kernels = _backend(fmt, rows.device, op)
     return None if kernels is cpu and group > RESQ_MAX_GROUP else kernels
 
 
-def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int,
+def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int,
                group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float32
     or bfloat16 rows in one pass (the terms :func:`resq_rows` sums), or None where no
     fused path applies. The two are consecutive halves of one buffer, so a GEMM of both
     reads them without a copy (see :func:`fp4rl.gemm.mm`)."""
-    kernels = _resq_backend(fmt_name, rows, "resq_terms", group,
-                            (torch.float32, torch.bfloat16))
+    kernels = _resq_backend(fmt, rows, "resq_terms", group, (torch.float32, torch.bfloat16))
     if kernels is None:
         return None
     if kernels is cpu:
-        out = cpu.resq_terms_cpu(fmt_name, rows.contiguous(), keep, group)
+        out = cpu.resq_terms_cpu(_code(fmt), rows.contiguous(), keep, group)
     else:
-        out = kernels.resq_terms(fmt_name, rows, keep, group)
+        out = kernels.resq_terms(fmt, rows, keep, group)
     if out is None:
         return None
     n = rows.shape[0]
     return out[:n], out[n:]
 
 
-def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor,
+def quantize_rows_bf16(fmt: KernelFormat, rows: torch.Tensor,
                        tensor_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """``Q(x / g)`` along the rows of a bfloat16 matrix, nearest rounding, in bfloat16 (the
     same values as quantizing its float32 widening; every block value is exact in bf16),
@@ -218,27 +247,29 @@ def quantize_rows_bf16(fmt_name: str, rows: torch.Tensor,
     keeps it. None where no kernel applies (the C kernel has no per-tensor scale)."""
     if rows.dtype != torch.bfloat16 or rows.dim() != 2:
         return None
-    kernels = _backend(fmt_name, rows.device, "rows_bf16")
+    kernels = _backend(fmt, rows.device, "rows_bf16")
     if kernels is None:
         return None
     if kernels is cpu:
         return None if tensor_scale is not None else \
-            cpu.quantize_bf16_cpu(fmt_name, rows.contiguous())
-    return kernels.quantize_2d(fmt_name, rows, 1, None, tensor_scale,
+            cpu.quantize_bf16_cpu(_code(fmt), rows.contiguous())
+    return kernels.quantize_2d(fmt, rows, 1, None, tensor_scale,
                                out_dtype=torch.bfloat16, rescale=False)
 
 
-def decode_rows(fmt_name: str, fields: dict[str, torch.Tensor], rows: int, length: int,
+def decode_rows(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, length: int,
                 dtype: torch.dtype) -> torch.Tensor | None:
     """The values of a weight packed along its rows (fields laid out per row, as
     :meth:`fp4rl.gemm.PackedOperand.row_fields` gives them) in ``dtype``, by a kernel, or
     None where none applies (the caller decodes through the format's tables)."""
-    if _backend(fmt_name, fields["codes"].device, "decode") is None:
+    if _backend(fmt, fields["codes"].device, "decode") is None:
         return None
     from fp4rl.kernels import triton_decode
 
-    return triton_decode.decode_2d(fmt_name, fields, rows, length, dtype)
+    return triton_decode.decode_2d(fmt, fields, rows, length, dtype)
 
 
-__all__ = ["OPERATIONS", "decode_rows", "has_kernel", "has_matrix_kernel", "kernel_plan",
-           "quantize_matrix", "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms"]
+__all__ = ["FMT_HIF4", "FMT_MXFP4", "FMT_MXFP8_E4M3", "FMT_NVFP4", "OPERATIONS", "QUANTIZE",
+           "QUANTIZE_AND_RESQ", "FormatKernels", "KernelFormat", "decode_rows", "has_kernel",
+           "has_matrix_kernel", "kernel_plan", "quantize_matrix", "quantize_rows",
+           "quantize_rows_bf16", "resq_rows", "resq_terms"]

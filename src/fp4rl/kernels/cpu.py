@@ -30,8 +30,6 @@ SOURCE = Path(__file__).with_name("quant.c")
 PARALLEL_MIN_ELEMENTS = 1 << 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math")
-#: format name -> the ``fmt`` code of quant.c's C ABI (its FMT_* enum)
-_CODES = {"hif4": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8_e4m3": 3}
 
 
 def _cpu_model() -> str:
@@ -106,36 +104,28 @@ def _threads(t: torch.Tensor) -> int:
     return torch.get_num_threads() if t.numel() >= PARALLEL_MIN_ELEMENTS else 1
 
 
-def _code(fmt_name: str) -> int:
-    try:
-        return _CODES[fmt_name]
-    except KeyError:
-        raise ValueError(f"the C kernel has no format {fmt_name!r}") from None
-
-
-def _run(kernel: str, fmt_name: str, *args: object, refused: str = "") -> bool:
-    """Call the exported C function ``kernel`` with ``fmt_name``'s code and ``args``: False
-    where the library is unavailable; a non-zero status (a format or group the kernel
-    does not take) raises."""
-    code = _code(fmt_name)
+def _run(kernel: str, code: int, *args: object, refused: str = "") -> bool:
+    """Call the exported C function ``kernel`` with a format's ``code`` (its
+    :class:`fp4rl.kernels.FormatKernels` code) and ``args``: False where the library is
+    unavailable; a non-zero status (a format or group the kernel does not take) raises."""
     lib = load_library()
     if lib is None:
         return False
     if getattr(lib, kernel)(code, *args) != 0:
-        raise ValueError(f"the C kernel {kernel} refused format {fmt_name!r}{refused}")
+        raise ValueError(f"the C kernel {kernel} refused format code {code}{refused}")
     return True
 
 
-def resq_rows_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
+def resq_rows_cpu(code: int, rows: torch.Tensor, keep: int,
                   group: int) -> torch.Tensor | None:
     """Fused ``Q(x) + S(Q(x - Q(x)))`` over contiguous float32 rows (None if unavailable)."""
     out = torch.empty_like(rows)
-    ran = _run("fp4rl_resq", fmt_name, rows.data_ptr(), out.data_ptr(), rows.shape[0],
+    ran = _run("fp4rl_resq", code, rows.data_ptr(), out.data_ptr(), rows.shape[0],
                rows.shape[1], keep, group, _threads(rows), refused=f" / group {group}")
     return out if ran else None
 
 
-def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
+def resq_terms_cpu(code: int, rows: torch.Tensor, keep: int,
                    group: int) -> torch.Tensor | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S(Q(x - Q(x)))`` of contiguous float32
     or bfloat16 rows, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (None if
@@ -143,21 +133,21 @@ def resq_terms_cpu(fmt_name: str, rows: torch.Tensor, keep: int,
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16)
     kernel = "fp4rl_resq_terms_bf16" if rows.dtype == torch.bfloat16 else "fp4rl_resq_terms"
-    ran = _run(kernel, fmt_name, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(), n,
+    ran = _run(kernel, code, rows.data_ptr(), out.data_ptr(), out[n:].data_ptr(), n,
                rows.shape[1], keep, group, _threads(rows), refused=f" / group {group}")
     return out if ran else None
 
 
-def quantize_bf16_cpu(fmt_name: str, rows: torch.Tensor) -> torch.Tensor | None:
+def quantize_bf16_cpu(code: int, rows: torch.Tensor) -> torch.Tensor | None:
     """``Q(x)`` of contiguous bfloat16 rows along the rows, nearest rounding, block-only
     scaling, as bfloat16 (None if unavailable)."""
     out = torch.empty_like(rows)
-    ran = _run("fp4rl_quantize_bf16", fmt_name, rows.data_ptr(), out.data_ptr(),
+    ran = _run("fp4rl_quantize_bf16", code, rows.data_ptr(), out.data_ptr(),
                rows.shape[0], rows.shape[1], _threads(rows))
     return out if ran else None
 
 
-def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | None,
+def quantize_rows_cpu(code: int, rows: torch.Tensor, noise: torch.Tensor | None,
                       tensor_scale: float | None, axis: int = 1) -> torch.Tensor | None:
     """Fake-quantize a contiguous float32 CPU matrix along ``axis`` (1: rows, 0: columns)
     with the fused kernel (None if unavailable). ``noise`` is laid out as rows along the
@@ -166,6 +156,6 @@ def quantize_rows_cpu(fmt_name: str, rows: torch.Tensor, noise: torch.Tensor | N
     out = torch.empty_like(rows)
     noise_ptr, noise_stride = (None, 0) if noise is None else (noise.data_ptr(), noise.shape[1])
     kernel = "fp4rl_quantize" if axis == 1 else "fp4rl_quantize_cols"
-    ran = _run(kernel, fmt_name, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+    ran = _run(kernel, code, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
                noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
     return out if ran else None

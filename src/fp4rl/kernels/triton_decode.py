@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import FMT_HIF4, FMT_MXFP4, FMT_NVFP4, KernelFormat
 from fp4rl.kernels.triton_quant import _format, _pow2, _rows_per_program
 
 
@@ -70,18 +71,18 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
              mask=live & (cols < length))
 
 
-def decode_2d(fmt_name: str, fields: dict[str, torch.Tensor], rows: int, length: int,
+def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, length: int,
               dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """The ``(rows, length)`` values of a weight packed along its rows, in ``dtype``
     (float32, or bf16, which holds every value exactly); None for formats this kernel
     does not decode."""
-    if fmt_name not in ("hif4", "mxfp4", "nvfp4"):
+    code, bs = _format(fmt)
+    if code not in (FMT_HIF4, FMT_MXFP4, FMT_NVFP4):
         return None
-    code, bs = _format(fmt_name)
     blocks = -(-length // bs)
     flat = {k: v.contiguous() for k, v in fields.items()}
     codes, scale = flat["codes"], flat["scale"]
-    l2, l3 = (flat["level2"], flat["level3"]) if fmt_name == "hif4" else (scale, scale)
+    l2, l3 = (flat["level2"], flat["level3"]) if code == FMT_HIF4 else (scale, scale)
     y = torch.empty(rows, length, dtype=dtype, device=codes.device)
     per = _rows_per_program(bs)
     grid = (triton.cdiv(rows, per), blocks)

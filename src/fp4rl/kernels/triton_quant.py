@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-#: format name -> (the ``FMT`` code _quantize_tile branches on, block size)
-_FORMATS = {"hif4": (0, 64), "mxfp4": (1, 32), "nvfp4": (2, 16), "mxfp8_e4m3": (3, 32)}
+from fp4rl.kernels import FMT_NVFP4, KernelFormat
+
 TILE_ELEMENTS = 2048
 MAGIC = 4503599627370496.0  # 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even
 
@@ -199,17 +199,17 @@ def _rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
 
 
-def _format(fmt_name: str) -> tuple[int, int]:
-    try:
-        return _FORMATS[fmt_name]
-    except KeyError:
-        raise ValueError(f"the Triton kernels have no format {fmt_name!r}") from None
+def _format(fmt: KernelFormat) -> tuple[int, int]:
+    """The ``FMT`` code the kernels branch on and the block size, both the format's own."""
+    if fmt.kernels is None:
+        raise ValueError(f"the Triton kernels have no format {fmt.name!r}")
+    return fmt.kernels.code, fmt.block_size
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
+def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
                 tensor_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 rescale: bool = True) -> torch.Tensor:
     """Fake-quantize a float matrix (float32, bf16 or fp16, read as it is) along ``axis``
@@ -223,7 +223,7 @@ def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor |
     """
     if x.dim() != 2 or x.dtype not in FLOATS or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float matrix and axis 0 or 1")
-    code, bs = _format(fmt_name)
+    code, bs = _format(fmt)
     if not (x.is_contiguous() or x.t().is_contiguous()):
         x = x.contiguous()
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)  # same strides as x
@@ -241,14 +241,14 @@ def quantize_2d(fmt_name: str, x: torch.Tensor, axis: int, noise: torch.Tensor |
     return y
 
 
-def fused_resq(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
+def fused_resq(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
     """Fused ``Q(x) + S_{keep:group}(Q(x - Q(x)))`` over contiguous float32 rows.
 
     None where the kernel does not apply: NVFP4 (its per-tensor scale needs a first pass
     over the whole tensor) or a group that is not a power of two dividing the block.
     """
-    code, bs = _format(fmt_name)
-    if not fuses_resq(fmt_name, group):
+    code, bs = _format(fmt)
+    if not fuses_resq(fmt, group):
         return None
     rows = rows.contiguous()
     out = torch.empty_like(rows)
@@ -259,22 +259,22 @@ def fused_resq(fmt_name: str, rows: torch.Tensor, keep: int, group: int) -> torc
     return out
 
 
-def fuses_resq(fmt_name: str, group: int) -> bool:
-    """Whether the ResQ kernels take ``fmt_name`` and an n:m ``group`` (0: dense): not
+def fuses_resq(fmt: KernelFormat, group: int) -> bool:
+    """Whether the ResQ kernels take ``fmt`` and an n:m ``group`` (0: dense): not
     NVFP4 (the residual's per-tensor scale needs a pass over the whole residual first:
     its ResQ composes quantizer passes, all on the device), and a group that is a power of
     two dividing the block."""
-    _, bs = _format(fmt_name)
-    return fmt_name != "nvfp4" and not (group and (group & (group - 1) or bs % group))
+    code, bs = _format(fmt)
+    return code != FMT_NVFP4 and not (group and (group & (group - 1) or bs % group))
 
 
-def resq_terms(fmt_name: str, rows: torch.Tensor, keep: int, group: int
+def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
                ) -> torch.Tensor | None:
     """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float
     rows in one pass, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (each
     written once); None where :func:`fuses_resq` does not hold."""
-    code, bs = _format(fmt_name)
-    if not fuses_resq(fmt_name, group) or rows.dtype not in FLOATS:
+    code, bs = _format(fmt)
+    if not fuses_resq(fmt, group) or rows.dtype not in FLOATS:
         return None
     rows = rows.contiguous()
     n = rows.shape[0]

@@ -35,13 +35,13 @@ def resq_activation(x: torch.Tensor, fmt: str,
     return qx + sparsify(quantize(x - qx, fmt), pattern)
 
 
-def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[str, int, int] | None:
-    """(format name, keep, group) for the fused kernels (group 0: dense), or None where
+def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[BlockFormat, int, int] | None:
+    """(format, keep, group) for the fused kernels (group 0: dense), or None where
     they do not apply (a non-block format, a channel or block pattern)."""
     f = get_format(fmt)
     if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM):
         return None
-    return (f.name, pattern.n, pattern.m) if isinstance(pattern, NM) else (f.name, 0, 0)
+    return (f, pattern.n, pattern.m) if isinstance(pattern, NM) else (f, 0, 0)
 
 
 def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor | None:
