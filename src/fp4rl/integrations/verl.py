@@ -8,7 +8,11 @@ this module uses:
   ``FSDPEngine._build_module`` so that the actor's Hugging Face model, once built and
   before FSDP wraps it, has its linears replaced by fp4rl's FP4 layers
   (:func:`fp4_actor`; all three GEMMs in the training format, weights left in verl's
-  FP32). The reference model (``forward_only``) is left as verl builds it.
+  FP32). The reference model (``forward_only``) and a critic (verl's ``value_model``)
+  are left as verl builds them. verl's FSDP casts parameters to ``mixed_precision.
+  param_dtype`` (bf16 unless set) for the forward, which would make the FP4 GEMMs quantize
+  ``bf16(W)`` instead of the FP32 masters: the hook refuses that in one line, and the
+  recipe sets ``fsdp_config.mixed_precision.param_dtype=fp32`` (:func:`hydra_overrides`).
 - ``+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=fp4rl`` with
   ``hf_overrides`` naming the rollout recipe (:func:`engine_kwargs`): verl passes the
   engine arguments to vLLM last, so they select fp4rl's quantization method, which vLLM
@@ -59,6 +63,8 @@ DEFAULT_RECIPE = "hif4+resq-2:4"
 SUPPORTED_VERL = SpecifierSet(">=0.8.0,<0.10")
 #: the class whose model-building method the hook wraps
 ENGINE_CLASS = "verl.workers.engine.fsdp.transformer_impl.FSDPEngine"
+#: verl's engine factory, guarded so that an actor built by another engine stops the run
+REGISTRY_CLASS = "verl.workers.engine.base.EngineRegistry"
 
 
 def recipe_from_env() -> Recipe:
@@ -84,47 +90,102 @@ def fp4_actor(module: torch.nn.Module, recipe: Recipe | str, forward_only: bool 
     return module
 
 
+#: the override that keeps verl's FSDP from casting the actor's parameters to bf16
+FP32_PARAMS = "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"
+
+
+def is_fp4_actor(engine: Any) -> bool:
+    """Whether verl's ``engine`` builds the policy that trains (not the reference policy,
+    which only computes log-probs, and not a critic, whose value head is no policy)."""
+    if engine.engine_config.forward_only:
+        return False
+    model_config = getattr(engine, "model_config", None)
+    return getattr(model_config, "model_type", "language_model") == "language_model"
+
+
+def check_param_dtype(engine_config: Any) -> None:
+    """Refuse an FSDP mixed precision that casts the actor's parameters below FP32: the FP4
+    GEMMs would quantize ``bf16(W)`` while the rollout quantizes the FP32 masters."""
+    mixed = getattr(engine_config, "mixed_precision", None) or {}
+    dtype = str(mixed.get("param_dtype", "bf16"))  # verl's default when unset
+    if dtype not in ("fp32", "float32", "torch.float32"):
+        raise UserError(f"fp4rl: verl's FSDP would cast the FP4 actor's parameters to {dtype} "
+                        f"(mixed_precision.param_dtype); FP4 training quantizes the FP32 "
+                        f"masters: add {FP32_PARAMS}")
+
+
 def wrap_build(build: Callable[[Any], torch.nn.Module],
                recipe: Callable[[], Recipe] = recipe_from_env
                ) -> Callable[[Any], torch.nn.Module]:
-    """``build`` (an engine's ``_build_module``) followed by :func:`fp4_actor`, told by the
-    engine's ``engine_config.forward_only`` whether it builds a training model."""
+    """``build`` (an engine's ``_build_module``) followed by :func:`fp4_actor` where the
+    engine builds the training policy (:func:`is_fp4_actor`), after checking that verl's
+    FSDP keeps its parameters in FP32 (:func:`check_param_dtype`)."""
 
     @functools.wraps(build)
     def build_fp4(engine: Any) -> torch.nn.Module:
+        actor = is_fp4_actor(engine)
+        if actor:
+            check_param_dtype(engine.engine_config)
         module = build(engine)
-        return fp4_actor(module, recipe(), bool(engine.engine_config.forward_only))
+        return fp4_actor(module, recipe()) if actor else module
 
     build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]
     return build_fp4
 
 
+def guard_registry(registry: type) -> None:
+    """Make ``registry.new`` (verl's engine factory) refuse, in one line, a training policy
+    that an engine without the FP4 hook builds (Megatron, say): the hook would never fire,
+    and the actor would train in verl's own precision without a word."""
+    new = registry.new
+    if getattr(new, "fp4rl_guarded", False):
+        return
+
+    @functools.wraps(new)
+    def guarded(model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
+        engine = new(model_type, backend, *args, **kwargs)
+        hooked = getattr(type(engine)._build_module, "fp4rl_wrapped", False)
+        if is_fp4_actor(engine) and not hooked:
+            raise UserError(f"fp4rl: verl builds the actor with {type(engine).__name__} "
+                            f"(backend {backend!r}), which the FP4 actor hook does not wrap "
+                            f"({ENGINE_CLASS}): set actor_rollout_ref.actor.strategy=fsdp "
+                            "or fsdp2")
+        return engine
+
+    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
+    registry.new = staticmethod(guarded)
+
+
 def install(engine_cls: type | None = None) -> bool:
-    """Wrap ``engine_cls._build_module`` (default verl's ``FSDPEngine``) once; False where
-    verl is not installed. A verl release outside :data:`SUPPORTED_VERL` gets a warning."""
+    """Wrap ``engine_cls._build_module`` (default verl's ``FSDPEngine``) once and guard
+    verl's engine factory (:func:`guard_registry`); False where verl is not installed. A
+    verl release outside :data:`SUPPORTED_VERL` gets a warning."""
     if engine_cls is None:
-        engine_cls = _verl_engine_class()
+        engine_cls = _verl_class(ENGINE_CLASS)
         if engine_cls is None:
             return False
+        guard_registry(_verl_class(REGISTRY_CLASS))  # type: ignore[arg-type]
     if not getattr(engine_cls._build_module, "fp4rl_wrapped", False):
         engine_cls._build_module = wrap_build(engine_cls._build_module)
     return True
 
 
-def _verl_engine_class() -> type | None:
+def _verl_class(path: str) -> type | None:
+    """verl's class at ``path``; None where verl is not installed; a warning where its
+    release is outside :data:`SUPPORTED_VERL`, and one line where the class is gone."""
     try:
         version = Version(importlib.metadata.version("verl"))
     except importlib.metadata.PackageNotFoundError:
         return None
-    if version not in SUPPORTED_VERL:
+    if version not in SUPPORTED_VERL and path == ENGINE_CLASS:
         warnings.warn(f"fp4rl: verl {version} is outside the releases its hook follows "
                       f"({SUPPORTED_VERL}); check that {ENGINE_CLASS}._build_module still "
                       "builds the actor", RuntimeWarning, stacklevel=3)
-    module, _, name = ENGINE_CLASS.rpartition(".")
+    module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:  # the actor would silently train in bf16
-        raise ImportError(f"fp4rl: verl {version} has no {ENGINE_CLASS} ({err}); the FP4 "
+        raise ImportError(f"fp4rl: verl {version} has no {path} ({err}); the FP4 "
                           f"actor hook follows verl {SUPPORTED_VERL}") from None
 
 
@@ -141,7 +202,7 @@ def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -
     and roll out in vLLM with ``recipe`` (each one shell argument)."""
     kwargs = engine_kwargs(recipe, weight_storage)
     prefix = "+actor_rollout_ref.rollout.engine_kwargs.vllm"
-    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl",
+    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl", FP32_PARAMS,
            f"{prefix}.quantization={kwargs['quantization']}",
            f"{prefix}.hf_overrides={_hydra(kwargs['hf_overrides'])}"]
     if isinstance(recipe, str):  # a Recipe object has no name for the workers to read
@@ -178,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
 install()
 
-__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "RECIPE_ENV", "SUPPORTED_VERL", "engine_kwargs",
-           "fp4_actor", "hydra_overrides", "install", "recipe_from_env", "wrap_build"]
+__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "RECIPE_ENV", "SUPPORTED_VERL",
+           "check_param_dtype", "engine_kwargs", "fp4_actor", "guard_registry",
+           "hydra_overrides", "install",
+           "is_fp4_actor", "recipe_from_env", "wrap_build"]
 
 if __name__ == "__main__":
     sys.exit(main())
