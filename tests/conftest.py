@@ -41,6 +41,15 @@ def _isolated_registries():
 
 
 @pytest.fixture(scope="session")
+def smollm_dir() -> str:
+    """The embedded model as a Hugging Face directory vLLM loads (the vLLM and verl
+    suites)."""
+    from fp4rl.integrations.vllm import model_dir
+
+    return model_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A saved tiny random Llama and its tokenizer: a checkpoint directory the commands
     load by path, as they would a real Hugging Face model. Tests only read it."""

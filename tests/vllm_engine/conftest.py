@@ -53,14 +53,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session")
-def smollm_dir() -> str:
-    """The embedded model as a Hugging Face directory vLLM loads."""
-    from fp4rl.integrations.vllm import model_dir
-
-    return model_dir("smollm2-135m")
-
-
 @pytest.fixture(autouse=True)
 def _one_tests_memory():
     """What a test's engines held is let go before the next test: dynamo's caches keep

@@ -7,7 +7,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fp4rl.errors import UserError
 from fp4rl.models.cache import Fingerprint, entry_dir, is_complete
@@ -107,6 +107,17 @@ def cached_model_dir(name: str) -> Path | None:
     return directory if is_complete(directory, source.fingerprint(source.locate(name))) else None
 
 
+def _dequantized() -> dict[str, object]:
+    """The load argument that asks transformers for dense weights from a GGUF file: newer
+    releases (with ``GgufConfig``) can keep GGUF weights quantized, older ones (verl's
+    pin, 5.10) always dequantize."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _dequantize_gguf(gguf: Path, out: Path) -> None:
     """Write a float32 Hugging Face checkpoint (weights, config, tokenizer) of a GGUF file.
 
@@ -115,9 +126,8 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
     """
     log.info("dequantizing %s into the cache; this happens once and takes about a minute", gguf)
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32,
+                                                 **_dequantized(), **kwargs)
     AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out)
     model.save_pretrained(out)
 

