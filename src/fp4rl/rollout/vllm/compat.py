@@ -12,6 +12,7 @@ import importlib.metadata
 import warnings
 from functools import cache
 
+import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -44,4 +45,27 @@ def check_version() -> bool:
     return False
 
 
-__all__ = ["SUPPORTED", "check_version", "vllm_version"]
+def declare_reload_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> None:
+    """Record, for vLLM's layerwise reload (``reload_weights``, which its weight-transfer
+    engine also loads through), the ``weight`` ``layer`` takes in: ``shape``, staged in
+    float32 as a trainer's masters arrive. vLLM rebuilds each layer from what it recorded
+    when the model was built and processes the layer once that many elements arrived; an
+    fp4rl layer's own ``weight`` is empty then (its ``Q(W)`` lives beside the parameters),
+    so without this a merged q/k/v layer would be processed after its first part. Both
+    ends of :data:`SUPPORTED` keep the record in ``LayerReloadingInfo.restore_metadata``;
+    a vLLM without layerwise reload needs nothing."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:
+        return
+    params, _ = get_layerwise_info(layer).restore_metadata
+    recorded = params.get("weight")
+    if recorded is None or tuple(recorded.shape) == shape:
+        return
+    meta = torch.empty(shape, dtype=torch.float32, device="meta")
+    meta.__class__ = recorded.__class__  # vLLM's parameter class and attributes, on meta
+    meta.__dict__ = recorded.__dict__.copy()
+    params["weight"] = meta
+
+
+__all__ = ["SUPPORTED", "check_version", "declare_reload_weight", "vllm_version"]

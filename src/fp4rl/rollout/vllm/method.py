@@ -52,6 +52,7 @@ from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import RolloutRecovery, make_recovery
 from fp4rl.recovery.ops import TracedActivation
+from fp4rl.rollout.vllm.compat import declare_reload_weight
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     VLLMError,
@@ -319,6 +320,7 @@ def process(layer: torch.nn.Module) -> bool:
     state: LayerState = layer.fp4rl
     parts = state.ready or _from_fields(state) or _from_weight(layer)
     state.ready, state.incoming, state.written = None, {}, set()
+    declare_reload_weight(layer, (sum(state.shards), state.in_features))
     if layer.weight.numel():
         layer.weight.data = torch.empty(0, state.in_features, dtype=state.dtype,
                                         device=layer.weight.device)
@@ -380,9 +382,9 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
     if not state.written:
         return None
     if state.written != set(range(len(state.shards))):
-        raise VLLMError(f"a load wrote parts {sorted(state.written)} of a merged fp4rl layer "
-                        f"of {len(state.shards)} (q/k/v or gate/up): send all of its parts "
-                        "in the same load")
+        raise VLLMError(f"vLLM processed a merged fp4rl layer (q/k/v or gate/up) with parts "
+                        f"{sorted(state.written)} of {len(state.shards)} loaded: send all of "
+                        "its parts before process_weights_after_loading")
     return _quantized_parts(state, layer.weight.detach())
 
 
