@@ -20,7 +20,10 @@ from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
 DEVICE_MODULE = SimpleNamespace(synchronize=torch.cpu.synchronize, empty_cache=lambda: None,
                                 current_device=lambda: 0, device_count=lambda: 1,
                                 is_available=lambda: True, manual_seed=torch.manual_seed,
-                                manual_seed_all=torch.manual_seed)
+                                manual_seed_all=torch.manual_seed,
+                                memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0,
+                                max_memory_allocated=lambda *a: 0,
+                                mem_get_info=lambda *a: (0, 0))
 
 
 class CPUPlatform(PlatformBase):
@@ -36,8 +39,9 @@ class CPUPlatform(PlatformBase):
     def is_available(self) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> torch.device:  # type: ignore[override]
+        """verl moves modules to ``current_device()`` (``model.to(device=0)`` means CUDA)."""
+        return torch.device("cpu")
 
     def device_count(self) -> int:
         return 1
