@@ -84,7 +84,7 @@ test-vllm: $(VSTAMP) $(WSTAMP)
 # verl 0.9.1's own code: its config validation of the documented command line, and its
 # rollout worker extension and bucketed weight transfer against an fp4rl engine
 test-verl: $(WSTAMP)
-	$(WPY) -m pytest -q -p no:cacheprovider tests/verl
+	$(WPY) -m pytest -q -p no:cacheprovider tests/in_verl
 
 bench: setup
 	$(VENV)/bin/fp4rl bench formats --json runs/bench-formats.json

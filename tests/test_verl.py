@@ -26,7 +26,7 @@ class StandInEngine:
     Hugging Face model (FP32 for the actor), ``engine_config.forward_only`` is true for a
     model that only computes log-probs (the reference policy), ``model_config.model_type``
     is ``value_model`` for a critic, and ``engine_config.mixed_precision`` sets FSDP's
-    parameter dtype (bf16 when unset). ``tests/verl/`` runs verl's own engine class."""
+    parameter dtype (bf16 when unset). ``tests/in_verl/`` runs verl's own engine class."""
 
     def __init__(self, family: str, forward_only: bool = False,
                  model_type: str = "language_model", param_dtype: str | None = "fp32") -> None:

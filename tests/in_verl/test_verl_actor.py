@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; `make test-verl` runs these tests "
-                    "in an environment of its own")
+pytest.importorskip("verl.trainer", reason="verl is not installed; `make test-verl` runs "
+                    "these tests in an environment of its own")
 
 SCRIPT = r"""
 import json, os, sys

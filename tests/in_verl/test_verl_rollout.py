@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is not installed; `make test-verl` runs these tests "
-                    "in an environment of its own")
+pytest.importorskip("verl.trainer", reason="verl is not installed; `make test-verl` runs "
+                    "these tests in an environment of its own")
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 
 import _cpu_platform  # noqa: E402

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-verl_pkg = pytest.importorskip("verl", reason="verl is not installed; `make test-verl` runs "
-                               "these tests in an environment of its own")
+verl_trainer = pytest.importorskip("verl.trainer", reason="verl is not installed; "
+                                   "`make test-verl` runs these tests in an environment of "
+                                   "its own")
 
 from fp4rl.integrations import verl  # noqa: E402
 
@@ -32,7 +33,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    config_dir = Path(verl_pkg.__file__).parent / "trainer" / "config"
+    config_dir = Path(verl_trainer.__file__).parent / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
