@@ -63,7 +63,7 @@ demo: setup
 	$(VENV)/bin/fp4rl demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 
 test: lint
 	$(PY) -m pytest -q
