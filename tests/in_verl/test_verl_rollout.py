@@ -26,12 +26,12 @@ pytest.importorskip("verl.trainer", reason="verl is not installed; `make test-ve
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 
 import _cpu_platform  # noqa: E402
+from _engines import assert_layers_equal, fp4_layers, greedy, nudge  # noqa: E402
 
 import fp4rl  # noqa: E402
 from fp4rl.integrations import verl  # noqa: E402
 from fp4rl.integrations.vllm import (  # noqa: E402
     EngineSpec,
-    engine_model,
     make_llm,
     refit,
     sharing_the_process,
@@ -42,7 +42,6 @@ _cpu_platform.install()  # verl has no CPU platform of its own
 
 RECIPE = "hif4+resq-2:4"
 EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
-PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
 
 
 def verl_engine(model_dir: str, **extra):
@@ -91,14 +90,6 @@ def verl_update_weights(llm, actor: torch.nn.Module, bucket_mb: int = 256) -> No
     assert not any(t.is_alive() for t in threads), "verl's weight transfer did not finish"
 
 
-def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    params = vllm.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
-    return [(list(o.outputs[0].token_ids),
-             [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
-                                             strict=True)])
-            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
 def test_verls_receiver_gives_the_engine_fp4rls_refit_gives(smollm_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("VERL_RAY_JOB_ID", tmp_path.name)  # one socket per test run
     actor, _ = load_model("smollm2-135m")
@@ -106,20 +97,12 @@ def test_verls_receiver_gives_the_engine_fp4rls_refit_gives(smollm_dir, monkeypa
     theirs = verl_engine(smollm_dir)
     ours = make_llm(EngineSpec(smollm_dir, RECIPE, max_model_len=128,
                                kv_cache_bytes=64 << 20))
-    layers = {n: m for n, m in engine_model(theirs).named_modules() if hasattr(m, "fp4rl")}
-    reference = dict(engine_model(ours).named_modules())
+    layers, reference = fp4_layers(theirs), fp4_layers(ours)
     for step in range(2):  # a second step: the sync after an update
         verl_update_weights(theirs, actor)
         refit(ours, actor)
-        with torch.inference_mode():
-            for name, layer in layers.items():
-                x = torch.randn(3, layer.fp4rl.in_features).bfloat16()
-                assert torch.equal(layer.quant_method.apply(layer, x),
-                                   reference[name].quant_method.apply(reference[name], x)), \
-                    (step, name)
+        assert_layers_equal(layers, reference, step)
         assert greedy(theirs) == greedy(ours)
-        with torch.no_grad():  # an optimizer step's worth of change
-            for p in actor.parameters():
-                p.add_(torch.randn_like(p), alpha=1e-3)
+        nudge(actor)
     del theirs, ours
     gc.collect()

@@ -16,15 +16,13 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
+from _engines import fp4_layers  # noqa: E402
+
 import fp4rl  # noqa: E402
-from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
 KINDS = ("self_attn.qkv_proj", "mlp.down_proj")
-
-
-def fp4_layers(llm) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in engine_model(llm).named_modules() if hasattr(m, "fp4rl")}
 
 
 @pytest.mark.parametrize("storage", ["dequantized", "packed"])

@@ -18,6 +18,8 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
+from _engines import assert_layers_equal, fp4_layers, greedy, nudge  # noqa: E402
+
 import fp4rl  # noqa: E402
 from fp4rl.integrations import verl  # noqa: E402
 from fp4rl.integrations.vllm import (  # noqa: E402
@@ -30,7 +32,6 @@ from fp4rl.integrations.vllm import (  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
-PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
 
 
 def verl_engine(model_dir: str):
@@ -66,37 +67,19 @@ def verl_sync(llm, actor: torch.nn.Module, bucket_bytes: int = 32 << 20) -> None
                                   torch.device("cpu"))
 
 
-def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
-    return [(list(o.outputs[0].token_ids),
-             [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
-                                             strict=True)])
-            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
 def test_verls_sync_gives_the_engine_fp4rls_refit_gives(smollm_dir):
     actor, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(actor, RECIPE)  # what the verl hook makes of verl's actor
     theirs = verl_engine(smollm_dir)
     ours = make_llm(EngineSpec(smollm_dir, RECIPE, max_model_len=128,
                                kv_cache_bytes=64 << 20))
-    layers = {n: m for n, m in engine_model(theirs).named_modules() if hasattr(m, "fp4rl")}
-    reference = dict(engine_model(ours).named_modules())
+    layers, reference = fp4_layers(theirs), fp4_layers(ours)
     for step in range(2):  # a second step: the sync after an update
         verl_sync(theirs, actor)
         refit(ours, actor)
         assert all(m.weight.numel() == 0 for m in layers.values())  # nothing kept beside Q(W)
-        with torch.inference_mode():
-            for name, layer in layers.items():
-                x = torch.randn(3, layer.fp4rl.in_features).bfloat16()
-                assert torch.equal(layer.quant_method.apply(layer, x),
-                                   reference[name].quant_method.apply(reference[name], x)), \
-                    (step, name)
+        assert_layers_equal(layers, reference, step)
         assert greedy(theirs) == greedy(ours)
-        with torch.no_grad():  # an optimizer step's worth of change
-            for p in actor.parameters():
-                p.add_(torch.randn_like(p), alpha=1e-3)
+        nudge(actor)
     del theirs, ours
     gc.collect()

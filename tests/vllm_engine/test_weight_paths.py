@@ -18,20 +18,17 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
+from _engines import assert_layers_equal, fp4_layers, nudge  # noqa: E402
+
 import fp4rl  # noqa: E402
-from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
+from fp4rl.integrations.vllm import EngineSpec, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
-
-
-def fp4_layers(llm) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in engine_model(llm).named_modules() if hasattr(m, "fp4rl")}
 
 
 def test_layerwise_reload_gives_the_engine_fp4rls_refit_gives(smollm_dir):
@@ -42,22 +39,15 @@ def test_layerwise_reload_gives_the_engine_fp4rls_refit_gives(smollm_dir):
     layers, reference = fp4_layers(theirs), fp4_layers(ours)
     addresses = {n: [t.data_ptr() for t in m.fp4rl.store.tensors()] for n, m in layers.items()}
     for step in range(2):
-        with torch.no_grad():  # an optimizer step's worth of change
-            for p in actor.parameters():
-                p.add_(torch.randn_like(p), alpha=1e-3)
+        nudge(actor)
         state = actor.state_dict()
         if actor.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         weights = [(n, t.detach()) for n, t in state.items()]  # FP32 masters
         theirs.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         refit(ours, actor)
-        with torch.inference_mode():
-            for name, layer in layers.items():
-                x = torch.randn(3, layer.fp4rl.in_features).bfloat16()
-                assert torch.equal(layer.quant_method.apply(layer, x),
-                                   reference[name].quant_method.apply(reference[name], x)), \
-                    (step, name)
-                assert layer.weight.numel() == 0, name  # nothing kept beside Q(W)
+        assert_layers_equal(layers, reference, step)
+        assert all(m.weight.numel() == 0 for m in layers.values())  # nothing kept beside Q(W)
         assert {n: [t.data_ptr() for t in m.fp4rl.store.tensors()]
                 for n, m in layers.items()} == addresses  # in place: graphs stay valid
     del theirs, ours
