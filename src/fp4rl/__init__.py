@@ -3,8 +3,7 @@
 from fp4rl import formats
 from fp4rl.formats import get_format, quantize
 from fp4rl.nn import Recipe, quantize_model, rollout_mode, train_mode
-
-__version__ = "0.1.0"
+from fp4rl.version import __version__
 
 __all__ = ["Recipe", "__version__", "formats", "get_format", "quantize", "quantize_model",
            "rollout_mode", "train_mode"]

@@ -50,7 +50,7 @@ def verl_engine(model_dir: str, **extra):
     with sharing_the_process():
         return vllm.LLM(model=model_dir, dtype=torch.bfloat16, seed=0, enforce_eager=True,
                         max_model_len=128, kv_cache_memory_bytes=64 << 20,
-                        max_num_batched_tokens=512,
+                        max_num_batched_tokens=256,
                         load_format="dummy", worker_extension_cls=EXTENSION,
                         **verl.engine_kwargs(RECIPE), **extra)
 

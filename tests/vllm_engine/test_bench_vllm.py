@@ -30,6 +30,7 @@ def test_bench_rollout_vllm_rows_and_json(tmp_path, capsys, smollm_dir):
         assert len(r["candidate_times"]) == len(r["baseline_times"]) == 1
 
 
+@pytest.mark.long
 def test_bench_rollout_both_engines_adds_the_cross_row(tmp_path, capsys, smollm_dir):
     out = tmp_path / "both.json"
     assert main(["bench", "rollout", "--model", "smollm2-135m", "--engine", "vllm", "hf",

@@ -47,6 +47,7 @@ def test_each_layer_compiles_whole_to_the_eager_bits(smollm_dir, recipe, storage
     gc.collect()
 
 
+@pytest.mark.long
 def test_a_compiled_engine_is_refit_in_place():
     """A compiled engine (about a minute of compiling on a CPU) serves fp4rl's layers
     without vLLM's prepacked weights (rebuilt at a refit), and a refit with other weights

@@ -32,6 +32,7 @@ def _train(output, nproc: int, *extra: str) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 def test_two_processes_with_an_engine_each_equal_one_process(tmp_path):
     one = _train(tmp_path / "one", 1)
     assert [r["step"] for r in one] == [1, 2]

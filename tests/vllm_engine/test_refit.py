@@ -170,15 +170,17 @@ def test_an_engine_started_on_dummy_weights_takes_its_first_refit(smollm_dir):
     from fp4rl.nn.recipe import get_recipe
 
     model, tok = updated_model()
+    spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+                      kv_cache_bytes=256 << 20)
     dummy = LLM(model=smollm_dir, dtype=torch.bfloat16, enforce_eager=True,
                 max_model_len=256, kv_cache_memory_bytes=256 << 20, load_format="dummy",
-                logprobs_mode="processed_logprobs", **method_kwargs(get_recipe(RECIPE)))
+                logprobs_mode="processed_logprobs", **spec.scheduling(),
+                **method_kwargs(get_recipe(RECIPE)))
     refit(dummy, model, packed=True)
     got = prompt_logprobs(dummy, tok)
     del dummy
     gc.collect()
-    loaded = make_llm(EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
-                                 kv_cache_bytes=256 << 20))
+    loaded = make_llm(spec)
     refit(loaded, model, packed=True)
     assert got == prompt_logprobs(loaded, tok)
     del loaded

@@ -55,6 +55,7 @@ def test_packed_and_dequantized_storage_give_the_same_logits(exported):
     assert out["packed"] == out["dequantized"]
 
 
+@pytest.mark.long
 def test_engine_memory_against_a_bf16_engine():
     """Process memory a built and refit engine adds. The default storage holds the block
     linears in exactly a bf16 engine's bytes (vLLM's prepacked weight is the one copy of

@@ -64,6 +64,7 @@ def test_what_vllm_cannot_run_is_one_line(tmp_path, capsys, overrides, says):
     assert len(err) == 1 and says in err[0]
 
 
+@pytest.mark.long
 def test_resume_reproduces_the_uninterrupted_vllm_run(tmp_path):
     """The engine is rebuilt on resume and refit from the checkpoint's weights; vLLM's
     per-request seeds then draw the same tokens, so step 2 is the same step."""
@@ -82,6 +83,7 @@ def test_resume_reproduces_the_uninterrupted_vllm_run(tmp_path):
         assert a[1][key] == pytest.approx(b[1][key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.long
 def test_the_engine_core_in_its_own_process_gives_the_same_run(tmp_path):
     """vLLM's default on GPUs runs the engine core in a process of its own; the refit goes
     through vLLM's worker interface, so the run is the same as with the core in the

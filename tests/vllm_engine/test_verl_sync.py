@@ -40,7 +40,7 @@ def verl_engine(model_dir: str):
     with sharing_the_process():
         return vllm.LLM(model=model_dir, dtype=torch.bfloat16, seed=0, enforce_eager=True,
                         max_model_len=128, kv_cache_memory_bytes=64 << 20,
-                        max_num_batched_tokens=512,
+                        max_num_batched_tokens=256,
                         load_format="dummy", **verl.engine_kwargs(RECIPE))
 
 

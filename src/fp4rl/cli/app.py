@@ -26,6 +26,7 @@ from fp4rl.cli import (
     train,
 )
 from fp4rl.errors import UserError
+from fp4rl.version import __version__
 
 #: the commands, in ``fp4rl --help`` order: each module adds its parser and runs it
 COMMANDS = (demo, train, presets, evaluate, export, diagnose, fidelity, cost, experiment, env,
@@ -49,8 +50,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fp4rl import __version__
-
     parser = _Parser(prog="fp4rl", description="fp4rl: end-to-end 4-bit RL post-training of "
                      "LLMs (FP4 rollout and FP4 training policies, Rollout-ResQ).")
     parser.add_argument("--version", action="version", version=f"fp4rl {__version__}")

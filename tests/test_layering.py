@@ -1,0 +1,135 @@
+"""fp4rl's layering, read from the source: every room of ``src/fp4rl`` (a sub-package or a
+top-level module) sits on a floor, and imports only rooms on floors below its own; no
+module imports itself back through others. docs/architecture.md draws the same floors.
+
+Every import counts, a deferred one inside a function too: it is still a dependency, only
+paid later. A new room, or a new import between rooms, is a decision: make it here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fp4rl"
+
+#: bottom up; a room imports only rooms of lower floors (siblings stay independent)
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "progress", "version"),
+    ("hub", "presets", "paths", "registry", "rundir_lock", "precision"),
+    ("data", "kernels"),
+    ("formats",),
+    ("models", "gemm", "env"),
+    ("recovery",),
+    ("nn",),
+    ("rollout",),
+    ("rl", "integrations"),
+    ("experiments", "export", "analysis"),
+    ("demo", "bench"),
+    ("cli",),
+    ("__main__",),
+)
+FLOOR = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+#: the package's face re-exports from every floor
+FACE = "__init__"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, known: dict[str, Path], top_level_only: bool = False) -> set[str]:
+    """The fp4rl modules ``path`` imports (``from pkg import name`` counts as ``pkg.name``
+    where that is a module, else ``pkg``)."""
+    tree = ast.parse(path.read_text())
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                stem = package[:len(package) - node.level + 1]
+                base = ".".join([*stem, base] if base else stem)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in known else base)
+    return {m for m in found if m == "fp4rl" or m.startswith("fp4rl.")}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else FACE
+
+
+def test_every_room_has_a_floor():
+    rooms = {room(m) for m in modules()} - {FACE}
+    assert not rooms - set(FLOOR), f"rooms without a floor here: {sorted(rooms - set(FLOOR))}"
+    assert not set(FLOOR) - rooms, f"floors name rooms that are gone: {set(FLOOR) - rooms}"
+
+
+def test_no_import_runs_up_or_across():
+    known = modules()
+    bad = sorted(f"{m} -> {t}" for m, p in known.items() for t in imports(p, known)
+                 if room(m) != FACE and room(t) != room(m)
+                 and (room(t) == FACE or FLOOR[room(t)] >= FLOOR[room(m)]))
+    assert not bad, "imports that run up or across a floor:\n" + "\n".join(bad)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    """At import time (a module's top-level imports), inside rooms too. A package's
+    ``__init__`` re-exporting its own modules is its face, not a circle."""
+    known = modules()
+    graph = {m: {t for t in imports(p, known, top_level_only=True)
+                 if t != m and not (p.name != "__init__.py" and m.startswith(f"{t}."))}
+             for m, p in known.items()}
+    assert not circles(graph)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": set()}, []),
+])
+def test_the_circle_finder_finds_circles(graph, expected):
+    assert circles(graph) == expected
