@@ -176,21 +176,50 @@ def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
         assert main(["export", "--checkpoint", str(run), "--format", fmt,
                      "--output", str(tmp_path / fmt)]) == 0, capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"rollout\.vllm: unknown key"):
-        load_config(None, ["rollout.vllm={storage: packed}"])
+        load_config(None, [VLLM, "rollout.vllm={storage: packed}"])
+
+
+VLLM = "rollout.engine=vllm"
 
 
 @pytest.mark.parametrize("key", ["kv_cache_bytes", "refit_piece_bytes"])
 @pytest.mark.parametrize("value", ["0", "-5", "1.5", "lots"])
 def test_the_engines_byte_sizes_are_positive_numbers_of_bytes(key, value):
     with pytest.raises(ConfigError, match=rf"rollout\.vllm\.{key} must be a positive"):
-        load_config(None, [f"rollout.vllm.{key}={value}"])
-    cfg = load_config(None, [f"rollout.vllm.{key}=268435456"])
-    assert cfg.vllm_settings()[key] == 1 << 28
+        load_config(None, [VLLM, f"rollout.vllm.{key}={value}"])
+    cfg = load_config(None, [VLLM, f"rollout.vllm.{key}=268435456"])
+    assert getattr(cfg.vllm_settings(), key) == 1 << 28
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "most"])
 def test_the_engines_gpu_share_lies_in_zero_one(value):
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a share"):
-        load_config(None, [f"rollout.vllm.gpu_memory_utilization={value}"])
-    cfg = load_config(None, ["rollout.vllm.gpu_memory_utilization=0.5"])
-    assert cfg.vllm_settings()["gpu_memory_utilization"] == 0.5
+        load_config(None, [VLLM, f"rollout.vllm.gpu_memory_utilization={value}"])
+    cfg = load_config(None, [VLLM, "rollout.vllm.gpu_memory_utilization=0.5"])
+    assert cfg.vllm_settings().gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["rollout.vllm.kv_cache_bytes=268435456"],
+     r"rollout\.vllm configures the vllm engine, and rollout\.engine=hf runs another"),
+    ([VLLM, "distributed.strategy=fsdp", "rollout.vllm.weight_storage=packed"],
+     r"distributed\.strategy=fsdp .* use weight_storage=dequantized, or ddp"),
+    ([VLLM, "rollout.vllm.weight_storage=packed", "rollout.vllm.refit_wire=bf16"],
+     r"set rollout\.vllm\.refit_wire=packed"),
+    ([VLLM, "rollout.vllm=5"], r"rollout\.vllm must be a mapping of settings"),
+    ([VLLM, "rollout.vllm.weight_storage=fp32"],
+     r"rollout\.vllm\.weight_storage must be dequantized or packed, got 'fp32'"),
+])
+def test_settings_no_run_could_use_are_refused_at_config_time(overrides, says):
+    """Combinations that would pass and then fail inside the engine, or be ignored, are
+    one line before anything loads."""
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, overrides)
+
+
+def test_each_engine_is_given_its_own_settings_only():
+    cfg = load_config(None, [VLLM, "rollout.vllm.refit_wire=bf16",
+                             "distributed.strategy=fsdp"])
+    assert cfg.engine_options("vllm")["refit_wire"] == "bf16"
+    assert cfg.engine_options("vllm")["weight_storage"] == "dequantized"
+    assert cfg.engine_options("hf") == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="GRPO with FP4 rollout and FP4 training policies")
     train.add_argument("--config", help="config preset name (see fp4rl presets) or YAML file; "
                        f"default {DEFAULT_TRAIN_PRESET} (with --resume: the run's own)")
+    train.add_argument("--help-config", action=_HelpConfig,
+                       help="print every setting of the training config (default, type, "
+                       "meaning) and exit")
     train.add_argument("--output", required=True, help="run directory")
     train.add_argument("--steps", type=positive_int, help="override run.steps")
     train.add_argument("--resume", action="store_true",
@@ -35,6 +39,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="config overrides, e.g. grpo.learning_rate=1e-5 (anywhere among "
                        "the options)")
     train.set_defaults(func=run)
+
+
+class _HelpConfig(argparse.Action):
+    """``--help-config``: like ``--help``, it prints and exits before any other option is
+    required."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help=kwargs.get("help"))  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(config_help())
+        parser.exit()
+
+
+def config_help() -> str:
+    """Every setting of the training config, from its schema: ``key = default  (type)``
+    and the meaning beneath, sections as headings."""
+    from fp4rl.rl.config import config_fields
+
+    lines = ["Settings of fp4rl train (YAML keys, or key=value overrides):"]
+    for f in config_fields():
+        if f.type == "section":
+            lines += ["", f"{f.key}:  {f.description}"]
+            continue
+        lines.append(f"  {f.key} = {f.default}  ({f.type})")
+        lines += textwrap.wrap(f.description, 88, initial_indent="      ",
+                               subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

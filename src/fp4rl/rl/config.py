@@ -10,30 +10,25 @@ GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
 from __future__ import annotations
 
 import difflib
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import Recipe
 from fp4rl.presets import preset_path
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
-from fp4rl.rollout.registry import EngineError, engine_name
-from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, VLLMError, rollout_recipe
-
-#: the keys of ``rollout.vllm``: ``weight_storage`` as in the vLLM method's config,
-#: ``refit_wire``, how ``Q(W)`` travels to the engine (the format's packed codes and
-#: scales, or its values in bf16), ``refit_piece_bytes``, the bound on one refit message,
-#: ``kv_cache_bytes``, each engine's KV cache (default: 1 GiB on a CPU, vLLM's share of
-#: the GPU on GPUs), ``gpu_memory_utilization``, that share, and ``enforce_eager``
-#: (``auto``: eager on CPU, CUDA graphs and torch.compile on GPUs)
-VLLM_KEYS = ("weight_storage", "refit_wire", "refit_piece_bytes", "kv_cache_bytes",
-             "gpu_memory_utilization", "enforce_eager")
-REFIT_WIRES = ("packed", "bf16")
+from fp4rl.rollout.registry import AUTO, EngineError, engine_name, list_engines
+from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
+from fp4rl.rollout.vllm.settings import VLLMSettings
 
 
 class _Section(BaseModel):
@@ -41,18 +36,24 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    #: synthetic (arithmetic), synthetic-words (word problems), or a layout: gsm8k,
-    #: math500, aime24, ... dapo
-    source: str = "synthetic"
-    train_path: str | None = None
-    test_path: str | None = None
-    levels: list[int] = Field(default_factory=lambda: [1, 2])  # synthetic task levels
-    train_size: int = Field(2000, ge=1)
-    test_size: int = Field(200, ge=1)
-    template: str | None = None  # prompt template name (default: the layout's)
-    fields: dict[str, str] | None = None  # field mapping for AIME/AMC-style releases
-    strict: bool = False  # refuse (instead of skip) malformed rows
-    reward: str | None = None  # default: the layout's reward
+    source: str = Field("synthetic", description="synthetic (arithmetic), synthetic-words "
+                        "(word problems), or a file layout: gsm8k, math500, aime24, ... dapo")
+    train_path: str | None = Field(None, description="the training examples' file (local, "
+                                   "or hf://datasets/ORG/NAME/FILE) for a file layout")
+    test_path: str | None = Field(None, description="the test examples' file, as train_path")
+    levels: list[int] = Field(default_factory=lambda: [1, 2],
+                              description="the synthetic tasks' difficulty levels")
+    train_size: int = Field(2000, ge=1, description="training examples (generated, or the "
+                            "file's first ones)")
+    test_size: int = Field(200, ge=1, description="test examples, as train_size")
+    template: str | None = Field(None, description="the prompt template's name; default: "
+                                 "the layout's")
+    fields: dict[str, str] | None = Field(None, description="which of a file's fields hold "
+                                          "the question and the answer (AIME/AMC-style "
+                                          "releases)")
+    strict: bool = Field(False, description="refuse a malformed row, instead of skipping it")
+    reward: str | None = Field(None, description="the reward's name (fp4rl.rl.rewards); "
+                               "default: the layout's")
 
     @model_validator(mode="after")
     def _read_as_configured(self) -> DataConfig:
@@ -77,19 +78,24 @@ class GRPOConfig(LossConfig):
     :class:`fp4rl.rl.grpo.LossConfig`'s (epsilon, epsilon_high, tis_imp_ratio_cap, beta,
     loss_agg_mode)."""
 
-    num_generations: int = Field(8, ge=2)  # G, the group size
-    batch_size: int = Field(8, ge=1)  # prompts per RL step
-    mini_batch_size: int | None = Field(None, ge=1)  # prompts per optimizer step
-    micro_batch_size: int = Field(16, ge=1)  # sequences per forward/backward
-    ppo_epochs: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_prompt_length: int = Field(512, ge=1)
-    max_response_length: int = Field(256, ge=1)
+    num_generations: int = Field(8, ge=2, description="G, the responses sampled per "
+                                 "prompt (the group its advantages normalize over)")
+    batch_size: int = Field(8, ge=1, description="prompts per RL step")
+    mini_batch_size: int | None = Field(None, ge=1, description="prompts per optimizer "
+                                        "step; default: batch_size (one step per epoch)")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward and "
+                                  "backward (gradient accumulation beyond it)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's rollouts")
+    learning_rate: float = Field(1e-6, gt=0, description="the optimizer's learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="the optimizer's weight decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping by global norm; "
+                                 "0: none")
+    temperature: float = Field(1.0, gt=0, description="the rollout's sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="the rollout's nucleus sampling")
+    top_k: int = Field(0, ge=0, description="the rollout's top-k sampling; 0: off")
+    max_prompt_length: int = Field(512, ge=1, description="longest prompt, in tokens "
+                                   "(longer ones are refused)")
+    max_response_length: int = Field(256, ge=1, description="most tokens a response takes")
 
     @model_validator(mode="after")
     def _batches_divide(self) -> GRPOConfig:
@@ -105,56 +111,78 @@ class OptimizerConfig(_Section):
     keyword arguments beyond ``lr`` and ``weight_decay`` (``grpo.learning_rate``,
     ``grpo.weight_decay``), e.g. ``{name: AdamW, kwargs: {betas: [0.9, 0.95]}}``."""
 
-    name: str = "AdamW"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field("AdamW", description="a torch.optim class, by name "
+                      "(case-insensitive)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="its keyword arguments "
+                                   "beyond lr and weight_decay")
 
 
 class DistributedConfig(_Section):
     """Several processes (launched by torchrun or accelerate) on torch.distributed."""
 
-    #: auto: ddp when launched on several processes, none on one
-    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"
-    #: auto: nccl on CUDA, gloo on CPU
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    #: seconds a collective waits before failing (a dead rank ends the run, not hangs it)
-    timeout_s: float = Field(600.0, gt=0)
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = Field(
+        "auto", description="how the processes share the model: ddp (replicas), fsdp "
+        "(FSDP2 shards); auto: ddp when launched on several processes, none on one")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed's backend; auto: nccl on CUDA, gloo on CPU")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a collective waits before "
+                             "failing (a dead rank ends the run, not hangs it)")
 
 
 class EvalConfig(_Section):
-    steps: int = Field(0, ge=0)  # evaluate every N steps during training (0: off)
-    size: int | None = Field(None, ge=1)  # test prompts (default: data.test_size)
-    mean_at_k: int = Field(1, ge=1)  # 1: greedy Mean@1; k > 1: Mean@k sampled
-    temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int | None = Field(None, ge=1)  # default: grpo.max_response_length
-    #: seed that draws the synthetic test prompts (default: run.seed); fixing it scores
-    #: every seed of a multi-seed grid on the same prompts, so they can be paired
-    prompt_seed: int | None = Field(None, ge=0)
+    steps: int = Field(0, ge=0, description="evaluate every N steps during training; 0: "
+                       "off")
+    size: int | None = Field(None, ge=1, description="test prompts; default: "
+                             "data.test_size")
+    mean_at_k: int = Field(1, ge=1, description="1: greedy Mean@1; k > 1: Mean@k, k "
+                           "sampled responses per prompt")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of Mean@k")
+    max_new_tokens: int | None = Field(None, ge=1, description="default: "
+                                       "grpo.max_response_length")
+    prompt_seed: int | None = Field(None, ge=0, description="seed that draws the synthetic "
+                                    "test prompts (default: run.seed); fixing it scores every "
+                                    "seed of a multi-seed grid on the same prompts, paired")
 
 
 class RunConfig(_Section):
-    steps: int = Field(40, ge=1)
-    seed: int = 0
-    save_steps: int = Field(10, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    steps: int = Field(40, ge=1, description="RL steps of the run")
+    seed: int = Field(0, description="seeds the data order, the rollouts' sampling and "
+                      "any random initialization")
+    save_steps: int = Field(10, ge=1, description="a checkpoint every N steps (and at the "
+                            "last)")
+    keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept")
 
 
 class TrainConfig(_Section):
-    model: str = "smollm2-135m"
-    #: compute dtype (accelerate's name): "no" = fp32, "bf16", "auto" = bf16 where native.
-    #: Master weights and optimizer state are always FP32.
-    mixed_precision: Literal["no", "bf16", "auto"] = "auto"
-    #: "auto" (cuda when available), "cpu", "cuda" or "cuda:N"
-    device: str = "auto"
-    train: dict[str, Any] = Field(default_factory=dict)
-    rollout: dict[str, Any] = Field(default_factory=dict)
-    #: modules left unquantized (regexes on module names), as in compressed-tensors
-    ignore: list[str] = Field(default_factory=list)
-    data: DataConfig = Field(default_factory=DataConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
+    model: str = Field("smollm2-135m", description="the policy: an embedded model's name, "
+                       "a local Hugging Face directory, or a Hub id ORG/NAME")
+    mixed_precision: Literal["no", "bf16", "auto"] = Field(
+        "auto", description="the compute dtype (accelerate's names): no = fp32, bf16, auto "
+        "= bf16 where the device runs it natively; masters and optimizer are always FP32")
+    device: str = Field("auto", description="auto (cuda when available), cpu, cuda or "
+                        "cuda:N")
+    train: dict[str, Any] = Field(
+        default_factory=dict, description="the training policy's formats: weights, "
+        "activations, gradients (each a format name), backward_operands (requantize or "
+        "reuse_forward); "
+        "docs/layers.md")
+    rollout: dict[str, Any] = Field(
+        default_factory=dict, description="the rollout policy (weights, activations, "
+        "recovery: docs/layers.md), the engine that runs it (engine: hf or vllm) and that "
+        "engine's settings (vllm: below)")
+    ignore: list[str] = Field(default_factory=list, description="modules left unquantized "
+                              "(regexes on module names), as in compressed-tensors")
+    data: DataConfig = Field(default_factory=DataConfig, description="the examples")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO's sampling, "
+                             "batching, optimizer settings and loss")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
+                                       description="the optimizer, by name")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="several processes")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation during "
+                             "training and by fp4rl eval")
+    run: RunConfig = Field(default_factory=RunConfig, description="length, seed and "
+                           "checkpoints")
 
     @model_validator(mode="after")
     def _recipe_is_valid(self) -> TrainConfig:
@@ -166,30 +194,20 @@ class TrainConfig(_Section):
             engine_name(self.rollout.get("engine", "hf"))
         except EngineError as err:
             raise ValueError(f"rollout.engine: {err}") from None
-        unknown = sorted(set(self.rollout.get("vllm") or {}) - set(VLLM_KEYS))
-        if unknown:
-            raise ValueError(f"rollout.vllm: unknown key(s) {unknown}; allowed: "
-                             f"{', '.join(VLLM_KEYS)}")
-        for key in ("kv_cache_bytes", "refit_piece_bytes"):
-            n = self.vllm_settings().get(key, 1)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"rollout.vllm.{key} must be a positive integer (bytes), "
-                                 f"got {n!r}")
-        share = self.vllm_settings().get("gpu_memory_utilization", 0.5)
-        if isinstance(share, bool) or not isinstance(share, int | float) or \
-                not 0 < share <= 1:
-            raise ValueError("rollout.vllm.gpu_memory_utilization must be a share of the "
-                             f"GPU's memory in (0, 1], got {share!r}")
-        eager = self.vllm_settings().get("enforce_eager", "auto")
-        if eager != "auto" and not isinstance(eager, bool):
-            raise ValueError("rollout.vllm.enforce_eager must be auto, true or false")
-        for key, allowed in (("weight_storage", WEIGHT_STORAGES), ("refit_wire", REFIT_WIRES)):
-            if self.vllm_settings().get(key, allowed[0]) not in allowed:
-                raise ValueError(f"rollout.vllm.{key} must be one of {', '.join(allowed)}")
-        if self.vllm_settings()["weight_storage"] == "packed" and \
-                self.vllm_settings()["refit_wire"] != "packed":
+        settings = self.vllm_settings()  # refuses a key or value it does not know
+        if settings.weight_storage == "packed" and settings.refit_wire != "packed":
             raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
                              "sent: set rollout.vllm.refit_wire=packed")
+        may_run_vllm = self.rollout_engine in ("vllm", AUTO)
+        if "vllm" in self.rollout and not may_run_vllm:
+            raise ValueError(f"rollout.vllm configures the vllm engine, and rollout.engine="
+                             f"{self.rollout_engine} runs another: drop rollout.vllm or set "
+                             "rollout.engine=vllm")
+        if may_run_vllm and self.distributed.strategy == "fsdp" and \
+                settings.weight_storage == "packed":
+            raise ValueError("distributed.strategy=fsdp refits each engine with Q(W)'s values "
+                             "gathered from the shards, which rollout.vllm.weight_storage="
+                             "packed cannot keep: use weight_storage=dequantized, or ddp")
         if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
             try:
                 rollout_recipe(self.recipe())
@@ -204,14 +222,92 @@ class TrainConfig(_Section):
         (``fp4rl``) reads as the engine's one name."""
         return engine_name(self.rollout.get("engine", "hf"))
 
-    def vllm_settings(self) -> dict[str, Any]:
-        """``rollout.vllm``: how the vLLM engine keeps and receives ``Q(W)``, defaults
-        filled in."""
-        return {"weight_storage": WEIGHT_STORAGES[0], "refit_wire": REFIT_WIRES[0],
-                **(self.rollout.get("vllm") or {})}
+    def vllm_settings(self) -> VLLMSettings:
+        """``rollout.vllm``, defaults filled in; a key or value it does not know is one
+        line naming it."""
+        try:
+            return VLLMSettings.model_validate(self.rollout.get("vllm") or {})
+        except ValidationError as err:
+            raise ValueError(settings_problem("rollout.vllm", VLLMSettings, err)) from None
+
+    def engine_options(self, engine: str) -> dict[str, Any]:
+        """The settings ``engine`` reads: its own section of ``rollout`` (``rollout.vllm``
+        for vllm; fp4rl's ``hf`` engine has none)."""
+        return self.vllm_settings().model_dump() if engine == "vllm" else {}
 
     def recipe(self) -> Recipe:
         return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One setting of the training config as ``fp4rl train --help-config`` prints it."""
+
+    key: str
+    type: str
+    default: str
+    description: str
+
+
+def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
+                  ) -> list[ConfigField]:
+    """Every setting of ``schema`` by dotted key, read from its fields (sections, then
+    their settings; ``rollout`` with its engine and the vLLM engine's settings), so that
+    what is printed is what is validated."""
+    rows = []
+    for name, field in schema.model_fields.items():
+        key, annotation = f"{prefix}{name}", field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.append(ConfigField(key, "section", "", field.description or ""))
+            rows += config_fields(annotation, f"{key}.")
+            continue
+        rows.append(ConfigField(key, type_name(annotation), default_text(field),
+                                field.description or ""))
+        if key == "rollout":
+            rows.append(ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]),
+                                    "hf", "where the rollout runs: fp4rl's KV-cache engine "
+                                    "on the trainer's model (hf), a colocated vLLM engine "
+                                    "(vllm), or auto: vllm on a CUDA device where it runs "
+                                    "the recipe, else hf"))
+            rows += config_fields(VLLMSettings, "rollout.vllm.")
+    return rows
+
+
+def type_name(annotation: Any) -> str:
+    """``auto | none | ddp`` for a Literal, ``int | None``, ``list[int]``, ``str``."""
+    if get_origin(annotation) is Annotated:  # a strict type: what it annotates
+        return type_name(get_args(annotation)[0])
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+    if args and get_origin(annotation) in (Union, UnionType):
+        return " | ".join(dict.fromkeys(type_name(a) for a in args))
+    if args:
+        return f"{annotation.__origin__.__name__}[{', '.join(type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def default_text(field: FieldInfo) -> str:
+    """The default as a ``key=value`` override writes it."""
+    value = field.get_default(call_default_factory=True)
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def settings_problem(section: str, schema: type[BaseModel], err: ValidationError) -> str:
+    """The first problem of ``err`` as one line: ``section.key must be ... , got ...``
+    (the field's own ``must``), or the unknown key and the keys there are."""
+    e = err.errors()[0]
+    key = str(e["loc"][0]) if e["loc"] else ""
+    if e["type"] == "extra_forbidden":
+        return (f"{section}: unknown key(s) {[key]}; allowed: "
+                f"{', '.join(schema.model_fields)}")
+    if key not in schema.model_fields:
+        return f"{section} must be a mapping of settings, got {e['input']!r}"
+    extra = schema.model_fields[key].json_schema_extra
+    must = extra.get("must") if isinstance(extra, dict) else None
+    return f"{section}.{key} must be {must or e['msg']}, got {e['input']!r}"
 
 
 def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
@@ -372,7 +468,7 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
-__all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "DataConfig", "DistributedConfig",
-           "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig", "TrainConfig",
-           "apply_override", "changed_settings", "describe_changes", "flatten", "load_config",
-           "set_path", "validate"]
+__all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "ConfigField", "DataConfig",
+           "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig",
+           "TrainConfig", "apply_override", "changed_settings", "config_fields",
+           "describe_changes", "flatten", "load_config", "set_path", "validate"]

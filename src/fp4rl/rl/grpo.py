@@ -53,11 +53,18 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    epsilon: float = Field(0.2, ge=0)  # eps_low (TRL epsilon, verl clip_ratio_low)
-    epsilon_high: float = Field(0.2, ge=0)  # eps_high (TRL epsilon_high, verl clip_ratio_high)
-    tis_imp_ratio_cap: float = 5.0  # C (verl's name); <= 0 disables the correction
-    beta: float = Field(0.0, ge=0)  # KL coefficient (TRL beta); k3 estimator, verl low_var_kl
-    loss_agg_mode: LossAggMode = "seq-mean-token-mean"
+    epsilon: float = Field(0.2, ge=0, description="the ratio's lower clip, eps_low (TRL's "
+                           "epsilon, verl's clip_ratio_low)")
+    epsilon_high: float = Field(0.2, ge=0, description="the ratio's upper clip, eps_high "
+                                "(TRL's epsilon_high, verl's clip_ratio_high)")
+    tis_imp_ratio_cap: float = Field(5.0, description="C of token-level truncated importance "
+                                     "sampling between the rollout and training policies "
+                                     "(verl's name); <= 0 switches the correction off")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy "
+                        "(TRL's beta; the k3 estimator, verl's low_var_kl); 0: no reference")
+    loss_agg_mode: LossAggMode = Field("seq-mean-token-mean", description="how token losses "
+                                       "reduce: each sequence's token mean, then the mean "
+                                       "over sequences; or token-mean over the batch")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -248,7 +248,7 @@ class Trainer:
             mixed_precision=self.mixed_precision, seed=cfg.run.seed,
             max_model_len=cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
             pad_token_id=self.tok.pad_token_id, eos_token_ids=tuple(self.eos_ids),
-            world_size=self.dist.world_size, options=cfg.vllm_settings()))
+            world_size=self.dist.world_size, options=cfg.engine_options(name)))
 
     def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
         """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:

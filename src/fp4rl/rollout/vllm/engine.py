@@ -30,6 +30,7 @@ from fp4rl.rollout.vllm.config import (
 )
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
+from fp4rl.rollout.vllm.settings import VLLMSettings
 from fp4rl.rollout.weight_sync import sync_rollout_weights
 
 if TYPE_CHECKING:
@@ -219,27 +220,22 @@ class VLLMEngine:
     @classmethod
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
-        compute dtype, one per process of a launched run; ``options``: ``weight_storage``,
-        ``refit_wire``, ``refit_piece_bytes``, ``kv_cache_bytes`` (default
-        :func:`default_kv_cache_bytes`), ``gpu_memory_utilization`` and ``enforce_eager``
-        (``auto``: :attr:`EngineSpec.eager`)."""
-        options = {"weight_storage": "dequantized", "refit_wire": "packed",
-                   "kv_cache_bytes": default_kv_cache_bytes(), "enforce_eager": "auto",
-                   "gpu_memory_utilization": EngineSpec.gpu_memory_utilization,
-                   "refit_piece_bytes": PIECE_BYTES, **setup.options}
-        eager = options["enforce_eager"]
+        compute dtype, one per process of a launched run, as ``setup.options`` (the
+        training config's ``rollout.vllm``, :class:`VLLMSettings`) says."""
+        options = VLLMSettings.model_validate(dict(setup.options))
+        kv_cache_bytes = options.kv_cache_bytes or default_kv_cache_bytes()
+        eager = options.enforce_eager
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
                           dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
-                          max_model_len=setup.max_model_len,
-                          kv_cache_bytes=options["kv_cache_bytes"],
-                          gpu_memory_utilization=options["gpu_memory_utilization"],
-                          weight_storage=options["weight_storage"],
+                          max_model_len=setup.max_model_len, kv_cache_bytes=kv_cache_bytes,
+                          gpu_memory_utilization=options.gpu_memory_utilization,
+                          weight_storage=options.weight_storage,
                           per_rank=setup.world_size > 1,
-                          enforce_eager=None if eager == "auto" else bool(eager))
+                          enforce_eager=None if eager == "auto" else eager)
         return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
-                             options["refit_wire"], policy=setup.policy,
+                             options.refit_wire, policy=setup.policy,
                              world_size=setup.world_size,
-                             refit_piece_bytes=options["refit_piece_bytes"])
+                             refit_piece_bytes=options.refit_piece_bytes)
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
         """Refit the engine with ``Q(W)`` of ``model``'s current weights (as 4-bit codes and

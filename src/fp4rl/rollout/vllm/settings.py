@@ -1,0 +1,53 @@
+"""``rollout.vllm``: the vLLM engine's own settings in a training config, one typed and
+documented field each. The trainer validates them with the config; the engine reads
+them, defaults included, from here alone."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+from fp4rl.rollout.vllm.refit import PIECE_BYTES
+
+
+def _field(default: Any, must: str, description: str, **constraints: Any) -> Any:
+    """A field whose ``must`` (what a value has to be) words its one-line refusal."""
+    return Field(default, description=description, json_schema_extra={"must": must},
+                 **constraints)
+
+
+class VLLMSettings(BaseModel):
+    """How the vLLM engine keeps and receives ``Q(W)``, and what it may take of the
+    machine (``rollout.engine=vllm``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight_storage: Literal["dequantized", "packed"] = _field(
+        "dequantized", "dequantized or packed",
+        "how the engine keeps Q(W): its values in the compute dtype (vLLM's own GEMM), or "
+        "the format's 4-bit codes and scales, decoded at each forward (less memory, more "
+        "work a forward)")
+    refit_wire: Literal["packed", "bf16"] = _field(
+        "packed", "packed or bf16",
+        "how Q(W) travels to the engine at each refit: the format's 4-bit codes and "
+        "scales, or their values in bf16; weight_storage=packed needs packed")
+    refit_piece_bytes: StrictInt = _field(
+        PIECE_BYTES, "a positive integer (bytes)",
+        "the most bytes one refit message carries; a refit goes in pieces of whole "
+        "layers (or one tensor) within it", ge=1)
+    kv_cache_bytes: StrictInt | None = _field(
+        None, "a positive integer (bytes)",
+        "each engine's KV cache; default: 1 GiB on a CPU, shared by the engines of a "
+        "launched run, and vLLM's share of the GPU (gpu_memory_utilization) on GPUs",
+        ge=1)
+    gpu_memory_utilization: StrictFloat | StrictInt = _field(
+        0.3, "a share of the GPU's memory in (0, 1]",
+        "the share of the GPU's memory the engine may take, weights and KV cache (a "
+        "colocated engine shares the GPU with the trainer)", gt=0, le=1)
+    enforce_eager: Literal["auto"] | StrictBool = _field(
+        "auto", "auto, true or false",
+        "no CUDA graphs or torch.compile; auto: eager on a CPU, compiled on GPUs")
+
+
+__all__ = ["VLLMSettings"]
