@@ -6,6 +6,10 @@ lines instead: a bar one line per finished item (count, total, rate, elapsed, it
 and at least one every :data:`HEARTBEAT` seconds while an item runs; a status its
 message when it starts and changes, a "still ..." line every :data:`HEARTBEAT` seconds,
 and how long it took.
+
+Both read the time from a ``clock`` (``time.monotonic`` unless given) and beat from a
+thread that polls every :data:`POLL` seconds through :meth:`LogProgress.beat`, which a
+test calls itself with a clock of its own instead of waiting.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -29,6 +33,10 @@ from rich.progress import (
 
 #: the longest a redirected log goes without a line while work runs (seconds)
 HEARTBEAT = 30.0
+#: how often the heartbeat thread looks at the clock (seconds)
+POLL = 1.0
+
+Clock = Callable[[], float]
 
 
 def progress_bar(console: Console) -> Progress | LogProgress:
@@ -48,18 +56,20 @@ class _Task:
     completed: float = 0.0
     info: str = ""
     visible: bool = True
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0
 
 
 class LogProgress:
     """The part of rich's ``Progress`` fp4rl's commands use, as lines in a log."""
 
-    def __init__(self, console: Console, heartbeat: float = HEARTBEAT) -> None:
+    def __init__(self, console: Console, heartbeat: float = HEARTBEAT,
+                 clock: Clock = time.monotonic) -> None:
         self.console = console
         self.heartbeat = heartbeat
+        self.clock = clock
         self.tasks: dict[int, _Task] = {}
-        self._last = time.monotonic()
-        self._lock = threading.Lock()
+        self._last = clock()
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,7 +78,7 @@ class LogProgress:
                  visible: bool = True, **fields: Any) -> int:
         task_id = len(self.tasks)
         self.tasks[task_id] = _Task(description, total, completed, str(fields.get("info", "")),
-                                    visible)
+                                    visible, self.clock())
         return task_id
 
     def update(self, task_id: int, *, total: float | None = None,
@@ -92,7 +102,7 @@ class LogProgress:
 
     def reset(self, task_id: int, **fields: Any) -> None:
         task = self.tasks[task_id]
-        task.completed, task.started = 0.0, time.monotonic()
+        task.completed, task.started = 0.0, self.clock()
         self.update(task_id, **fields)
 
     def start(self) -> None:
@@ -114,7 +124,7 @@ class LogProgress:
 
     # ----- lines -------------------------------------------------------------------------
     def line(self, task: _Task) -> str:
-        elapsed = time.monotonic() - task.started
+        elapsed = self.clock() - task.started
         count = f"{task.completed:g}" + (f"/{task.total:g}" if task.total else "")
         rate = f", {task.completed / elapsed:.2f}/s" if elapsed > 0 and task.completed else ""
         info = f"  {task.info}" if task.info else ""
@@ -125,26 +135,31 @@ class LogProgress:
             return
         with self._lock:
             self.console.print(self.line(task), markup=False, highlight=False, soft_wrap=True)
-            self._last = time.monotonic()
+            self._last = self.clock()
 
-    def _beat(self) -> None:
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self._last >= self.heartbeat:
+    def beat(self) -> None:
+        """Every task's line, where the log has been quiet for a heartbeat."""
+        with self._lock:
+            if self.clock() - self._last >= self.heartbeat:
                 for task in list(self.tasks.values()):
                     self._print(task)
 
+    def _beat(self) -> None:
+        while not self._stop.wait(POLL):
+            self.beat()
+
 
 @contextlib.contextmanager
-def status(console: Console, message: str,
-           heartbeat: float = HEARTBEAT) -> Iterator[Any]:
+def status(console: Console, message: str, heartbeat: float = HEARTBEAT,
+           clock: Clock = time.monotonic) -> Iterator[Any]:
     """``console.status(message)`` on a terminal; in a log the message, a "still ..." line
     every ``heartbeat`` seconds, and the time it took. Yields an object with
-    ``update(message)``, as rich's status does."""
+    ``update(message)``, as rich's status does (and ``beat()`` in a log)."""
     if console.is_terminal:
         with console.status(message) as live:
             yield live
         return
-    log = _LogStatus(console, message, heartbeat)
+    log = _LogStatus(console, message, heartbeat, clock)
     try:
         yield log
     except BaseException:
@@ -154,9 +169,11 @@ def status(console: Console, message: str,
 
 
 class _LogStatus:
-    def __init__(self, console: Console, message: str, heartbeat: float) -> None:
-        self.console, self.heartbeat = console, heartbeat
-        self.started = self._last = time.monotonic()
+    def __init__(self, console: Console, message: str, heartbeat: float,
+                 clock: Clock) -> None:
+        self.console, self.heartbeat, self.clock = console, heartbeat, clock
+        self.started = self._last = clock()
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self.update(message)
         self._thread = threading.Thread(target=self._beat, daemon=True)
@@ -170,16 +187,22 @@ class _LogStatus:
         self._stop.set()
         self._thread.join(timeout=1)
         if done:
-            self._say(f"{self.message}: done in {time.monotonic() - self.started:.0f} s")
+            self._say(f"{self.message}: done in {self.clock() - self.started:.0f} s")
 
     def _say(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        self._last = time.monotonic()
+        with self._lock:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self._last = self.clock()
+
+    def beat(self) -> None:
+        """A "still ..." line, where the log has been quiet for a heartbeat."""
+        with self._lock:
+            if self.clock() - self._last >= self.heartbeat:
+                self._say(f"still {self.message} ({self.clock() - self.started:.0f} s)")
 
     def _beat(self) -> None:
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self._last >= self.heartbeat:
-                self._say(f"still {self.message} ({time.monotonic() - self.started:.0f} s)")
+        while not self._stop.wait(POLL):
+            self.beat()
 
 
-__all__ = ["HEARTBEAT", "LogProgress", "progress_bar", "status"]
+__all__ = ["HEARTBEAT", "POLL", "LogProgress", "progress_bar", "status"]
