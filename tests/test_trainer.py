@@ -85,8 +85,8 @@ def test_one_step_writes_metrics_and_checkpoint(tmp_path):
                 "tokens_per_second/train", "frac_reward_zero_std", "entropy"):
         assert key in rows[0], key
     assert ckpt.latest_checkpoint(tmp_path).name == "step-000002"
-    if any(r["active_fraction"] > 0 for r in rows):
-        assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
+    assert any(r["active_fraction"] > 0 for r in rows)  # parity of lengths: mixed groups
+    assert not torch.equal(before, model.model.layers[0].mlp.down_proj.weight)
 
 
 @pytest.mark.parametrize("how,kill_at", [("step", 3), ("save", 4)])
@@ -224,11 +224,13 @@ def test_several_updates_per_rollout_batch(tmp_path):
 
 
 def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
-    """One epoch, one optimizer step: no separate old-log-prob pass; the rollout-mismatch
-    metrics over the rows that train equal an independent no-grad pass over them."""
+    """One epoch, one optimizer step: no separate old-log-prob pass (the model runs one
+    forward per micro-batch, not two); the rollout-mismatch metrics over the rows that
+    train equal an independent no-grad pass over them, taken on the batch the step hands
+    its update, before the update."""
     from fp4rl.nn import train_mode
     from fp4rl.rl import rewards
-    from fp4rl.rl.grpo import group_advantages, mismatch_stats
+    from fp4rl.rl.grpo import mismatch_stats
     from fp4rl.rl.logprobs import response_logprobs
 
     # mixed rewards on prompts with an odd answer, none on the others (rows that don't train)
@@ -237,26 +239,37 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
     model, tok = tiny_model("llama")
     cfg = load_config(None, [*OVERRIDES, "data.reward=odd_parity", "grpo.batch_size=4"])
     trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
-    trainer.step = 1
-    chunks = trainer.chunks(trainer.next_batch())
-    parts = trainer.rollout(chunks)
-    scores = {c: trainer.rewards([trainer.train_examples[i] for i, _, _ in chunks[c]], b)
-              for c, b in parts.items()}
-    batch, reward = trainer._gather(parts, scores)
-    advantages = group_advantages(reward, cfg.grpo.num_generations)
-    trains = advantages != 0
+    seen: dict[str, object] = {}
+    update = trainer.update
+
+    def spy(batch, advantages):
+        trains = advantages != 0
+        ids, attention = batch.sequences()
+        with torch.no_grad(), train_mode(model), trainer.compute():  # the run's dtype
+            old, _ = response_logprobs(model, ids, attention, ids.shape[1] -
+                                       batch.response_ids.shape[1])
+        mask = batch.response_mask.bool() & trains[:, None]
+        seen["trains"] = trains
+        seen["expected"] = mismatch_stats(old, batch.logprobs, mask,
+                                          cfg.grpo.tis_imp_ratio_cap)
+        forwards = []
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            result = update(batch, advantages)
+        finally:
+            hook.remove()
+        seen["forwards"], seen["stats"] = len(forwards), result.stats
+        seen["micro_batches"] = -(-int(trains.sum()) // cfg.grpo.micro_batch_size)
+        return result
+
+    trainer.update = spy
+    trainer.train_step()
+    trains = seen["trains"]
     assert 0 < trains.sum() < len(trains), "the check needs rows that train and rows that not"
-    ids, attention = batch.sequences()
-    with torch.no_grad(), train_mode(model), trainer.compute():  # the run's compute dtype
-        old, _ = response_logprobs(model, ids, attention, ids.shape[1] -
-                                   batch.response_ids.shape[1])
-    mask = batch.response_mask.bool() & trains[:, None]
-    expected = mismatch_stats(old, batch.logprobs, mask, cfg.grpo.tis_imp_ratio_cap)
-    result = trainer.update(batch, advantages)
-    assert result.logprob_seconds < 0.05  # no pass of its own
-    for key, value in expected.items():
-        assert result.stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    assert result.stats["clip_ratio/region_mean"] == 0  # ratio exactly 1
+    assert seen["forwards"] == seen["micro_batches"]  # no pass of its own
+    for key, value in seen["expected"].items():
+        assert seen["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert seen["stats"]["clip_ratio/region_mean"] == 0  # ratio exactly 1
 
 
 class _ScriptedEngine:
@@ -266,10 +279,12 @@ class _ScriptedEngine:
     name = "scripted"
 
     def __init__(self, tok, answers: list[list[str]]) -> None:
-        self.tok, self.answers, self.seeds = tok, answers, []
+        self.tok, self.answers, self.seeds, self.sampling = tok, answers, [], []
 
     def generate(self, chunks, seeds, sampling, progress=False):
         from fp4rl.rollout import RolloutBatch, left_pad
+
+        self.sampling.append(sampling)
 
         out, pending = [], [a for row in self.answers for a in row]
         for chunk, chunk_seeds in zip(chunks, seeds, strict=True):
@@ -307,16 +322,25 @@ def test_mean_at_k_and_best_at_k_on_known_outcomes():
     assert len(set(engine.seeds)) == 12
 
 
-def test_greedy_mean_at_1_is_best_at_1():
+def test_k_1_decodes_greedily_and_scores_mean_at_1():
+    """k=1 asks the engine for one greedy response per prompt (Mean@1), whatever
+    eval.temperature says; k=4 samples at that temperature."""
     from fp4rl.data import Example
     from fp4rl.rl.evaluate import evaluate
 
-    model, tok = tiny_model("llama")
+    _, tok = tiny_model("llama")
     examples = [Example(f"What is {i} + 1?", f"#### {i + 1}", "gsm8k", "t", i, {"level": 1})
                 for i in range(3)]
     prompts = [tok(e.prompt)["input_ids"] for e in examples]
-    greedy = evaluate(model, tok, examples, prompts, k=1, max_new_tokens=4)
-    assert greedy.mean == greedy.best  # one sample per prompt
+    engine = _ScriptedEngine(tok, [["#### 1"], ["#### 5"], ["#### 3"]])
+    greedy = evaluate(None, tok, examples, prompts, k=1, temperature=0.7, engine=engine)
+    assert (greedy.name, greedy.correct, greedy.mean) == ("mean@1", [1, 0, 1],
+                                                           pytest.approx(2 / 3))
+    assert all(s.greedy for s in engine.sampling)
+    engine = _ScriptedEngine(tok, [["#### 1"] * 4, ["#### 5"] * 4, ["#### 3"] * 4])
+    sampled = evaluate(None, tok, examples, prompts, k=4, temperature=0.7, engine=engine)
+    assert not any(s.greedy for s in engine.sampling)
+    assert {s.temperature for s in engine.sampling} == {0.7} and sampled.mean == greedy.mean
 
 
 def test_overrides_read_numbers_as_meant_and_suggest_keys(capsys, tmp_path):
