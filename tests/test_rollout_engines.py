@@ -3,6 +3,8 @@ its place below the trainer and the integrations is kept by tests/test_layering.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -16,11 +18,9 @@ from fp4rl.rollout import (
     SamplingConfig,
     build_engine,
     engine_name,
-    generate,
     get_engine,
     list_engines,
     register_engine,
-    row_generators,
 )
 
 SAMPLING = SamplingConfig(temperature=0.8, top_k=20, max_new_tokens=8)
@@ -56,28 +56,42 @@ def test_the_config_reads_the_alias_as_the_engine():
     assert load_config("smoke", ["rollout.engine=fp4rl"]).rollout_engine == "hf"
 
 
+def _greedy_without_cache(model, prompt: list[int], steps: int, eos: int
+                          ) -> tuple[list[int], list[float]]:
+    """Greedy decoding the slow way: the whole sequence through the model at each step,
+    no KV cache, no padding, one prompt at a time; the chosen token's log-prob in fp32."""
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logps.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+            if token == eos:
+                break
+    return ids[len(prompt):], logps
+
+
 @pytest.mark.parametrize("recipe", [None, "hif4+resq-2:4"])
-@pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_the_kv_cache_engine_is_the_generate_function_per_chunk(recipe, precision):
-    """Each chunk is one micro-batch of :func:`generate`, its rows seeded one by one, under
-    the run's autocast and (for a patched model) in rollout mode: bit for bit."""
+def test_the_kv_cache_engine_decodes_as_the_model_does_without_a_cache(recipe):
+    """Greedy responses of left-padded chunks with a KV cache are the tokens the model
+    picks one full forward at a time (the rollout policy for a patched model), and their
+    log-probs that forward's."""
     torch.manual_seed(0)
     model, tok = tiny_model("llama", initializer_range=0.2)
     if recipe:
         fp4rl.quantize_model(model, recipe)
     prompts = _prompts(tok)
-    chunks, seeds = [prompts[:3], prompts[3:]], [[11, 12, 13], [14]]
-    engine = KVCacheEngine(model, tok.pad_token_id, [tok.eos_token_id],
-                           mixed_precision=precision)
-    got = engine.generate(chunks, seeds, SAMPLING)
-    mode = fp4rl.rollout_mode(model) if recipe else torch.no_grad()
-    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"), mode:
-        want = [generate(model, c, SAMPLING, pad_token_id=tok.pad_token_id,
-                         eos_token_ids=[tok.eos_token_id], generator=row_generators(s))
-                for c, s in zip(chunks, seeds, strict=True)]
-    for g, w in zip(got, want, strict=True):
-        assert torch.equal(g.response_ids, w.response_ids)
-        assert torch.equal(g.logprobs, w.logprobs)
+    greedy = SamplingConfig(greedy=True, max_new_tokens=8)
+    engine = KVCacheEngine(model, tok.pad_token_id, [tok.eos_token_id], mixed_precision="no")
+    got = engine.generate([prompts[:3], prompts[3:]], [[11, 12, 13], [14]], greedy)
+    rows = [(b, r) for b in got for r in range(b.response_ids.shape[0])]
+    with fp4rl.rollout_mode(model) if recipe else contextlib.nullcontext():
+        for prompt, (batch, r) in zip(prompts, rows, strict=True):
+            n = int(batch.response_mask[r].sum())
+            tokens, logps = _greedy_without_cache(model, prompt, 8, tok.eos_token_id)
+            assert batch.response_ids[r, :n].tolist() == tokens
+            assert batch.logprobs[r, :n].tolist() == pytest.approx(logps, abs=1e-4)
 
 
 def test_a_rows_seed_decides_its_draw():
@@ -93,7 +107,7 @@ def test_a_rows_seed_decides_its_draw():
 
 def test_the_registry_builds_the_kv_cache_engine_from_a_setup():
     model, tok = tiny_model("llama")
-    recipe = fp4rl.nn.preset("hif4")
+    recipe = fp4rl.nn.get_recipe("hif4")
     fp4rl.quantize_model(model, recipe)
     setup = RolloutSetup(model="tiny", policy=model, recipe=recipe, mixed_precision="no",
                          seed=0, max_model_len=64, pad_token_id=tok.pad_token_id,
