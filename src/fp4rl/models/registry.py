@@ -89,7 +89,7 @@ def load_model(
     """
     source = REGISTRY.get(name_or_path)
     if source is None:
-        return load_checkpoint(checkpoint_dir(name_or_path), dtype, device)
+        return load_checkpoint(local_model_dir(name_or_path), dtype, device)
     gguf = source.locate(name_or_path)
     build = partial(_dequantize_gguf, gguf)
     return load_cached(name_or_path, source.fingerprint(gguf), build, dtype, device)
@@ -132,7 +132,7 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def checkpoint_dir(name_or_path: str) -> Path:
+def local_model_dir(name_or_path: str) -> Path:
     """The local Hugging Face directory a path or a Hub id (``ORG/NAME[@REVISION]``,
     resolved through the Hub cache, see :mod:`fp4rl.hub`) names. A local directory wins
     over a Hub id of the same spelling."""

@@ -19,6 +19,7 @@ import torch
 from fp4rl.errors import CheckpointError, ConfigError
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.distributed import Dist, full_model_state
+from fp4rl.rollout.weight_sync import is_sharded
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Checkpointer:
 
     @property
     def sharded(self) -> bool:
-        return self.policy is not self.model
+        return is_sharded(self.model)
 
     def save(self, step: int, state: dict[str, Any], consolidate: bool = False
              ) -> Path | None:

@@ -1,14 +1,7 @@
 """The GRPO training loop: rollout in the FP4 rollout policy, update in the FP4 training policy.
 
-One RL step (:meth:`Trainer.train_step` reads as this list)::
-
-    prompts                                  the next batch of the shuffled training set
-    begin_step(model)                        SmoothQuant recalibrates, RHT may redraw
-    rollout_mode: sample G responses/prompt  log-probs mu of the sampled tokens
-    rewards -> group-normalized advantages
-    train_mode: log-probs pi_old, pi_theta   all three GEMMs in the training format
-                                             (on-policy, pi_old is pi_theta detached)
-    GRPO loss with token-level TIS, step     the rollout re-quantizes the new weights once
+One RL step, :meth:`Trainer.train_step`, is described once, phase by phase in the order
+it runs, in docs/architecture.md ("One RL step").
 
 The model, its tokenizer, the optimizer and the training examples are built outside and
 handed in (:meth:`Trainer.from_config` builds them from a config: the model by name, the
@@ -77,6 +70,7 @@ from fp4rl.rollout import (
     resolve_engine,
     sample_seed,
 )
+from fp4rl.rollout.weight_sync import is_sharded
 
 
 class _Sequences(NamedTuple):
@@ -116,11 +110,13 @@ class StepTimings:
 
 @dataclass
 class UpdateResult:
-    """What :meth:`Trainer.update` reports: loss statistics, and its own costs."""
+    """What :meth:`Trainer.update` reports: loss statistics, and its own costs, each
+    phase timed once (no-grad log-prob passes; epochs of loss, backward and steps)."""
 
     stats: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
     logprob_seconds: float = 0.0
+    update_seconds: float = 0.0
 
 
 class Trainer:
@@ -195,10 +191,10 @@ class Trainer:
         """A trainer whose model (``config.model``, loaded on the config's device),
         optimizer and examples are built from ``config``."""
         from fp4rl.models import load_model
-        from fp4rl.models.registry import REGISTRY, checkpoint_dir
+        from fp4rl.models.registry import REGISTRY, local_model_dir
 
         if config.model not in REGISTRY:
-            checkpoint_dir(config.model)  # a model that is not there: one line, first
+            local_model_dir(config.model)  # a model that is not there: one line, first
         examples = load_split(config.data, "train", config.run.seed)  # then a data error
         d, device = _setup_distributed(config)
         # an engine that cannot serve the run (vLLM absent, on several processes): one
@@ -265,7 +261,7 @@ class Trainer:
             [[self.train_prompts[i] for i, _, _ in chunks[c]] for c in mine],
             [[sample_seed(self.cfg.run.seed, self.step, pos, j) for _, pos, j in chunks[c]]
              for c in mine], sampling)
-        return {c: _to_device(b, self.device) for c, b in zip(mine, batches, strict=True)}
+        return dict(zip(mine, batches, strict=True))
 
     def rewards(self, examples: list[Example], batch: RolloutBatch) -> torch.Tensor:
         """One reward per response (on the CPU), from its example's reward function."""
@@ -290,12 +286,10 @@ class Trainer:
             rewards = {c: self.rewards([self.train_examples[i] for i, _, _ in rows[c]], b)
                        for c, b in mine.items()}
         timings.rollout_tokens = sum(int(b.response_mask.sum()) for b in mine.values())
-        batch, rewards = self._gather(mine, rewards)  # the whole step, in order
+        batch, rewards = self._gather(mine, rewards)  # the whole step, in order, on device
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
-        with _stopwatch(timings, "update"):
-            update = self.update(batch, advantages)
-        timings.old_logprob = update.logprob_seconds
-        timings.update -= update.logprob_seconds
+        update = self.update(batch, advantages)
+        timings.old_logprob, timings.update = update.logprob_seconds, update.update_seconds
         timings.train_tokens = update.tokens
         self.last_timings = timings
         metrics = {**self._metrics(rewards, batch, update.stats, timings), **sync}
@@ -305,17 +299,19 @@ class Trainer:
                 ) -> tuple[RolloutBatch, torch.Tensor]:
         """Every rank's rollout chunks and rewards, joined in the step's order: each rank
         then holds the whole batch, as a single process does, and trains its share of
-        the micro-batches."""
+        the micro-batches. The chunks travel between ranks from the CPU, and the joined
+        batch goes to the training device once (the rewards stay on the CPU)."""
         if self.dist.active:
+            cpu = torch.device("cpu")
             everything: dict[int, tuple[RolloutBatch, torch.Tensor]] = {}
-            for part in all_gather({c: (b, rewards[c]) for c, b in chunks.items()},
-                                   self.dist):
+            for part in all_gather({c: (_to_device(b, cpu), rewards[c])
+                                    for c, b in chunks.items()}, self.dist):
                 everything.update(part)
-            chunks = {c: _to_device(b, self.device) for c, (b, _) in everything.items()}
+            chunks = {c: b for c, (b, _) in everything.items()}
             rewards = {c: r for c, (_, r) in everything.items()}
         order = sorted(chunks)
         batch = concat_batches([chunks[c] for c in order], self.tok.pad_token_id)
-        return batch, torch.cat([rewards[c] for c in order])
+        return _to_device(batch, self.device), torch.cat([rewards[c] for c in order])
 
     def _metrics(self, rewards: torch.Tensor, batch: RolloutBatch, stats: dict[str, float],
                  timings: StepTimings) -> dict[str, Any]:
@@ -367,6 +363,7 @@ class Trainer:
         data = _UpdateBatch(batch, seqs, advantages, mask, seen, ref_logp)
         stats: dict[str, list[float]] = {}
         tokens = 0
+        start = time.perf_counter()
         for epoch in range(g.ppo_epochs):
             perm = torch.randperm(n // g.num_generations,
                                   generator=torch.Generator().manual_seed(
@@ -375,9 +372,10 @@ class Trainer:
                         + torch.arange(g.num_generations)).reshape(-1)
             for mini in rows_all.split(seq_per_mini):
                 tokens += self._mini_step(data, mini, stats)
+        update_time = time.perf_counter() - start
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out.update(mismatch_stats(seen.logp, batch.logprobs, seen.mask, g.tis_imp_ratio_cap))
-        return UpdateResult(out, tokens, logprob_time)
+        return UpdateResult(out, tokens, logprob_time, update_time)
 
     @property
     def on_policy(self) -> bool:
@@ -396,7 +394,7 @@ class Trainer:
         micros = self._micro_batches(torch.arange(seqs.ids.shape[0]))
         mine = {i: self._logprobs(model, seqs, r)[0]
                 for i, r in enumerate(micros) if i % d.world_size == d.rank}
-        if model is self.model and d.strategy == "fsdp":
+        if is_sharded(model):
             for _ in range(-(-len(micros) // d.world_size) - len(mine)):
                 self._logprobs(model, seqs, micros[0])
         parts: dict[int, torch.Tensor] = {}

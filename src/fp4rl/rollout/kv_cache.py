@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,7 +32,7 @@ from fp4rl.rollout.batch import (
     position_ids,
 )
 from fp4rl.rollout.sampling import row_generators, sample_next
-from fp4rl.rollout.weight_sync import sync_rollout_weights
+from fp4rl.rollout.weight_sync import is_sharded, refresh_rollout_copy
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
@@ -215,13 +214,12 @@ class KVCacheEngine:
                    mixed_precision=setup.mixed_precision, world_size=setup.world_size)
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
-        """Nothing when the policy is ``model``; else the FSDP rollout copy refreshed from
-        ``model``'s shards (bytes moved and seconds, as metrics)."""
-        if model is self.policy:
+        """Nothing for a whole model (the engine samples from it); for an FSDP2-sharded
+        one, its rollout copy refreshed from the shards (bytes moved and seconds, as
+        metrics)."""
+        if not is_sharded(model):
             return {}
-        start = time.perf_counter()
-        sent = sync_rollout_weights(model, self.policy, self.world_size)
-        return {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
+        return refresh_rollout_copy(model, self.policy, self.world_size)
 
     def close(self) -> None:
         """Nothing to release: the policy is the trainer's module."""

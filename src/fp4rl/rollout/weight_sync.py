@@ -16,6 +16,7 @@ and every other parameter (embeddings, norms, lm_head) travel at full precision.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,25 @@ class SyncBytes:
         return {"sync/rollout_weight_bytes_4bit": float(self.packed),
                 "sync/rollout_weight_bytes_full": float(self.full),
                 "sync/rollout_weight_bytes_as_bf16": float(self.packed_as_bf16)}
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2: the one test of "is this FSDP" that the
+    engines, the trainer and the checkpointer share (a sharded model's rollout runs on
+    its unsharded copy, refreshed by :func:`refresh_rollout_copy`)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def refresh_rollout_copy(model: torch.nn.Module, policy: torch.nn.Module,
+                         world_size: int) -> dict[str, float]:
+    """:func:`sync_rollout_weights`, as a step's metrics: bytes received and seconds."""
+    start = time.perf_counter()
+    sent = sync_rollout_weights(model, policy, world_size)
+    return {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
 
 
 def packable(layer: FP4Linear) -> bool:
@@ -114,4 +134,4 @@ def _tensor_scale(fmt: NumberFormat, local: torch.Tensor) -> torch.Tensor | None
     return fmt.tensor_scale(amax.reshape(1))
 
 
-__all__ = ["SyncBytes", "packable", "sync_rollout_weights"]
+__all__ = ["SyncBytes", "is_sharded", "packable", "refresh_rollout_copy", "sync_rollout_weights"]

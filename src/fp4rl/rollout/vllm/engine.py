@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,7 +30,7 @@ from fp4rl.rollout.vllm.config import (
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
 from fp4rl.rollout.vllm.settings import VLLMSettings
-from fp4rl.rollout.weight_sync import sync_rollout_weights
+from fp4rl.rollout.weight_sync import is_sharded, refresh_rollout_copy
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
@@ -165,13 +164,13 @@ def model_dir(name_or_path: str) -> str:
     Hub id (its snapshot in the Hugging Face cache, as :func:`fp4rl.models.load_model`
     resolves it)."""
     from fp4rl.models import load_model
-    from fp4rl.models.registry import REGISTRY, cached_model_dir, checkpoint_dir
+    from fp4rl.models.registry import REGISTRY, cached_model_dir, local_model_dir
 
     if name_or_path in REGISTRY:
         if cached_model_dir(name_or_path) is None:
             load_model(name_or_path)  # builds the cache entry
         return str(cached_model_dir(name_or_path))
-    return str(checkpoint_dir(name_or_path))
+    return str(local_model_dir(name_or_path))
 
 
 
@@ -245,11 +244,12 @@ class VLLMEngine:
         all-gather each rollout weight's packed codes and scales into the unsharded
         rollout copy (:mod:`fp4rl.rollout.weight_sync`, never a full-precision copy of
         those weights), which then refits this rank's engine with ``Q(W)``'s values."""
-        if self.policy is None or model is self.policy:
+        if not is_sharded(model):
             return refit(self.llm, model, self.packed_wire, self.piece_bytes).metrics()
-        start = time.perf_counter()
-        sent = sync_rollout_weights(model, self.policy, self.world_size)
-        gathered = {**sent.metrics(), "time/weight_sync": time.perf_counter() - start}
+        if self.policy is None:
+            raise ConfigError("a sharded model refits its engine through its unsharded "
+                              "rollout copy: pass policy= when building the engine")
+        gathered = refresh_rollout_copy(model, self.policy, self.world_size)
         return {**gathered, **refit(self.llm, self.policy, False, self.piece_bytes).metrics()}
 
     def close(self) -> None:
