@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "check"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
