@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from fp4rl.nn.recipe import Recipe, RecipeError, get_recipe, table1_presets
+from fp4rl.nn import recipe as recipe_module
+from fp4rl.nn.recipe import Recipe, RecipeError, get_recipe, table1_recipes
 from fp4rl.recovery import Recovery
 
 FP4_FORMATS = ("hif4", "mxfp4", "nvfp4")
@@ -53,8 +54,10 @@ def test_validation_messages(data, message):
 
 
 @pytest.mark.parametrize("fmt", FP4_FORMATS)
-def test_table1_presets(fmt):
-    names = table1_presets(fmt)
+def test_table1_recipes(fmt):
+    names = table1_recipes(fmt)
+    with pytest.warns(DeprecationWarning, match="use table1_recipes"):
+        assert recipe_module.table1_presets(fmt) == names  # the old name, for a release
     assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
     cells = {n: get_recipe(n) for n in names}
     assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt

@@ -9,7 +9,7 @@ the allowed values::
     ignore:  ["re:.*mlp\\.down_proj"]     # modules left unquantized (optional)
 
 ``"bf16"`` anywhere means "not quantized" (computed in the run's compute dtype, the
-paper's baseline). Presets cover every cell of the paper's Table 1:
+paper's baseline). Recipe names cover every cell of the paper's Table 1:
 ``get_recipe("hif4:fp4/w4a8")`` is training in HiF4 with a rollout of HiF4 weights and
 MXFP8 activations; a suffix ``"+<method>[-<argument>]"`` (``"+resq-2:4"``) adds a
 registered rollout recovery method.
@@ -31,7 +31,7 @@ from fp4rl.formats import list_formats
 from fp4rl.recovery import Recovery
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
-ROLLOUT_PRESETS = {
+ROLLOUT_PRECISIONS = {
     "bf16": ("bf16", "bf16"),
     "w4a16": ("{f}", "bf16"),
     "w4a8": ("{f}", "mxfp8_e4m3"),
@@ -41,15 +41,15 @@ ROLLOUT_PRESETS = {
 #: training precision names -> how the backward GEMMs take W and X (moot for bf16, where
 #: nothing is quantized); ``fp4-reuse`` is the HiFloat4 authors' simulated backward (see
 #: :class:`TrainPrecision`)
-TRAIN_PRESETS = {"bf16": "requantize", "fp4": "requantize", "fp4-reuse": "reuse_forward"}
+TRAIN_PRECISIONS = {"bf16": "requantize", "fp4": "requantize", "fp4-reuse": "reuse_forward"}
 #: the training precisions of the paper's Table 1
-PAPER_TRAIN_PRESETS = ("bf16", "fp4")
+PAPER_TRAIN_PRECISIONS = ("bf16", "fp4")
 #: how the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`)
 BACKWARD_OPERANDS = ("requantize", "reuse_forward")
 
 
 def quantized_formats() -> list[str]:
-    """Registered formats other than ``bf16`` (the ones a preset's ``<fmt>`` may name)."""
+    """Registered formats other than ``bf16`` (the ones a recipe name's ``<fmt>`` may name)."""
     return [f for f in list_formats() if f != "bf16"]
 
 
@@ -200,24 +200,31 @@ def get_recipe(name: str) -> Recipe:
     else:
         fmt, _, cell = base.partition(":")
         train, _, rollout = (cell or "fp4/fp4").partition("/")
-        if fmt not in quantized_formats() or train not in TRAIN_PRESETS or \
-                rollout not in ROLLOUT_PRESETS:
+        if fmt not in quantized_formats() or train not in TRAIN_PRECISIONS or \
+                rollout not in ROLLOUT_PRECISIONS:
             raise RecipeError(
                 f"unknown recipe {name!r}{did_you_mean(fmt, quantized_formats())}: use 'bf16', "
                 f"'<fmt>' or '<fmt>:<train>/<rollout>' with fmt in "
-                f"{', '.join(quantized_formats())}, train in {', '.join(TRAIN_PRESETS)}, "
-                f"rollout in {', '.join(ROLLOUT_PRESETS)}, optionally '+<recovery method>' "
+                f"{', '.join(quantized_formats())}, train in {', '.join(TRAIN_PRECISIONS)}, "
+                f"rollout in {', '.join(ROLLOUT_PRECISIONS)}, optionally '+<recovery method>' "
                 f"(e.g. '+resq-2:4')")
     t = "bf16" if train == "bf16" else fmt
-    w, a = (v.format(f=fmt) for v in ROLLOUT_PRESETS[rollout])
-    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRESETS[train]),
+    w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])
+    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRECISIONS[train]),
                   RolloutPrecision(w, a, Recovery.parse(recovery)))
 
 
+def table1_recipes(fmt: str) -> list[str]:
+    """Recipe names of every row of the paper's Table 1 for one FP4 format."""
+    return ["bf16"] + [f"{fmt}:{t}/{r}" for t in PAPER_TRAIN_PRECISIONS
+                       for r in ROLLOUT_PRECISIONS if (t, r) != ("bf16", "bf16")]
+
+
 def table1_presets(fmt: str) -> list[str]:
-    """Preset names of every row of the paper's Table 1 for one FP4 format."""
-    return ["bf16"] + [f"{fmt}:{t}/{r}" for t in PAPER_TRAIN_PRESETS for r in ROLLOUT_PRESETS
-                       if (t, r) != ("bf16", "bf16")]
+    """Deprecated name of :func:`table1_recipes`."""
+    warnings.warn("fp4rl.nn.recipe.table1_presets is deprecated; use table1_recipes",
+                  DeprecationWarning, stacklevel=2)
+    return table1_recipes(fmt)
 
 
 def preset(name: str) -> Recipe:
