@@ -75,11 +75,21 @@ class TrainPrecision:
     quantized forward (straight-through quantizers).
     """
 
-    weights: str = "bf16"
-    activations: str = "bf16"
-    gradients: str = "bf16"
-    stochastic_gradients: bool = False
-    backward_operands: str = "requantize"
+    weights: str = field(default="bf16", metadata={
+        "choices": list_formats,
+        "help": "the weights' format in the three training GEMMs (bf16: not quantized)"})
+    activations: str = field(default="bf16", metadata={
+        "choices": list_formats,
+        "help": "the layer inputs' format in the forward and weight-gradient GEMMs"})
+    gradients: str = field(default="bf16", metadata={
+        "choices": list_formats,
+        "help": "the output gradients' format in the two backward GEMMs"})
+    stochastic_gradients: bool = field(default=False, metadata={
+        "help": "round the output gradients stochastically (unbiased)"})
+    backward_operands: str = field(default="requantize", metadata={
+        "choices": lambda: BACKWARD_OPERANDS,
+        "help": "requantize: W and X quantized afresh along each backward GEMM's own "
+        "reduction axis; reuse_forward: the forward's Q(W) and Q(X)"})
 
     def __post_init__(self) -> None:
         for name in ("weights", "activations", "gradients"):
@@ -95,9 +105,13 @@ class TrainPrecision:
 class RolloutPrecision:
     """Formats of the rollout policy (forward only) and its activation recovery."""
 
-    weights: str = "bf16"
-    activations: str = "bf16"
-    recovery: Recovery = field(default_factory=Recovery)
+    weights: str = field(default="bf16", metadata={
+        "choices": list_formats, "help": "the rollout weights' format (bf16: not quantized)"})
+    activations: str = field(default="bf16", metadata={
+        "choices": list_formats, "help": "the rollout activations' format"})
+    recovery: Recovery = field(default_factory=Recovery, metadata={
+        "help": "the method that repairs the rollout activations' quantization (a "
+        "registered method's name), with its parameters beside it"})
 
     def __post_init__(self) -> None:
         for name in ("weights", "activations"):

@@ -8,7 +8,7 @@ unquantized weight. The global quantile is what makes OCC slow at scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,9 @@ class OCCConfig(RecoveryConfig):
     """quantile: the clamping quantile of ``|X|``; the clipped excess takes the sparse
     high-precision GEMM."""
 
-    quantile: float = 0.99
+    quantile: float = field(default=0.99, metadata={
+        "help": "the quantile of |X| (over the whole tensor) it clamps at; the clipped "
+        "excess takes a sparse high-precision GEMM"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,7 +9,7 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -79,7 +79,9 @@ class ResQConfig(RecoveryConfig):
     """sparsity: the pattern ``S`` keeps of the residual: "dense", any "n:m" ("2:4"),
     "channel:<fraction>" or "block:<rows>x<cols>:<fraction>"."""
 
-    sparsity: str = "2:4"
+    sparsity: str = field(default="2:4", metadata={
+        "help": "the pattern the residual keeps: dense, n:m (2:4), channel:<fraction> or "
+        "block:<rows>x<cols>:<fraction>"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

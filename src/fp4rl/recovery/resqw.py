@@ -18,7 +18,7 @@ besides ``Q(W)``, so the method reads the high-precision weight (``reads_weight`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -34,7 +34,8 @@ class ResQWConfig(ResQConfig):
     """sparsity: the activation residual's pattern (as ResQ); weight_sparsity: the weight
     residual's pattern, along in_features ("dense", "n:m", ...)."""
 
-    weight_sparsity: str = "2:4"
+    weight_sparsity: str = field(default="2:4", metadata={
+        "help": "the weight residual's pattern along in_features, as sparsity"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -8,7 +8,7 @@ at every RL step with ``fresh_signs``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,8 +32,10 @@ class RHTConfig(RecoveryConfig):
     largest power of two dividing in_features); fresh_signs: redraw the signs every RL
     step instead of fixing them per layer."""
 
-    block_size: int = 128
-    fresh_signs: bool = False
+    block_size: int = field(default=128, metadata={
+        "help": "the Hadamard transform's block along in_features"})
+    fresh_signs: bool = field(default=False, metadata={
+        "help": "draw new random signs at every step"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

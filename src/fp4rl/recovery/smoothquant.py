@@ -9,7 +9,7 @@ activation statistics is what the paper reports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,9 @@ MIN_SCALE = 1e-5
 class SmoothQuantConfig(RecoveryConfig):
     """alpha: migration strength, ``s = max|X|^alpha / max|W|^(1-alpha)``."""
 
-    alpha: float = 0.5
+    alpha: float = field(default=0.5, metadata={
+        "help": "migration strength: the share of the activations' range moved into the "
+        "weights"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

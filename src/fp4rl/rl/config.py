@@ -9,6 +9,7 @@ GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -23,8 +24,9 @@ from pydantic.fields import FieldInfo
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import ConfigError, RecipeError
-from fp4rl.nn.recipe import Recipe
+from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
 from fp4rl.presets import preset_path
+from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
 from fp4rl.rollout.registry import AUTO, EngineError, engine_name, list_engines
 from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
@@ -263,13 +265,39 @@ def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
             continue
         rows.append(ConfigField(key, type_name(annotation), default_text(field),
                                 field.description or ""))
+        if key == "train":
+            rows += recipe_fields(TrainPrecision, "train.")
         if key == "rollout":
+            rows += recipe_fields(RolloutPrecision, "rollout.")
             rows.append(ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]),
                                     "hf", "where the rollout runs: fp4rl's KV-cache engine "
                                     "on the trainer's model (hf), a colocated vLLM engine "
                                     "(vllm), or auto: vllm on a CUDA device where it runs "
                                     "the recipe, else hf"))
             rows += config_fields(VLLMSettings, "rollout.vllm.")
+    return rows
+
+
+def recipe_fields(part: type, prefix: str) -> list[ConfigField]:
+    """The settings of one part of the recipe (its dataclass fields' ``help``); the
+    recovery as its method's name and every registered method's parameters."""
+    rows = []
+    for f in dataclasses.fields(part):
+        if f.name != "recovery":
+            choices = f.metadata.get("choices")
+            kind = " | ".join(choices()) if choices else str(f.type)
+            rows.append(ConfigField(f"{prefix}{f.name}", kind, default_text(f),
+                                    f.metadata["help"]))
+            continue
+        rows.append(ConfigField(f"{prefix}recovery.method", " | ".join(list_recoveries()),
+                                "none", f.metadata["help"]))
+        params: dict[str, tuple[dataclasses.Field[Any], list[str]]] = {}
+        for method in list_recoveries():
+            for p in dataclasses.fields(get_recovery(method).config_cls):
+                params.setdefault(p.name, (p, []))[1].append(method)
+        rows += [ConfigField(f"{prefix}recovery.{name}", str(p.type), default_text(p),
+                             f"{p.metadata['help']} ({', '.join(methods)})")
+                 for name, (p, methods) in params.items()]
     return rows
 
 
@@ -289,9 +317,12 @@ def type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def default_text(field: FieldInfo) -> str:
+def default_text(field: FieldInfo | dataclasses.Field[Any]) -> str:
     """The default as a ``key=value`` override writes it."""
-    value = field.get_default(call_default_factory=True)
+    if isinstance(field, FieldInfo):
+        value = field.get_default(call_default_factory=True)
+    else:
+        value = field.default
     return value if isinstance(value, str) else json.dumps(value)
 
 
