@@ -68,7 +68,7 @@ lint: setup
 # Tests marked `long` (several minutes each: multi-process training with an engine per
 # process, a compiled engine, a resumed run) are left to `make test-long`.
 test: lint
-	$(PY) -m pytest -q -m "not long"
+	$(PY) -m pytest -q -m "not long" --durations=10
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
 
@@ -85,7 +85,7 @@ VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_weig
 VLLM_OLDEST_SELECT := dummy_weights or payload or layerwise
 
 test-vllm: $(VSTAMP) $(WSTAMP)
-	$(VPY) -m pytest -q -p no:cacheprovider -m "not long" tests/vllm_engine
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not long" --durations=10 tests/vllm_engine
 	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS) -k "$(VLLM_OLDEST_SELECT)"
 
 # verl 0.9.1's own code: its config validation of the documented command line, and its
