@@ -1,8 +1,10 @@
 """Training configuration: a YAML file plus ``key=value`` overrides, validated with pydantic.
 
-Top-level ``model``, ``train`` and ``rollout`` are the recipe of ``docs/design``; the other
-sections configure data, GRPO, evaluation and the run. GRPO option names follow TRL's
-GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
+Top-level ``model``, ``train``, ``rollout`` and ``ignore`` are the policy and its recipe
+(``rollout`` also names the engine and holds that engine's own settings: docs/architecture.md,
+"Names"); the other sections configure data, GRPO, evaluation and the run. Every field
+carries its description, which ``fp4rl train --help-config`` prints. GRPO option names
+follow TRL's GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
 ``learning_rate``) and verl where TRL has no equivalent (``loss_agg_mode``,
 ``tis_imp_ratio_cap``); see ``docs/training.md``.
 """
