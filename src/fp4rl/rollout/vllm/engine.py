@@ -64,8 +64,8 @@ class EngineSpec:
     enforce_eager: bool | None = None
     #: ranks one engine's layers are split over (each holds its share of ``Q(W)``)
     tensor_parallel_size: int = 1
-    #: tokens one engine step may take; None: vLLM's default on GPUs, ``max_model_len``
-    #: on a CPU (see :meth:`scheduling`)
+    #: tokens one engine step may take; None: vLLM's default on GPUs, ``max(max_model_len,
+    #: 256)`` on a CPU (see :meth:`scheduling`)
     max_num_batched_tokens: int | None = None
 
     @property
