@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from fp4rl.rollout.vllm.config import WEIGHT_STORAGES
 from fp4rl.rollout.vllm.refit import PIECE_BYTES
 
 
@@ -23,8 +24,8 @@ class VLLMSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    weight_storage: Literal["dequantized", "packed"] = _field(
-        "dequantized", "dequantized or packed",
+    weight_storage: Literal[WEIGHT_STORAGES] = _field(  # type: ignore[valid-type]
+        WEIGHT_STORAGES[0], " or ".join(WEIGHT_STORAGES),
         "how the engine keeps Q(W): its values in the compute dtype (vLLM's own GEMM), or "
         "the format's 4-bit codes and scales, decoded at each forward (less memory, more "
         "work a forward)")
