@@ -51,8 +51,9 @@ def device_name(device: str) -> str:
 
 
 def stage_tests(device: str, quick: bool) -> dict[str, Any]:
-    files = ["tests/test_cuda.py"] if quick else ["tests/test_cuda.py",
-                                                  "tests/test_triton_kernels.py"]
+    # on a GPU the CUDA tests; the interpreted kernel tests prove nothing more there
+    files = ["tests/test_cuda.py"] if quick or device != "cpu" else \
+        ["tests/test_cuda.py", "tests/test_triton_kernels.py"]
     env = {**os.environ}
     if device == "cpu" and not quick:
         env.update(TRITON_INTERPRET="1")
@@ -126,8 +127,94 @@ def stage_demo(device: str, quick: bool, output: Path) -> dict[str, Any]:
             "before": {k: v["mean@" + str(_k(v))] for k, v in outcome["before"].items()}}
 
 
+VLLM_RECIPES = ("hif4+resq-2:4", "nvfp4")
+VLLM_PROMPTS = ("Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?",
+                "The capital of France is")
+
+
+def stage_vllm(device: str, quick: bool, recipes: tuple[str, ...] = VLLM_RECIPES
+               ) -> dict[str, Any]:
+    """vLLM with the fp4rl method (compiled, CUDA graphs on, on a GPU): greedy completions
+    and their log-probs against fp4rl's own rollout policy on the same tokens, before and
+    after a refit from a changed trainer model."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise Skipped(f"vLLM is not installed ({err})") from err
+    results = {}
+    for recipe in recipes[:1] if quick else recipes:
+        results[recipe] = _vllm_recipe(device, recipe)
+        # an engine start takes minutes: each recipe's figures are out before the next
+        print("vllm", recipe, json.dumps(results[recipe]), flush=True)
+    return {"recipes": results}
+
+
+def _vllm_recipe(device: str, recipe: str) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from fp4rl.integrations.vllm import EngineSpec, make_llm, model_dir, refit
+    from fp4rl.models import load_model
+    from fp4rl.nn import quantize_model
+
+    model, tok = load_model("smollm2-135m")
+    model.to(device)
+    quantize_model(model, recipe)
+    started = time.perf_counter()
+    llm = make_llm(EngineSpec(model_dir("smollm2-135m"), recipe, max_model_len=256,
+                              kv_cache_bytes=256 << 20 if device == "cpu" else None,
+                              gpu_memory_utilization=0.3))
+    record: dict[str, Any] = {"start_seconds": time.perf_counter() - started,
+                              "cuda_graphs": not llm.llm_engine.vllm_config.model_config
+                              .enforce_eager}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    for phase in ("loaded", "refit"):
+        if phase == "refit":
+            g = torch.Generator(device=device).manual_seed(0)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device=device) * 0.01
+                           * p.abs().mean())
+            stats = refit(llm, model, packed=True)
+            record["refit"] = {"seconds": stats.seconds, "bytes": stats.bytes}
+        started = time.perf_counter()
+        outs = llm.generate(list(VLLM_PROMPTS), params, use_tqdm=False)
+        record[phase] = {"generate_seconds": time.perf_counter() - started,
+                         **_against_fp4rl(model, tok, outs, device)}
+    del llm
+    return record
+
+
+def _against_fp4rl(model: torch.nn.Module, tok: Any, outs: list[Any], device: str
+                   ) -> dict[str, Any]:
+    """Each prompt's greedy tokens from vLLM scored by fp4rl's rollout policy (one full
+    forward, bf16 compute): the largest log-prob difference, and how many of vLLM's greedy
+    tokens are fp4rl's argmax too."""
+    import fp4rl
+
+    worst, agree, total = 0.0, 0, 0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        given = [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids,
+                                                out.outputs[0].logprobs, strict=True)]
+        with torch.no_grad(), fp4rl.rollout_mode(model), \
+                torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            logits = model(torch.tensor([ids], device=device)).logits[0].float()
+        start = len(out.prompt_token_ids) - 1
+        logp = logits[start:-1].log_softmax(-1)
+        new = torch.tensor(out.outputs[0].token_ids, device=device)
+        mine = logp.gather(1, new[:, None])[:, 0].cpu()
+        worst = max(worst, float((mine - torch.tensor(given)).abs().max()))
+        agree += int((logp.argmax(-1) == new).sum())
+        total += len(new)
+    return {"max_abs_logprob_diff": worst, "greedy_tokens_agreeing": f"{agree}/{total}"}
+
+
 def _k(result: dict[str, Any]) -> int:
     return int(next(key for key in result if key.startswith("mean@")).split("@")[1])
+
+
+class Skipped(Exception):
+    """A stage that cannot run here (what it needs is not installed), and why."""
 
 
 def run_stage(name: str, fn: Callable[[], dict[str, Any]], output: Path) -> dict[str, Any]:
@@ -136,6 +223,8 @@ def run_stage(name: str, fn: Callable[[], dict[str, Any]], output: Path) -> dict
     started = time.perf_counter()
     try:
         record = {"status": "ok", **fn()}
+    except Skipped as why:
+        record = {"status": "skipped", "why": str(why)}
     except Exception as err:  # a stage's failure is a result too; the next stage runs
         record = {"status": "error", "error": f"{type(err).__name__}: {err}",
                   "traceback": traceback.format_exc()[-4000:]}
@@ -151,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes (a CPU dry run)")
     parser.add_argument("--output", type=Path, default=Path("runs/gpu-check"))
     parser.add_argument("--skip", nargs="*", default=[], help="stages to leave out")
+    parser.add_argument("--only", nargs="*", default=[], help="run only these stages")
+    parser.add_argument("--vllm-recipes", nargs="+", default=list(VLLM_RECIPES),
+                        help="the recipes the vllm stage starts an engine for")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; run with --device cpu --quick to check the "
@@ -161,16 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     stages: dict[str, Callable[[], dict[str, Any]]] = {
         "tests": lambda: stage_tests(d, q), "formats": lambda: stage_formats(d, q),
         "linear": lambda: stage_linear(d, q), "rollout": lambda: stage_rollout(d, q),
-        "train": lambda: stage_train(d, q), "demo": lambda: stage_demo(d, q, out)}
+        "train": lambda: stage_train(d, q),
+        "vllm": lambda: stage_vllm(d, q, tuple(args.vllm_recipes)),
+        "demo": lambda: stage_demo(d, q, out)}
     records = {name: run_stage(name, fn, out) for name, fn in stages.items()
-               if name not in args.skip}
+               if name not in args.skip and (not args.only or name in args.only)}
     summary = {"device": d, "device_name": device_name(d), "quick": q,
                "machine": common.machine(), "torch": torch.__version__,
                "stages": {n: {"status": r["status"], "seconds": r["seconds"]}
                           for n, r in records.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary["stages"]))
-    return 0 if all(r["status"] == "ok" for r in records.values()) else 1
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records.values()) else 1
 
 
 __all__ = ["main", "run_stage"]

@@ -71,6 +71,79 @@ def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch)
         assert _same_or_both_nan(packed.decode(torch.float32).values.cpu(), want)
 
 
+TOKENS = (1, 2, 16, 248, 4096)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_op_bit_exact_on_gpu_at_every_token_count(fmt, monkeypatch):
+    """Quantize along either axis (float32, bf16, fp16, stochastic), bf16 rows to their
+    block values, and ResQ (dense and 2:4, fused and as two terms), on the GPU, equal the
+    reference at token counts that Triton would specialize differently (1, 16, the rest)."""
+    from fp4rl.kernels import resq_rows, resq_terms
+    from fp4rl.recovery import sparsify
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    f = fp4rl.get_format(fmt)
+    for n in TOKENS:
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(n, 192, generator=g) * torch.exp(torch.randn(n, 192, generator=g))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            xd = x.to(dtype)
+            for dim in (0, 1):
+                got = fp4rl.quantize(xd.cuda(), fmt, dim=dim).cpu()
+                assert _same_or_both_nan(got, f.quantize_reference(xd, dim=dim)), (n, dtype)
+        for dim in (0, 1):
+            got = fp4rl.quantize(x.cuda(), fmt, dim=dim, rounding="stochastic",
+                                 generator=torch.Generator("cuda").manual_seed(3)).cpu()
+            want = f.quantize_reference(x.cuda(), dim=dim, rounding="stochastic",
+                                        generator=torch.Generator("cuda").manual_seed(3)).cpu()
+            assert _same_or_both_nan(got, want), (n, dim)
+        if fmt == "nvfp4":
+            continue
+        q = f.quantize_reference(x)
+        for keep, group, pattern in ((0, 0, None), (2, 4, "2:4")):
+            res = f.quantize_reference(x - q)
+            res = res if pattern is None else sparsify(res, pattern)
+            fused = resq_rows(f, x.cuda(), keep, group)
+            assert fused is not None and _same_or_both_nan(fused.cpu(), q + res), (n, group)
+            terms = resq_terms(f, x.bfloat16().cuda(), keep, group)
+            qb = f.quantize_reference(x.bfloat16().float())
+            rb = f.quantize_reference(x.bfloat16().float() - qb)
+            rb = rb if pattern is None else sparsify(rb, pattern)
+            assert terms is not None and _same_or_both_nan(terms[0].cpu(), qb.bfloat16())
+            assert _same_or_both_nan(terms[1].cpu(), rb.bfloat16()), (n, group)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rollout_ops_capture_in_a_cuda_graph_at_sizes_never_run(fmt, monkeypatch):
+    """What vLLM does: warm an op once, then capture CUDA graphs at batch sizes it never
+    ran eagerly. A kernel compiled for a new size would fail inside the capture."""
+    from fp4rl.gemm import quantize_operand
+    from fp4rl.kernels import resq_terms
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    f = fp4rl.get_format(fmt)
+
+    def ops(x):
+        out = [quantize_operand(x, fmt).values]
+        if fmt != "nvfp4":
+            out += list(resq_terms(f, x, 2, 4))
+        return out
+
+    ops(torch.randn(7, 256, device="cuda").bfloat16())  # the one eager warm-up
+    torch.cuda.synchronize()
+    for n in TOKENS:
+        x = torch.randn(n, 256, device="cuda").bfloat16()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ops(x)
+        x.copy_(torch.randn(n, 256, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, ops(x), strict=True):
+            assert _same_or_both_nan(got, want), (n, fmt)
+
+
 def _one_step(device: str, tmp_path, precision: str) -> dict:
     # top_k=1 makes sampling device-independent; the reward is a fixed 0/1 stream, so
     # both runs train on the same advantages

@@ -42,6 +42,14 @@ def round_minifloat(v: torch.Tensor, mantissa_bits: int, min_exp: int = -1022,
     return torch.clamp(q * step, max=max_value)
 
 
+def divide(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c``, correctly rounded on every device. CUDA divides a tensor by a Python
+    number as a product with its reciprocal, which can differ from the quotient in the
+    last bit; a divisor on the tensor's own device is divided by (a fill, no host copy,
+    so a CUDA graph captures it)."""
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 def bf16_round(v: torch.Tensor) -> torch.Tensor:
     """Round non-negative float64 values to the nearest bfloat16 value (8 significant bits)."""
     return round_minifloat(v, 7, min_exp=-126)

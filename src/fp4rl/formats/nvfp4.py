@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fp4rl.formats._exact import round_minifloat
+from fp4rl.formats._exact import divide, round_minifloat
 from fp4rl.formats.base import BlockFormat, QuantOptions
 from fp4rl.formats.mxfp4 import (
     e2m1_codes,
@@ -66,7 +66,7 @@ class NVFP4(BlockFormat):
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()
-        s = e4m3_round(torch.clamp(a.amax(-1, keepdim=True) / 6.0, max=E4M3_MAX))
+        s = e4m3_round(torch.clamp(divide(a.amax(-1, keepdim=True), 6.0), max=E4M3_MAX))
         v = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)
         return {"scale": s, "q": e2m1_round(v, noise), "neg": torch.signbit(blocks)}
 
@@ -93,7 +93,7 @@ class NVFP4(BlockFormat):
 
     def block_scales(self, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Of blocks already divided by the per-tensor scale."""
-        s = e4m3_round(torch.clamp(blocks.abs().amax(-1, keepdim=True).double() / 6.0,
+        s = e4m3_round(torch.clamp(divide(blocks.abs().amax(-1, keepdim=True).double(), 6.0),
                                    max=E4M3_MAX))
         empty = blocks[:, :0]
         return {"scale": s, "q": empty.double(), "neg": empty.bool()}, s.float().unsqueeze(-1)
@@ -113,7 +113,7 @@ class NVFP4(BlockFormat):
         stall on it and a CUDA graph captures it."""
         if not opts.per_tensor_scale:
             return None
-        g = finite_amax(rows) / TENSOR_RANGE
+        g = divide(finite_amax(rows), TENSOR_RANGE)
         return torch.where(g > 0, g, torch.ones_like(g))
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels import FMT_HIF4, FMT_MXFP4, FMT_NVFP4, KernelFormat
-from fp4rl.kernels.triton_quant import _format, _pow2, _rows_per_program
+from fp4rl.kernels.triton_quant import _format, _pow2, _rows_per_program, _tile, grid_1d
 
 
 @triton.jit
@@ -39,10 +39,9 @@ def _e4m3(b):
 @triton.jit
 def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, blocks,
                    FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    block = tl.program_id(1)
-    within = tl.arange(0, BS)[None, :]
-    cols = block * BS + within
+    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
+    block = cols // BS  # (1, BS), one block: the tile's
+    within = cols % BS
     live = rows < n_rows
     byte = tl.load(codes_ptr + rows * (blocks * BS // 2) + cols // 2, mask=live,
                    other=0).to(tl.int32)
@@ -68,7 +67,7 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
     quiet = tl.full(value.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     value = tl.where(nan, quiet, value)
     tl.store(y_ptr + rows * length + cols, value.to(y_ptr.dtype.element_ty),
-             mask=live & (cols < length))
+             mask=inside)
 
 
 def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, length: int,
@@ -84,10 +83,8 @@ def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, len
     codes, scale = flat["codes"], flat["scale"]
     l2, l3 = (flat["level2"], flat["level3"]) if code == FMT_HIF4 else (scale, scale)
     y = torch.empty(rows, length, dtype=dtype, device=codes.device)
-    per = _rows_per_program(bs)
-    grid = (triton.cdiv(rows, per), blocks)
-    _decode_kernel[grid](codes, scale, l2, l3, y, rows, length, blocks, FMT=code, BS=bs,
-                         ROWS=per)
+    _decode_kernel[grid_1d(rows, length, bs)](codes, scale, l2, l3, y, rows, length, blocks,
+                                              FMT=code, BS=bs, ROWS=_rows_per_program(bs))
     return y
 
 

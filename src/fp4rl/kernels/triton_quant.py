@@ -21,7 +21,15 @@ import triton.language as tl
 from fp4rl.kernels import FMT_NVFP4, KernelFormat
 
 TILE_ELEMENTS = 2048
-MAGIC = 4503599627370496.0  # 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even
+#: 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even. A ``tl.constexpr``: the
+#: compiler refuses a plain Python global inside ``@triton.jit`` (the interpreter allows it).
+MAGIC = tl.constexpr(4503599627370496.0)
+#: Integer arguments that grow with the token count, which Triton must not specialize on
+#: (1, multiples of 16): a specialized size would compile a new variant on the first batch
+#: of that size, inside a CUDA-graph capture if that is where it first comes.
+TOKEN_SIZES = ("n_rows", "length", "snr")
+#: CUDA's limit on the programs of a one-dimensional grid
+MAX_PROGRAMS = 2**31 - 1
 
 
 @triton.jit
@@ -129,6 +137,18 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
 
 
 @triton.jit
+def _tile(n_rows, length, BS: tl.constexpr, ROWS: tl.constexpr):
+    """This program's rows (ROWS, 1) and columns (1, BS), as int64 so that every offset
+    product is exact past 2^31 elements, and the mask of those inside the matrix. The
+    grid is one-dimensional (CUDA caps its y and z axes at 65,535 programs)."""
+    tiles = tl.cdiv(length, BS)
+    pid = tl.program_id(0).to(tl.int64)
+    rows = (pid // tiles) * ROWS + tl.arange(0, ROWS).to(tl.int64)[:, None]
+    cols = (pid % tiles) * BS + tl.arange(0, BS).to(tl.int64)[None, :]
+    return rows, cols, (rows < n_rows) & (cols < length)
+
+
+@triton.jit(do_not_specialize=TOKEN_SIZES)
 def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc, snr, snc,
                      g_ptr, FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                      HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -136,9 +156,7 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     """Q(x / g) (times g where RESCALE) of a tile; x of any float dtype (widened to
     float32 exactly), y stored in its own dtype (FP4 and FP8 block values are exact in
     bf16; a rescaled value rounds to nearest even there, as a cast of the float32 does)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
-    inside = (rows < n_rows) & (cols < length)
+    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
     g = 1.0
     if HAS_SCALE:
@@ -167,16 +185,14 @@ def _bf16_rne(y):
     return tl.where(finite, rounded.to(tl.float32, bitcast=True), y)
 
 
-@triton.jit
-def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.constexpr,
-                 ROWS: tl.constexpr, KEEP: tl.constexpr, GROUP: tl.constexpr,
+@triton.jit(do_not_specialize=(*TOKEN_SIZES[:2], "keep"))
+def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
+                 BS: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
                  TERMS: tl.constexpr):
-    """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps KEEP of every GROUP (0: dense).
-    TERMS: the two terms written apart instead, Q(x) to y and S(...) to r (each exact in
-    bf16: a bf16 GEMM's two operands), from x of any float dtype."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.program_id(1) * BS + tl.arange(0, BS)[None, :]
-    inside = (rows < n_rows) & (cols < length)
+    """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps ``keep`` of every GROUP (0:
+    dense). TERMS: the two terms written apart instead, Q(x) to y and S(...) to r (each
+    exact in bf16: a bf16 GEMM's two operands), from x of any float dtype."""
+    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
     q = _quantize_tile(x, 0.0, FMT, ROWS, False)
     res = _quantize_tile(x - q, 0.0, FMT, ROWS, False)
@@ -187,7 +203,7 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.
         beats = (a[:, :, None, :] > a[:, :, :, None]) | (
             (a[:, :, None, :] == a[:, :, :, None]) & (idx[None, :] < idx[:, None])[None, None])
         rank = tl.reshape(tl.sum(beats.to(tl.int32), axis=3), (ROWS, BS))
-        res = tl.where(rank < KEEP, res, 0.0)
+        res = tl.where(rank < keep, res, 0.0)
     if TERMS:
         tl.store(y_ptr + rows * length + cols, q.to(y_ptr.dtype.element_ty), mask=inside)
         tl.store(r_ptr + rows * length + cols, res.to(r_ptr.dtype.element_ty), mask=inside)
@@ -197,6 +213,15 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, FMT: tl.constexpr, BS: tl.
 
 def _rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
+
+
+def grid_1d(n_rows: int, length: int, block: int) -> tuple[int]:
+    """The one-dimensional grid of :func:`_tile`: a program per ``ROWS`` rows and block."""
+    programs = triton.cdiv(n_rows, _rows_per_program(block)) * triton.cdiv(length, block)
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"a ({n_rows}, {length}) matrix needs {programs} programs, over "
+                         f"CUDA's {MAX_PROGRAMS}; quantize it in parts")
+    return (programs,)
 
 
 def _format(fmt: KernelFormat) -> tuple[int, int]:
@@ -230,12 +255,11 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
     sxr, sxc = (x.stride(1), x.stride(0)) if axis == 0 else x.stride()
     syr, syc = (y.stride(1), y.stride(0)) if axis == 0 else y.stride()
     n_rows, length = (x.shape[1], x.shape[0]) if axis == 0 else x.shape
-    rows = _rows_per_program(bs)
-    grid = (triton.cdiv(n_rows, rows), triton.cdiv(length, bs))
+    grid = grid_1d(n_rows, length, bs)
     snr, snc = noise.stride() if noise is not None else (0, 0)
     g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(1)
     _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
-                           syr, syc, snr, snc, g, FMT=code, BS=bs, ROWS=rows,
+                           syr, syc, snr, snc, g, FMT=code, BS=bs, ROWS=_rows_per_program(bs),
                            HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None,
                            RESCALE=rescale)
     return y
@@ -252,10 +276,9 @@ def fused_resq(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> 
         return None
     rows = rows.contiguous()
     out = torch.empty_like(rows)
-    per = _rows_per_program(bs)
-    grid = (triton.cdiv(rows.shape[0], per), triton.cdiv(rows.shape[1], bs))
-    _resq_kernel[grid](rows, out, out, rows.shape[0], rows.shape[1], FMT=code, BS=bs,
-                       ROWS=per, KEEP=keep, GROUP=group, TERMS=False)
+    grid = grid_1d(rows.shape[0], rows.shape[1], bs)
+    _resq_kernel[grid](rows, out, out, rows.shape[0], rows.shape[1], keep, FMT=code, BS=bs,
+                       ROWS=_rows_per_program(bs), GROUP=group, TERMS=False)
     return out
 
 
@@ -279,8 +302,7 @@ def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
     rows = rows.contiguous()
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16, device=rows.device)
-    per = _rows_per_program(bs)
-    grid = (triton.cdiv(n, per), triton.cdiv(rows.shape[1], bs))
-    _resq_kernel[grid](rows, out, out[n:], n, rows.shape[1], FMT=code, BS=bs, ROWS=per,
-                       KEEP=keep, GROUP=group, TERMS=True)
+    grid = grid_1d(n, rows.shape[1], bs)
+    _resq_kernel[grid](rows, out, out[n:], n, rows.shape[1], keep, FMT=code, BS=bs,
+                       ROWS=_rows_per_program(bs), GROUP=group, TERMS=True)
     return out
