@@ -89,9 +89,10 @@ test-vllm: $(VSTAMP) $(WSTAMP)
 	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS) -k "$(VLLM_OLDEST_SELECT)"
 
 # verl 0.9.1's own code: its config validation of the documented command line, and its
-# rollout worker extension and bucketed weight transfer against an fp4rl engine
+# rollout worker extension and bucketed weight transfer against an fp4rl engine; and the
+# Triton kernels compiled ahead of time with the Triton torch 2.11 pins (3.6)
 test-verl: $(WSTAMP)
-	$(WPY) -m pytest -q -p no:cacheprovider tests/in_verl
+	$(WPY) -m pytest -q -p no:cacheprovider tests/in_verl tests/test_triton_compile.py
 
 bench: setup
 	$(VENV)/bin/fp4rl bench formats --json runs/bench-formats.json

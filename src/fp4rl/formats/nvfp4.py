@@ -61,7 +61,8 @@ class NVFP4(BlockFormat):
     #: the C kernel lacks the ResQ and bf16 passes, as the per-tensor scale needs a pass
     #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
     #: residual has a scale of its own)
-    kernels = FormatKernels(FMT_NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"})
+    kernels = FormatKernels(FMT_NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
+                            tensor_scale=True)
     extra_options = ("per_tensor_scale",)
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -51,6 +51,8 @@ class FormatKernels:
     code: int
     c: frozenset[str] = frozenset()
     triton: frozenset[str] = frozenset()
+    #: the kernels read a per-tensor scale g on top of the blocks (NVFP4)
+    tensor_scale: bool = False
 
     def __post_init__(self) -> None:
         unknown = (self.c | self.triton) - set(OPERATIONS)

@@ -12,12 +12,14 @@ order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import FMT_HIF4, FMT_MXFP4, FMT_NVFP4, KernelFormat
-from fp4rl.kernels.triton_quant import _format, _pow2, _rows_per_program, _tile, grid_1d
+from fp4rl.kernels import FMT_HIF4, KernelFormat
+from fp4rl.kernels.triton_quant import Variant, _format, _pow2, _rows_per_program, _tile, grid_1d
 
 
 @triton.jit
@@ -36,7 +38,7 @@ def _e4m3(b):
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))  # a weight of one row: no binary of its own
 def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, blocks,
                    FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
     rows, cols, inside = _tile(n_rows, length, BS, ROWS)
@@ -70,22 +72,42 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
              mask=inside)
 
 
+#: the value types a decode writes: float32, or bf16, which holds every value exactly
+DECODED = (torch.float32, torch.bfloat16)
+
+
+def decode_variant(fmt: KernelFormat, dtype: torch.dtype) -> Variant:
+    """The decode kernel for ``fmt`` writing ``dtype``; the fields are bytes (a format
+    without HiF4's two levels passes its scale in their place)."""
+    code, bs = _format(fmt)
+    return Variant(_decode_kernel, (torch.uint8,) * 4 + (dtype,),
+                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs))))
+
+
+def decode_variants(fmt: KernelFormat) -> Iterator[Variant]:
+    """What :func:`decode_2d` can launch for ``fmt``."""
+    if fmt.kernels is not None and "decode" in fmt.kernels.triton:
+        for dtype in DECODED:
+            yield decode_variant(fmt, dtype)
+
+
 def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, length: int,
               dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """The ``(rows, length)`` values of a weight packed along its rows, in ``dtype``
     (float32, or bf16, which holds every value exactly); None for formats this kernel
     does not decode."""
     code, bs = _format(fmt)
-    if code not in (FMT_HIF4, FMT_MXFP4, FMT_NVFP4):
+    assert fmt.kernels is not None
+    if "decode" not in fmt.kernels.triton:
         return None
     blocks = -(-length // bs)
     flat = {k: v.contiguous() for k, v in fields.items()}
     codes, scale = flat["codes"], flat["scale"]
     l2, l3 = (flat["level2"], flat["level3"]) if code == FMT_HIF4 else (scale, scale)
     y = torch.empty(rows, length, dtype=dtype, device=codes.device)
-    _decode_kernel[grid_1d(rows, length, bs)](codes, scale, l2, l3, y, rows, length, blocks,
-                                              FMT=code, BS=bs, ROWS=_rows_per_program(bs))
+    decode_variant(fmt, dtype).launch(grid_1d(rows, length, bs), codes, scale, l2, l3, y,
+                                      rows, length, blocks)
     return y
 
 
-__all__ = ["decode_2d"]
+__all__ = ["DECODED", "decode_2d", "decode_variant", "decode_variants"]

@@ -14,11 +14,15 @@ GPU the same kernels run under ``TRITON_INTERPRET=1`` (how the tests check them)
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import FMT_NVFP4, KernelFormat
+from fp4rl.kernels import QUANTIZE, KernelFormat
 
 TILE_ELEMENTS = 2048
 #: 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even. A ``tl.constexpr``: the
@@ -28,6 +32,12 @@ MAGIC = tl.constexpr(4503599627370496.0)
 #: (1, multiples of 16): a specialized size would compile a new variant on the first batch
 #: of that size, inside a CUDA-graph capture if that is where it first comes.
 TOKEN_SIZES = ("n_rows", "length", "snr")
+#: the widest n:m group the ResQ kernels rank in: a group of m ranks each value against
+#: the other m - 1, so the code (and its compile time, seconds at 16) grows as m^2; wider
+#: groups compose quantizer passes on the device instead
+MAX_GROUP = 8
+#: what the ResQ kernel reads to form its two bf16 terms
+RESQ_TERMS_INPUTS = (torch.float32, torch.bfloat16)
 #: CUDA's limit on the programs of a one-dimensional grid
 MAX_PROGRAMS = 2**31 - 1
 
@@ -232,6 +242,99 @@ def _format(fmt: KernelFormat) -> tuple[int, int]:
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: Triton's names of the element types a pointer argument carries
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+                 torch.uint8: "*u8"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of a kernel. Triton compiles a kernel once for each distinct set
+    of pointer element types and constants (sizes are not specialized on:
+    :data:`TOKEN_SIZES`), so the variants a launcher can produce are the binaries a GPU
+    compiles; :func:`variants` lists them all, for ahead-of-time compilation."""
+
+    kernel: Any  # the @triton.jit function
+    pointers: tuple[torch.dtype, ...]  # each pointer argument's element type, in order
+    constants: tuple[tuple[str, int | bool], ...]
+
+    def signature(self) -> dict[str, str]:
+        """``triton.compile``'s signature: each argument's type (integers as i32, the type
+        an unspecialized size below 2^31 gets)."""
+        consts = dict(self.constants)
+        types = iter(self.pointers)
+        return {name: "constexpr" if name in consts else
+                POINTER_TYPES[next(types)] if name.endswith("_ptr") else "i32"
+                for name in self.kernel.arg_names}
+
+    def launch(self, grid: tuple[int], *args: Any) -> None:
+        """Run the kernel; the tensors must be of :attr:`pointers`' types, so that this
+        variant describes the launch exactly."""
+        got = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        if got != self.pointers:
+            raise TypeError(f"{self.kernel.__name__} launched with {got}, declared "
+                            f"{self.pointers}")
+        self.kernel[grid](*args, **dict(self.constants))
+
+
+def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: bool,
+                     scale: bool, rescale: bool = True) -> Variant:
+    """The quantize kernel for ``fmt`` reading ``x`` and writing ``y``; an absent noise or
+    scale pointer is passed as ``x`` itself (never read)."""
+    code, bs = _format(fmt)
+    return Variant(_quantize_kernel, (x, y, torch.float32 if noise else x,
+                                      torch.float32 if scale else x),
+                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs)),
+                    ("HAS_NOISE", noise), ("HAS_SCALE", scale),
+                    ("RESCALE", scale and rescale)))
+
+
+def resq_variant(fmt: KernelFormat, x: torch.dtype, group: int, terms: bool) -> Variant:
+    """The ResQ kernel for ``fmt`` and an n:m ``group`` (0: dense): the sum in float32
+    from float32 rows, or (``terms``) the two bf16 terms from rows of type ``x``."""
+    code, bs = _format(fmt)
+    out = torch.bfloat16 if terms else torch.float32
+    return Variant(_resq_kernel, (x, out, out),
+                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs)),
+                    ("GROUP", group), ("TERMS", terms)))
+
+
+def resq_groups(fmt: KernelFormat) -> list[int]:
+    """Every n:m group the ResQ kernels take for ``fmt`` (0: dense)."""
+    return [g for g in range(fmt.block_size + 1) if fuses_resq(fmt, g)]
+
+
+def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
+    """What :func:`quantize_2d`, :func:`fused_resq` and :func:`resq_terms` can launch for
+    ``fmt``, by the operations the format declares for Triton."""
+    ops = fmt.kernels.triton if fmt.kernels is not None else frozenset()
+    scales = (False, True) if fmt.kernels is not None and fmt.kernels.tensor_scale \
+        else (False,)
+    if ops & QUANTIZE:
+        for dtype in FLOATS:
+            for noise in (False, True):
+                for scale in scales:
+                    yield quantize_variant(fmt, dtype, dtype, noise, scale)
+    if "rows_bf16" in ops:
+        for scale in scales:
+            yield quantize_variant(fmt, torch.bfloat16, torch.bfloat16, False, scale, False)
+    for group in resq_groups(fmt) if "resq" in ops else ():
+        yield resq_variant(fmt, torch.float32, group, False)
+    for group in resq_groups(fmt) if "resq_terms" in ops else ():
+        for dtype in RESQ_TERMS_INPUTS:
+            yield resq_variant(fmt, dtype, group, True)
+
+
+def variants(formats: Iterable[KernelFormat]) -> list[Variant]:
+    """Every kernel variant the launchers can produce for ``formats`` (the registered
+    ones, say): quantize, ResQ and the packed decode."""
+    from fp4rl.kernels import triton_decode
+
+    seen: dict[Variant, None] = {}
+    for fmt in formats:
+        seen.update(dict.fromkeys(quantize_variants(fmt)))
+        seen.update(dict.fromkeys(triton_decode.decode_variants(fmt)))
+    return list(seen)
 
 
 def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
@@ -248,20 +351,19 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
     """
     if x.dim() != 2 or x.dtype not in FLOATS or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float matrix and axis 0 or 1")
-    code, bs = _format(fmt)
+    _, bs = _format(fmt)
     if not (x.is_contiguous() or x.t().is_contiguous()):
         x = x.contiguous()
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)  # same strides as x
     sxr, sxc = (x.stride(1), x.stride(0)) if axis == 0 else x.stride()
     syr, syc = (y.stride(1), y.stride(0)) if axis == 0 else y.stride()
     n_rows, length = (x.shape[1], x.shape[0]) if axis == 0 else x.shape
-    grid = grid_1d(n_rows, length, bs)
     snr, snc = noise.stride() if noise is not None else (0, 0)
     g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(1)
-    _quantize_kernel[grid](x, y, noise if noise is not None else x, n_rows, length, sxr, sxc,
-                           syr, syc, snr, snc, g, FMT=code, BS=bs, ROWS=_rows_per_program(bs),
-                           HAS_NOISE=noise is not None, HAS_SCALE=tensor_scale is not None,
-                           RESCALE=rescale)
+    variant = quantize_variant(fmt, x.dtype, y.dtype, noise is not None,
+                               tensor_scale is not None, rescale)
+    variant.launch(grid_1d(n_rows, length, bs), x, y, noise if noise is not None else x,
+                   n_rows, length, sxr, sxc, syr, syc, snr, snc, g)
     return y
 
 
@@ -271,38 +373,37 @@ def fused_resq(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> 
     None where the kernel does not apply: NVFP4 (its per-tensor scale needs a first pass
     over the whole tensor) or a group that is not a power of two dividing the block.
     """
-    code, bs = _format(fmt)
     if not fuses_resq(fmt, group):
         return None
     rows = rows.contiguous()
     out = torch.empty_like(rows)
-    grid = grid_1d(rows.shape[0], rows.shape[1], bs)
-    _resq_kernel[grid](rows, out, out, rows.shape[0], rows.shape[1], keep, FMT=code, BS=bs,
-                       ROWS=_rows_per_program(bs), GROUP=group, TERMS=False)
+    resq_variant(fmt, rows.dtype, group, False).launch(
+        grid_1d(rows.shape[0], rows.shape[1], fmt.block_size), rows, out, out, rows.shape[0],
+        rows.shape[1], keep)
     return out
 
 
 def fuses_resq(fmt: KernelFormat, group: int) -> bool:
-    """Whether the ResQ kernels take ``fmt`` and an n:m ``group`` (0: dense): not
-    NVFP4 (the residual's per-tensor scale needs a pass over the whole residual first:
-    its ResQ composes quantizer passes, all on the device), and a group that is a power of
-    two dividing the block."""
-    code, bs = _format(fmt)
-    return code != FMT_NVFP4 and not (group and (group & (group - 1) or bs % group))
+    """Whether the ResQ kernels take ``fmt`` and an n:m ``group`` (0: dense): not a
+    format with a per-tensor scale (NVFP4: the residual's scale needs a pass over the
+    whole residual first; its ResQ composes quantizer passes, all on the device), and a
+    group that is a power of two dividing the block, at most :data:`MAX_GROUP`."""
+    _, bs = _format(fmt)
+    assert fmt.kernels is not None
+    return not fmt.kernels.tensor_scale and (
+        group == 0 or (1 < group <= MAX_GROUP and not group & (group - 1) and not bs % group))
 
 
 def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
                ) -> torch.Tensor | None:
-    """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float
-    rows in one pass, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (each
+    """ResQ's two bf16 GEMM operands ``Q(x)`` and ``S_{keep:group}(Q(x - Q(x)))`` of float32
+    or bf16 rows in one pass, stacked in one (2 * rows, len) bf16 tensor, ``Q(x)`` first (each
     written once); None where :func:`fuses_resq` does not hold."""
-    code, bs = _format(fmt)
-    if not fuses_resq(fmt, group) or rows.dtype not in FLOATS:
+    if not fuses_resq(fmt, group) or rows.dtype not in RESQ_TERMS_INPUTS:
         return None
     rows = rows.contiguous()
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16, device=rows.device)
-    grid = grid_1d(n, rows.shape[1], bs)
-    _resq_kernel[grid](rows, out, out[n:], n, rows.shape[1], keep, FMT=code, BS=bs,
-                       ROWS=_rows_per_program(bs), GROUP=group, TERMS=True)
+    resq_variant(fmt, rows.dtype, group, True).launch(
+        grid_1d(n, rows.shape[1], fmt.block_size), rows, out, out[n:], n, rows.shape[1], keep)
     return out

@@ -41,7 +41,9 @@ def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[BlockFormat, int, 
     f = get_format(fmt)
     if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM):
         return None
-    return (f, pattern.n, pattern.m) if isinstance(pattern, NM) else (f, 0, 0)
+    if isinstance(pattern, NM) and pattern.n < pattern.m:
+        return f, pattern.n, pattern.m
+    return f, 0, 0  # dense, or n:n, which keeps every value
 
 
 def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor | None:

@@ -1,0 +1,122 @@
+"""Ahead-of-time compilation of the Triton kernels, and their specialization keys, on a
+machine without a GPU.
+
+Triton's interpreter runs a kernel's Python, not the compiler: code the interpreter
+accepts can still be refused when a GPU first compiles it (a plain global read inside
+``@triton.jit``, say). ``triton.compile`` with a :class:`GPUTarget` goes from the kernel to
+a cubin for any NVIDIA architecture on a CPU (ptxas ships in Triton's wheel), so every
+variant the launchers can produce (:func:`fp4rl.kernels.triton_quant.variants`) is
+compiled here for the GPUs users run. The specialization key Triton computes at each
+launch (which binary a launch needs) is computed here too, from the launch's own
+arguments, to show that a token count never asks for a new binary.
+
+Must run with ``TRITON_INTERPRET`` unset (the kernels are then compiled, not
+interpreted).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+#: (architecture, warp size) of Hopper (H100/H200) and Blackwell (B200)
+TARGETS = {"sm_90": (90, 32), "sm_100": (100, 32)}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One variant compiled for one target: its cubin's size, or the compiler's error."""
+
+    kernel: str
+    constants: dict[str, Any]
+    pointers: tuple[str, ...]
+    target: str
+    cubin_bytes: int = 0
+    error: str = ""
+    ttir: str = ""
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def compile_variant(variant: Any, target: str, keep_ir: bool = False) -> Compiled:
+    """``variant`` (a :class:`~fp4rl.kernels.triton_quant.Variant`) compiled to a cubin
+    for ``target`` (a key of :data:`TARGETS`); the compiler's error, not an exception,
+    where it fails."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if _interpreted():
+        raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    arch, warp = TARGETS[target]
+    consts = dict(variant.constants)
+    record = {"kernel": variant.kernel.__name__, "constants": consts, "target": target,
+              "pointers": tuple(str(p).removeprefix("torch.") for p in variant.pointers)}
+    try:
+        source = ASTSource(variant.kernel, variant.signature(), constexprs=consts)
+        done = triton.compile(source, target=GPUTarget("cuda", arch, warp))
+    except Exception as err:  # the compiler's refusal is the result
+        return Compiled(**record, error=f"{type(err).__name__}: {err}"[:2000])
+    return Compiled(**record, cubin_bytes=len(done.asm["cubin"]),
+                    ttir=done.asm["ttir"] if keep_ir else "")
+
+
+_JOBS: list[tuple[Any, str, bool]] = []
+
+
+def _compile_job(index: int) -> Compiled:
+    return compile_variant(*_JOBS[index])
+
+
+def compile_all(variants: Iterable[Any], targets: Iterable[str] = tuple(TARGETS),
+                keep_ir: bool = False, processes: int | None = None) -> list[Compiled]:
+    """Every variant for every target, on ``processes`` forked workers (default: one a
+    core; a compile is single-threaded and takes a second or more)."""
+    jobs = [(v, t, keep_ir) for v in variants for t in targets]
+    processes = processes or os.cpu_count() or 1
+    if processes == 1 or len(jobs) < 2:
+        return [compile_variant(*job) for job in jobs]
+    _JOBS[:] = jobs  # the forked workers inherit the kernels (JIT functions do not pickle)
+    try:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            return pool.map(_compile_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS.clear()
+
+
+def narrow_offsets(ttir: str) -> list[str]:
+    """The lines of a kernel's Triton IR that offset a pointer by 32-bit integers: an
+    element offset that is a product of sizes overflows there past 2^31 elements."""
+    narrow = []
+    for line in ttir.splitlines():
+        if "tt.addptr" not in line or " : " not in line:
+            continue
+        offset = line.split(" : ", 1)[1].split(", ")[-1].split(" loc(")[0].strip()
+        if offset == "i32" or offset.endswith("xi32>"):
+            narrow.append(line.strip())
+    return narrow
+
+
+def specialization(variant: Any, args: tuple[Any, ...], target: str = "sm_90") -> str:
+    """The key Triton's launcher computes from ``args`` for ``variant`` on ``target``:
+    argument types and the traits it specializes on (an integer equal to 1, multiples of
+    16, 16-byte aligned pointers). Launches of one key share one binary; a new key means a
+    compile at launch. Computed as the launcher does, without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = variant.kernel
+    backend = make_backend(GPUTarget("cuda", *TARGETS[target]))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    _, key, _ = binder(*args, **dict(variant.constants))
+    return repr(key)
+
+
+__all__ = ["TARGETS", "Compiled", "compile_all", "compile_variant", "narrow_offsets",
+           "specialization"]

@@ -1,0 +1,98 @@
+"""Run by tests/test_triton_compile.py in a process of its own, with TRITON_INTERPRET
+unset (compiled kernels, not interpreted ones): compiles every kernel variant of the
+registered formats for sm_90 and sm_100, and computes the specialization key of each
+operation's launches at several token counts. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import torch
+
+import fp4rl
+from fp4rl.formats import get_format, list_formats
+from fp4rl.gemm import PackedOperand
+from fp4rl.kernels import aot, triton_decode, triton_quant
+
+TOKENS = (1, 2, 16, 248, 4096)
+WIDTH = 256
+
+
+OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode")
+
+
+def run_op(op: str, fmt, x: torch.Tensor) -> None:
+    """One operation of a GPU step on ``x``'s rows, through fp4rl's own functions."""
+    from fp4rl.gemm import quantize_operand
+    from fp4rl.kernels import resq_rows, resq_terms
+
+    if op == "rows_bf16":
+        quantize_operand(x.bfloat16(), fmt.name)
+    elif op in ("rows", "cols", "cols_bf16"):
+        triton_quant.quantize_2d(fmt, x if op != "cols_bf16" else x.bfloat16(),
+                                 1 if op == "rows" else 0)
+    elif op == "resq":
+        resq_rows(fmt, x, 2, 4)
+    elif op == "resq_terms":
+        resq_terms(fmt, x.bfloat16(), 2, 4)
+    else:
+        decode(fmt, x.shape[0])
+
+
+def launches_by_op(launched: set) -> dict[str, set[str]]:
+    """Each operation a GPU step runs, at every token count; the specialization keys of
+    its launches (the kernels are not run), and the variants launched, into
+    ``launched``."""
+    keys: dict[str, set[str]] = {}
+    op = ""
+
+    def record(variant, grid, *args):
+        keys.setdefault(op, set()).add(f"{variant.kernel.__name__} "
+                                       f"{aot.specialization(variant, args)}")
+        launched.add(variant)
+
+    with mock.patch.object(triton_quant.Variant, "launch", record), \
+            mock.patch.object(fp4rl.kernels, "_triton_for", lambda device: triton_quant):
+        for n in TOKENS:
+            x = torch.randn(n, WIDTH)
+            for f in (get_format(name) for name in list_formats()):
+                for name in OPS if f.kernels is not None else ():
+                    op = f"{f.name}.{name}"
+                    run_op(name, f, x)
+    return keys
+
+
+def decode(fmt, rows: int) -> None:
+    """A packed weight of ``rows`` rows to bf16 values, as a packed engine does."""
+    if fmt.kernels is not None and "decode" in fmt.kernels.triton:
+        packed = PackedOperand(fmt.encode(torch.randn(rows, WIDTH), dim=-1,
+                                          **({"per_tensor_scale": False}
+                                             if fmt.kernels.tensor_scale else {})), None)
+        triton_decode.decode_2d(fmt, packed.row_fields(), rows, WIDTH, torch.bfloat16)
+
+
+def main() -> None:
+    formats = [get_format(n) for n in list_formats()]
+    variants = triton_quant.variants(formats)
+    compiled = aot.compile_all(variants, keep_ir=True)
+    narrow = {f"{c.kernel} {c.constants}": aot.narrow_offsets(c.ttir)
+              for c in compiled if c.target == "sm_90" and not c.error}
+    launched: set = set()
+    keys = launches_by_op(launched)
+    print(json.dumps({
+        "triton": __import__("triton").__version__,
+        "variants": len(variants),
+        "compiled": [{"kernel": c.kernel, "constants": c.constants, "target": c.target,
+                      "pointers": c.pointers, "cubin_bytes": c.cubin_bytes,
+                      "error": c.error} for c in compiled],
+        "narrow_offsets": {k: v for k, v in narrow.items() if v},
+        "keys": {op: sorted(k) for op, k in keys.items()},
+        "launched": len(launched),
+        "not_in_table": [f"{v.kernel.__name__} {v.pointers} {v.constants}"
+                         for v in launched if v not in set(variants)]}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
