@@ -77,3 +77,28 @@ def test_a_packed_refit_of_smollm2_moves_under_half_the_bf16_model():
     bf16 = sum(p.numel() * 2 for p in model.parameters())
     ratio = refit_payload(model, torch.bfloat16, packed=True).nbytes / bf16
     assert ratio <= 0.5, ratio
+
+
+class _Engine:
+    """The parts of a ``vllm.LLM`` a refit reads to choose its wire."""
+
+    def __init__(self, client: str, world_size: int, backend: str | None) -> None:
+        from types import SimpleNamespace
+
+        core = type(client, (), {})()
+        parallel = SimpleNamespace(world_size=world_size, distributed_executor_backend=backend)
+        self.llm_engine = SimpleNamespace(engine_core=core, vllm_config=SimpleNamespace(
+            parallel_config=parallel))
+
+
+@pytest.mark.parametrize(("client", "world", "backend", "tensors"), [
+    ("InprocClient", 1, None, True),
+    ("InprocClient", 2, "mp", False),  # workers in processes of their own, one queue
+    ("InprocClient", 2, "external_launcher", True),  # one engine a rank, in the rank
+    ("SyncMPClient", 1, None, False),
+])
+def test_tensors_travel_as_they_are_only_to_workers_in_this_process(client, world, backend,
+                                                                   tensors):
+    from fp4rl.rollout.vllm.refit import workers_in_this_process
+
+    assert workers_in_this_process(_Engine(client, world, backend)) is tensors

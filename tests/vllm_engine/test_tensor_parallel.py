@@ -32,6 +32,8 @@ LAYERS = {
                            (HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD), HIDDEN),
     "mlp.gate_up_proj": (("gate_proj", "up_proj"), (FFN, FFN), HIDDEN),
     "mlp.down_proj": (("down_proj",), (HIDDEN,), FFN),
+    # a merged layer of three parts that is not q/k/v: vLLM numbers its parts
+    "mlp.three_proj": (("part0", "part1", "part2"), (FFN, FFN, FFN), HIDDEN),
 }
 
 
@@ -47,8 +49,8 @@ def _layer(name: str, recipe: str, storage: str) -> torch.nn.Module:
     if name.endswith("qkv_proj"):
         layer = QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=False,
                                   quant_config=config, prefix=prefix)
-    elif name.endswith("gate_up_proj"):
-        layer = MergedColumnParallelLinear(HIDDEN, [FFN, FFN], bias=False,
+    elif name.endswith(("gate_up_proj", "three_proj")):
+        layer = MergedColumnParallelLinear(HIDDEN, list(LAYERS[name][1]), bias=False,
                                            quant_config=config, prefix=prefix)
     else:
         layer = RowParallelLinear(FFN, HIDDEN, bias=False, input_is_parallel=True,
@@ -139,7 +141,8 @@ def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, as
     for rank in range(TP):
         as_tp_rank(rank, TP)
         for name, (parts, _, _) in LAYERS.items():
-            ids = [None] if len(parts) == 1 else ("qkv" if len(parts) == 3 else (0, 1))
+            ids = [None] if len(parts) == 1 else \
+                ("qkv" if name.endswith("qkv_proj") else range(len(parts)))
             loaded = _layer(name, recipe, "dequantized")
             for part, sid in zip(parts, ids, strict=False):
                 args = () if sid is None else (sid,)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, QKVParallelLinear
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
@@ -61,6 +61,7 @@ from fp4rl.rollout.vllm.config import (
     storage_from_config,
 )
 from fp4rl.rollout.vllm.sharding import (
+    QKV_SHARDS,
     Partition,
     check_partition,
     rank_field,
@@ -153,8 +154,8 @@ class LayerState:
             return set(range(len(self.shards)))
         if isinstance(shard_id, tuple):
             return set().union(*(self.parts_of(s) for s in shard_id))
-        if isinstance(shard_id, str):
-            return {"qkv".index(shard_id)}
+        if isinstance(shard_id, str):  # QKVParallelLinear's
+            return {QKV_SHARDS.index(shard_id)}
         return {int(shard_id)}
 
 
@@ -204,7 +205,8 @@ class FP4RLLinearMethod(LinearMethodBase):
         recovery = make_recovery(r.recovery, r.activations, input_size_per_partition,
                                  self.seed, weight_format=r.weights)
         partition = Partition(input_size, input_size_per_partition, output_size,
-                              tuple(output_partition_sizes), weight_loader)
+                              tuple(output_partition_sizes), weight_loader,
+                              qkv=isinstance(layer, QKVParallelLinear))
         check_partition(partition, self.recipe)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
                            params_dtype, r.weights, self.storage, recovery,

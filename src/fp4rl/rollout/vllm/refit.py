@@ -167,6 +167,19 @@ def _plain(name: str, p: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.T
     return name, p.detach().to(dtype) if p.is_floating_point() else p.detach()
 
 
+def workers_in_this_process(llm: Any) -> bool:
+    """Whether every worker of ``llm`` runs in this process, so a refit may hand it
+    tensors as they are: the engine core in this process, and one worker (or vLLM's
+    external launcher, one engine a rank). Otherwise tensors travel as bytes: through
+    vLLM's shared-memory queue to several workers a CUDA tensor would be rebuilt on
+    cuda:0 in every one of them."""
+    if type(llm.llm_engine.engine_core).__name__ != "InprocClient":
+        return False
+    parallel = llm.llm_engine.vllm_config.parallel_config
+    return parallel.world_size == 1 or \
+        parallel.distributed_executor_backend == "external_launcher"
+
+
 def refit(llm: Any, model: torch.nn.Module, packed: bool = False,
           max_bytes: int | None = PIECE_BYTES) -> RefitStats:
     """Bring a running engine to ``model``'s current weights (:func:`refit_payload`),
@@ -175,7 +188,7 @@ def refit(llm: Any, model: torch.nn.Module, packed: bool = False,
     and no message holds the model (vLLM's msgpack caps one at 4 GiB). The next rollout
     samples from the new policy, with no restart."""
     start = time.perf_counter()
-    in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    in_process = workers_in_this_process(llm)
     nbytes = count = 0
     with torch.no_grad():
         for piece in refit_pieces(model, llm.llm_engine.model_config.dtype, packed,

@@ -40,6 +40,9 @@ class Partition:
     rows: int
     rows_per_rank: tuple[int, ...]
     loader: Callable[[], Callable[..., Any]]
+    #: vLLM's ``QKVParallelLinear``, whose loader names its parts "q", "k", "v"; every
+    #: other merged linear numbers them
+    qkv: bool = False
 
     @property
     def row_parallel(self) -> bool:
@@ -79,11 +82,16 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
                         "use dense or n:m sparsity with tensor parallelism")
 
 
-def shard_id(parts: int, index: int) -> str | int | None:
-    """The shard id vLLM's loader takes for part ``index`` of a layer of ``parts``."""
+#: the shard ids of ``QKVParallelLinear``'s parts, in row order
+QKV_SHARDS = ("q", "k", "v")
+
+
+def shard_id(parts: int, index: int, qkv: bool = False) -> str | int | None:
+    """The shard id vLLM's loader takes for part ``index`` of a layer of ``parts``: the
+    part's letter for a q/k/v layer, its index for any other merged one."""
     if parts == 1:
         return None
-    return "qkv"[index] if parts == 3 else index
+    return QKV_SHARDS[index] if qkv else index
 
 
 def rank_slice(partition: Partition, index: int, whole: torch.Tensor, width: int
@@ -94,7 +102,7 @@ def rank_slice(partition: Partition, index: int, whole: torch.Tensor, width: int
     staging = torch.nn.Parameter(whole.new_empty(sum(rows), width), requires_grad=False)
     set_weight_attrs(staging, {"output_dim": 0,
                                **({"input_dim": 1} if partition.row_parallel else {})})
-    sid = shard_id(len(rows), index)
+    sid = shard_id(len(rows), index, partition.qkv)
     loader = partition.loader()
     if sid is None:
         loader(staging, whole)
