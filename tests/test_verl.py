@@ -25,14 +25,17 @@ class StandInEngine:
     """What the hook relies on in verl's ``FSDPEngine``: ``_build_module()`` returns the
     Hugging Face model (FP32 for the actor), ``engine_config.forward_only`` is true for a
     model that only computes log-probs (the reference policy), ``model_config.model_type``
-    is ``value_model`` for a critic, and ``engine_config.mixed_precision`` sets FSDP's
-    parameter dtype (bf16 when unset). ``tests/in_verl/`` runs verl's own engine class."""
+    is ``value_model`` for a critic, ``engine_config.mixed_precision`` sets FSDP's
+    parameter dtype (bf16 when unset) and ``engine_config.strategy`` FSDP's version
+    (``fsdp``, FSDP1, when unset). ``tests/in_verl/`` runs verl's own engine class."""
 
     def __init__(self, family: str, forward_only: bool = False,
-                 model_type: str = "language_model", param_dtype: str | None = "fp32") -> None:
+                 model_type: str = "language_model", param_dtype: str | None = "fp32",
+                 strategy: str | None = "fsdp2") -> None:
         self.family = family
         mixed = None if param_dtype is None else {"param_dtype": param_dtype}
-        self.engine_config = SimpleNamespace(forward_only=forward_only, mixed_precision=mixed)
+        self.engine_config = SimpleNamespace(forward_only=forward_only, mixed_precision=mixed,
+                                             strategy=strategy)
         self.model_config = SimpleNamespace(model_type=model_type)
 
     def _build_module(self) -> torch.nn.Module:
@@ -81,6 +84,17 @@ def test_fsdp_casting_the_actors_parameters_is_refused_in_one_line(engine_cls, p
     assert f"to {param_dtype or 'bf16'} " in message
 
 
+@pytest.mark.parametrize("strategy", [None, "fsdp"])
+def test_fsdp1_for_the_actor_is_refused_in_one_line(engine_cls, strategy):
+    """verl's default strategy (``fsdp``, FSDP1) for the actor stops the worker before the
+    model is built; the reference policy is not the hook's business."""
+    with pytest.raises(UserError) as err:
+        engine_cls("llama", strategy=strategy)._build_module()
+    assert "\n" not in str(err.value) and verl.FSDP2 in str(err.value)
+    assert not fp4_layers(engine_cls("llama", forward_only=True, strategy=strategy)
+                          ._build_module())
+
+
 def test_the_recipe_comes_from_the_environment(engine_cls, monkeypatch):
     monkeypatch.setenv(verl.RECIPE_ENV, "nvfp4")
     layers = fp4_layers(engine_cls("llama")._build_module())
@@ -123,7 +137,7 @@ def test_an_actor_built_by_an_engine_without_the_hook_stops_the_run(engine_cls):
     verl.guard_registry(registry)
     verl.guard_registry(registry)  # guarded once
     megatron = type("MegatronEngine", (StandInEngine,), {})
-    with pytest.raises(UserError, match=r"MegatronEngine \(backend 'megatron'\).*strategy=fsdp"):
+    with pytest.raises(UserError, match=r"MegatronEngine \(backend 'megatron'\).*strategy=fsdp2"):
         registry.new("language_model", "megatron", megatron)
     assert registry.new("language_model", "megatron", megatron, forward_only=True)  # reference
     assert registry.new("value_model", "megatron", megatron)  # a critic

@@ -71,6 +71,16 @@ try:
     out["bf16_refused"] = ""
 except UserError as err:
     out["bf16_refused"] = str(err)
+try:  # verl's default strategy, FSDP1
+    fsdp1 = FSDPEngineConfig(strategy="fsdp", use_torch_compile=False,
+                             mixed_precision={"param_dtype": "fp32"})
+    EngineRegistry.new(model_type="language_model", backend="fsdp", model_config=model,
+                       engine_config=fsdp1, optimizer_config=FSDPOptimizerConfig(
+                           lr=1e-6, total_training_steps=2),
+                       checkpoint_config=CheckpointConfig())._build_module()
+    out["fsdp1_refused"] = ""
+except UserError as err:
+    out["fsdp1_refused"] = str(err)
 print("RESULT " + json.dumps(out))
 dist.destroy_process_group()
 """
@@ -92,3 +102,4 @@ def test_verls_own_engine_builds_an_fp4_actor_on_fp32_masters(tmp_path):
     assert out["grads"]
     assert out["reference_fp4_layers"] == 0
     assert "param_dtype=fp32" in out["bf16_refused"] and "\n" not in out["bf16_refused"]
+    assert "strategy=fsdp2" in out["fsdp1_refused"] and "\n" not in out["fsdp1_refused"]

@@ -71,3 +71,15 @@ def test_verls_default_fsdp_precision_is_refused_by_the_hook():
     overrides = [o for o in documented_overrides() if not o.startswith(verl.FP32_PARAMS)]
     with pytest.raises(Exception, match="param_dtype=fp32"):
         verl.check_param_dtype(compose(overrides).actor_rollout_ref.actor.fsdp_config)
+
+
+def test_verls_default_fsdp1_is_refused_by_the_hook_in_one_line():
+    """The documented command sets FSDP2; without it verl's default (FSDP1) is refused."""
+    config = compose(documented_overrides())
+    assert config.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert config.actor_rollout_ref.ref.strategy == "fsdp2"
+    verl.check_strategy(config.actor_rollout_ref.actor)
+    overrides = [o for o in documented_overrides() if o != verl.FSDP2]
+    with pytest.raises(Exception, match="strategy=fsdp2") as refused:
+        verl.check_strategy(compose(overrides).actor_rollout_ref.actor)
+    assert "\n" not in str(refused.value)

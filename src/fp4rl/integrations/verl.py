@@ -89,6 +89,9 @@ def fp4_actor(module: torch.nn.Module, recipe: Recipe | str) -> torch.nn.Module:
 
 #: the override that keeps verl's FSDP from casting the actor's parameters to bf16
 FP32_PARAMS = "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"
+#: the override that picks FSDP2 for the actor (and the reference, which follows it);
+#: verl's default, ``fsdp``, is FSDP1, which the FP4 actor is not built and tested under
+FSDP2 = "actor_rollout_ref.actor.strategy=fsdp2"
 
 
 def is_fp4_actor(engine: Any) -> bool:
@@ -111,17 +114,30 @@ def check_param_dtype(engine_config: Any) -> None:
                         f"masters: add {FP32_PARAMS}")
 
 
+def check_strategy(engine_config: Any) -> None:
+    """Refuse verl's FSDP1 (``strategy=fsdp``, verl's default) for the FP4 actor: FSDP1
+    flattens parameters into views of one buffer per unit, and the FP4 layers (whose
+    tests, and verl's own engine build in ``make test-verl``, run FSDP2) are not held to
+    that; FSDP2 shards each parameter as it is."""
+    strategy = str(getattr(engine_config, "strategy", None) or "fsdp")
+    if strategy != "fsdp2":
+        raise UserError(f"fp4rl: verl's actor strategy {strategy!r} is FSDP1, which the FP4 "
+                        f"actor is not tested under: set {FSDP2}")
+
+
 def wrap_build(build: Callable[[Any], torch.nn.Module],
                recipe: Callable[[], Recipe] = recipe_from_env
                ) -> Callable[[Any], torch.nn.Module]:
     """``build`` (an engine's ``_build_module``) followed by :func:`fp4_actor` where the
     engine builds the training policy (:func:`is_fp4_actor`), after checking that verl's
-    FSDP keeps its parameters in FP32 (:func:`check_param_dtype`)."""
+    FSDP is FSDP2 (:func:`check_strategy`) and keeps its parameters in FP32
+    (:func:`check_param_dtype`)."""
 
     @functools.wraps(build)
     def build_fp4(engine: Any) -> torch.nn.Module:
         actor = is_fp4_actor(engine)
         if actor:
+            check_strategy(engine.engine_config)
             check_param_dtype(engine.engine_config)
         module = build(engine)
         return fp4_actor(module, recipe()) if actor else module
@@ -145,8 +161,7 @@ def guard_registry(registry: type) -> None:
         if is_fp4_actor(engine) and not hooked:
             raise UserError(f"fp4rl: verl builds the actor with {type(engine).__name__} "
                             f"(backend {backend!r}), which the FP4 actor hook does not wrap "
-                            f"({ENGINE_CLASS}): set actor_rollout_ref.actor.strategy=fsdp "
-                            "or fsdp2")
+                            f"({ENGINE_CLASS}): set {FSDP2}")
         return engine
 
     guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
@@ -199,7 +214,7 @@ def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -
     and roll out in vLLM with ``recipe`` (each one shell argument)."""
     kwargs = engine_kwargs(recipe, weight_storage)
     prefix = "+actor_rollout_ref.rollout.engine_kwargs.vllm"
-    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl", FP32_PARAMS,
+    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl", FSDP2, FP32_PARAMS,
            f"{prefix}.quantization={kwargs['quantization']}",
            f"{prefix}.hf_overrides={_hydra(kwargs['hf_overrides'])}"]
     if isinstance(recipe, str):  # a Recipe object has no name for the workers to read
@@ -236,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 
 install()
 
-__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "RECIPE_ENV", "SUPPORTED_VERL",
-           "check_param_dtype", "engine_kwargs", "fp4_actor", "guard_registry",
-           "hydra_overrides", "install",
-           "is_fp4_actor", "recipe_from_env", "wrap_build"]
+__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "FSDP2", "RECIPE_ENV",
+           "SUPPORTED_VERL", "check_param_dtype", "check_strategy", "engine_kwargs",
+           "fp4_actor", "guard_registry", "hydra_overrides", "install", "is_fp4_actor",
+           "recipe_from_env", "wrap_build"]
 
 if __name__ == "__main__":
     sys.exit(main())
