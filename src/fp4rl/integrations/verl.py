@@ -13,6 +13,10 @@ this module uses:
   param_dtype`` (bf16 unless set) for the forward, which would make the FP4 GEMMs quantize
   ``bf16(W)`` instead of the FP32 masters: the hook refuses that in one line, and the
   recipe sets ``fsdp_config.mixed_precision.param_dtype=fp32`` (:func:`hydra_overrides`).
+  verl autocasts its ``forward_step`` to that dtype, so the hook also sets the actor's
+  autocast dtype to bf16 once FSDP wraps it (:func:`wrap_fsdp_build`): FP32 masters and
+  optimizer, bf16 compute, as in fp4rl's trainer. FSDP1 (verl's default strategy) is
+  refused in one line; the recipe sets ``actor.strategy=fsdp2``.
 - ``+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=fp4rl`` with
   ``hf_overrides`` naming the rollout recipe (:func:`engine_kwargs`): verl passes the
   engine arguments to vLLM last, so they select fp4rl's quantization method, which vLLM
@@ -146,6 +150,31 @@ def wrap_build(build: Callable[[Any], torch.nn.Module],
     return build_fp4
 
 
+#: what the FP4 actor computes in under verl's ``forward_step``: FP4 operands are exact in
+#: bf16, and flash-attention takes nothing wider
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """``build`` (an engine's ``_build_fsdp_module``) followed, for the FP4 actor, by
+    verl's autocast dtype set to bf16. verl autocasts ``forward_step`` to its FSDP
+    ``param_dtype``, and skips autocast where that is fp32, which FP4 training needs for
+    its masters: the actor would then compute attention, norms, the LM head and its FP4
+    GEMMs in fp32 (which flash-attention refuses, and which doubles every activation).
+    With this, parameters and the optimizer stay FP32 and the forward computes in bf16,
+    as in fp4rl's own trainer."""
+
+    @functools.wraps(build)
+    def build_fp4(engine: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        module = build(engine, *args, **kwargs)
+        if is_fp4_actor(engine):
+            engine._autocast_dtype = COMPUTE_DTYPE
+        return module
+
+    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]
+    return build_fp4
+
+
 def guard_registry(registry: type) -> None:
     """Make ``registry.new`` (verl's engine factory) refuse, in one line, a training policy
     that an engine without the FP4 hook builds (Megatron, say): the hook would never fire,
@@ -179,6 +208,9 @@ def install(engine_cls: type | None = None) -> bool:
         guard_registry(_verl_class(REGISTRY_CLASS))  # type: ignore[arg-type]
     if not getattr(engine_cls._build_module, "fp4rl_wrapped", False):
         engine_cls._build_module = wrap_build(engine_cls._build_module)
+    fsdp_build = getattr(engine_cls, "_build_fsdp_module", None)
+    if fsdp_build is not None and not getattr(fsdp_build, "fp4rl_wrapped", False):
+        engine_cls._build_fsdp_module = wrap_fsdp_build(fsdp_build)
     return True
 
 
@@ -251,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
 
 install()
 
-__all__ = ["DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "FSDP2", "RECIPE_ENV",
-           "SUPPORTED_VERL", "check_param_dtype", "check_strategy", "engine_kwargs",
-           "fp4_actor", "guard_registry", "hydra_overrides", "install", "is_fp4_actor",
-           "recipe_from_env", "wrap_build"]
+__all__ = ["COMPUTE_DTYPE", "DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "FSDP2",
+           "RECIPE_ENV", "SUPPORTED_VERL", "check_param_dtype", "check_strategy",
+           "engine_kwargs", "fp4_actor", "guard_registry", "hydra_overrides", "install",
+           "is_fp4_actor", "recipe_from_env", "wrap_build", "wrap_fsdp_build"]
 
 if __name__ == "__main__":
     sys.exit(main())
