@@ -210,3 +210,18 @@ def test_a_vllm_outside_the_tested_range_is_warned_about_once(monkeypatch, insta
     finally:
         compat.vllm_version.cache_clear()
         compat.check_version.cache_clear()
+
+
+def test_an_engine_recipe_other_than_the_actors_is_refused_in_one_line(monkeypatch):
+    """verl gives the recipe twice: FP4RL_RECIPE to the actor, hf_overrides to the engine."""
+    from fp4rl.integrations.vllm import RECIPE_ENV
+
+    monkeypatch.setenv(RECIPE_ENV, "hif4+resq-2:4")
+    assert recipe_from_config(quantization_config("hif4+resq-2:4")).rollout == \
+        get_recipe("hif4+resq-2:4").rollout
+    for other in ("hif4", "mxfp4+resq-2:4"):
+        with pytest.raises(VLLMError, match=r"python -m fp4rl\.integrations\.verl") as err:
+            recipe_from_config(quantization_config(other))
+        assert "\n" not in str(err.value) and RECIPE_ENV in str(err.value)
+    monkeypatch.delenv(RECIPE_ENV)
+    assert recipe_from_config(quantization_config("hif4")).rollout == get_recipe("hif4").rollout

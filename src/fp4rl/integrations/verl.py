@@ -55,10 +55,8 @@ from packaging.version import Version
 from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, get_recipe
-from fp4rl.rollout.vllm.config import QUANT_METHOD, quantization_config
+from fp4rl.rollout.vllm.config import QUANT_METHOD, RECIPE_ENV, quantization_config
 
-#: where verl's workers read the recipe
-RECIPE_ENV = "FP4RL_RECIPE"
 #: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
 DEFAULT_RECIPE = "hif4+resq-2:4"
 #: the verl releases whose sources the hook follows (``FSDPEngine._build_module``,

@@ -37,9 +37,11 @@ from fp4rl.rollout.vllm.config import (
     CONFIG_KEYS,
     MERGED,
     QUANT_METHOD,
+    RECIPE_ENV,
     WEIGHT_STORAGES,
     WORKER_EXTENSION,
     VLLMError,
+    check_actor_recipe,
     check_storage,
     hf_layer_names,
     quantization_config,
@@ -62,10 +64,10 @@ from fp4rl.rollout.vllm.engine import (
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import RefitPayload, RefitStats, refit, refit_payload
 
-__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "WEIGHT_STORAGES",
+__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "RECIPE_ENV", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",
-           "VLLMError", "check_storage", "default_kv_cache_bytes", "engine_model",
-           "hf_layer_names", "make_llm",
-           "method_kwargs", "model_dir", "quantization_config", "recipe_from_config",
-           "refit", "refit_payload", "register", "require_vllm", "rollout_recipe",
-           "sharing_the_process", "storage_from_config", "supported_recovery"]
+           "VLLMError", "check_actor_recipe", "check_storage", "default_kv_cache_bytes",
+           "engine_model", "hf_layer_names", "make_llm", "method_kwargs", "model_dir",
+           "quantization_config", "recipe_from_config", "refit", "refit_payload", "register",
+           "require_vllm", "rollout_recipe", "sharing_the_process", "storage_from_config",
+           "supported_recovery"]

@@ -15,6 +15,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fp4rl.errors import UserError
@@ -30,6 +31,10 @@ WEIGHT_STORAGES = ("dequantized", "packed")
 CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
 #: the worker extension a refit calls (:mod:`fp4rl.rollout.vllm.worker`)
 WORKER_EXTENSION = "fp4rl.rollout.vllm.worker.FP4RLWorkerExtension"
+#: the environment variable naming the recipe of the actor a host trains beside the engine
+#: (verl's workers read it; ``fp4rl.integrations.verl``): where it is set, the engine's
+#: recipe must be its rollout policy
+RECIPE_ENV = "FP4RL_RECIPE"
 #: vLLM's merged linears and the Hugging Face layers each one holds, in row order
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -84,7 +89,24 @@ def recipe_from_config(config: dict[str, Any]) -> Recipe:
         raise VLLMError(f"quantization_config for {QUANT_METHOD!r}: unknown key(s) {unknown}; "
                         f"allowed: {', '.join(CONFIG_KEYS)}")
     recipe = Recipe.from_dict({"rollout": config["rollout"], "ignore": config.get("ignore")})
+    check_actor_recipe(recipe)
     return rollout_recipe(recipe)
+
+
+def check_actor_recipe(recipe: Recipe) -> None:
+    """Refuse, in one line, an engine whose rollout policy is not the one of the actor's
+    recipe (:data:`RECIPE_ENV`, where a host sets it): given twice, once to the trainer
+    and once in the engine's ``hf_overrides``, the two could differ silently."""
+    name = os.environ.get(RECIPE_ENV)
+    if not name:
+        return
+    actor = get_recipe(name)
+    if actor.rollout != recipe.rollout or tuple(actor.ignore) != tuple(recipe.ignore):
+        raise VLLMError(f"the engine's quantization_config rolls out "
+                        f"{recipe.to_dict()['rollout']} (ignore {list(recipe.ignore)}), but "
+                        f"{RECIPE_ENV}={name!r} rolls out {actor.to_dict()['rollout']} "
+                        f"(ignore {list(actor.ignore)}): print both from one recipe with "
+                        f"`python -m fp4rl.integrations.verl --recipe {name}`")
 
 
 def storage_from_config(config: dict[str, Any]) -> str:
