@@ -177,3 +177,17 @@ def test_a_verl_without_the_engine_class_stops_with_one_line(monkeypatch):
     monkeypatch.setattr(verl.importlib, "import_module", missing)
     with pytest.raises(ImportError, match=r"verl 0\.9\.1 has no .*FSDPEngine"):
         verl.install()
+
+
+def test_a_missing_dependency_of_verl_is_named_with_its_install():
+    """verl imports its engine's dependencies (peft, say) at module level: the one line
+    names what is missing, not a verl without the engine class."""
+    def missing(name: str):
+        raise ModuleNotFoundError("No module named 'peft'", name="peft")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verl.importlib.metadata, "version", lambda name: "0.9.1")
+        patch.setattr(verl.importlib, "import_module", missing)
+        with pytest.raises(ImportError, match=r"needs 'peft'.*pip install peft") as err:
+            verl.install()
+    assert "\n" not in str(err.value)

@@ -182,8 +182,8 @@ def test_engine_core_runs_in_its_own_process_on_gpus(monkeypatch):
 
 
 @pytest.mark.parametrize(("installed", "supported"),
-                         [("0.24.0", True), ("0.32.0+cpu", True), ("0.33.1", True),
-                          ("0.23.1", False), ("0.34.0", False)])
+                         [("0.24.0", True), ("0.32.0+cpu", True), ("0.32.5", True),
+                          ("0.23.1", False), ("0.33.0", False)])
 def test_a_vllm_outside_the_tested_range_is_warned_about_once(monkeypatch, installed,
                                                              supported):
     import importlib.metadata

@@ -226,6 +226,12 @@ def _verl_class(path: str) -> type | None:
     module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:
+        if err.name and not err.name.startswith("verl"):  # verl's own dependency is missing
+            raise ImportError(f"fp4rl: verl {version} needs {err.name!r} to import {module}, "
+                              f"which is not installed: pip install {err.name}") from None
+        raise ImportError(f"fp4rl: verl {version} has no {path} ({err}); the FP4 "
+                          f"actor hook follows verl {SUPPORTED_VERL}") from None
     except (ImportError, AttributeError) as err:  # the actor would silently train in bf16
         raise ImportError(f"fp4rl: verl {version} has no {path} ({err}); the FP4 "
                           f"actor hook follows verl {SUPPORTED_VERL}") from None

