@@ -5,7 +5,8 @@ each completion), no KV cache, no padding, one sequence at a time. Its filtered
 first-token distribution (temperature, top-k) is exact, so the engines' first tokens,
 drawn for prompts of different lengths batched together (left padding), are held to it
 by a chi-square test; every token an engine reports is held to the slow path's
-log-prob of that token given the same prefix. Engines: fp4rl's KV-cache engine (``hf``,
+log-prob of that token given the same prefix, in fp32 and under bf16 autocast (what TRL
+runs by default, and where a CPU's bf16 kernels come in). Engines: fp4rl's KV-cache engine (``hf``,
 the trainer's and the TRL plug-in's default) and transformers' ``generate`` (the TRL
 plug-in's ``transformers``); vLLM's is held to fp4rl's in tests/vllm_engine.
 """
@@ -40,9 +41,13 @@ def policy(request):
     return model, tok, [tok(t)["input_ids"] for t in texts]
 
 
-def _rollout(model):
-    """The rollout policy: rollout mode for an FP4 model, the model itself otherwise."""
-    return fp4rl.rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext()
+@contextlib.contextmanager
+def _rollout(model, compute: str = "fp32"):
+    """The rollout policy (rollout mode for an FP4 model, the model itself otherwise) in
+    ``compute``: fp32, or bf16 autocast (TRL's default, ``bf16=True``)."""
+    with fp4rl.rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext(), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bf16"):
+        yield
 
 
 def _filtered_logp(logits: torch.Tensor) -> torch.Tensor:
@@ -77,10 +82,11 @@ def _sample(engine: str, model, tok, prompts: list[list[int]]):
         return rows, *sample_with_transformers(model, rows, config, tok.pad_token_id, eos)
 
 
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
 @pytest.mark.parametrize("engine", ["hf", "transformers"])
-def test_first_tokens_follow_the_policys_distribution(policy, engine):
+def test_first_tokens_follow_the_policys_distribution(policy, engine, compute):
     model, tok, prompts = policy
-    with _rollout(model):
+    with _rollout(model, compute):
         rows, tokens, _ = _sample(engine, model, tok, prompts)
         for p, prompt in enumerate(prompts):
             with torch.no_grad():
@@ -96,23 +102,27 @@ def test_first_tokens_follow_the_policys_distribution(policy, engine):
             assert chi2 < CHI2_LIMIT, (engine, p, chi2)
 
 
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
 @pytest.mark.parametrize("engine", ["hf", "transformers"])
-def test_reported_logprobs_are_the_policys_for_the_tokens_drawn(policy, engine):
+def test_reported_logprobs_are_the_policys_for_the_tokens_drawn(policy, engine, compute):
     """Unquantized, each reported log-prob is the slow path's to fp32 accuracy. The FP4
     policy's first tokens are too (the prompt's forward); later ones may move a little:
     with a KV cache, a shorter row's attention sums over its padded keys too, which
     changes fp32 results by about 1e-6, and a 4-bit rounding that flips on it moves a
     log-prob (seen here: 0.018 nat on average, up to 0.31, HiF4 + ResQ-2:4). A misaligned,
-    unfiltered or wrongly tempered log-prob is off by about a nat on average."""
+    unfiltered or wrongly tempered log-prob is off by about a nat on average. Under bf16
+    autocast (TRL's default) the cache and the full forward round differently from the
+    first token on (seen: 0.025 nat on average, at most 0.35)."""
     model, tok, prompts = policy
-    quantized = bool(fp4_layers(model))
+    exact = not fp4_layers(model) and compute == "fp32"
     diffs = []
-    with _rollout(model):
+    with _rollout(model, compute):
         rows, tokens, logps = _sample(engine, model, tok, prompts)
         for i in range(0, len(rows), 31):  # a spread of rows from every prompt
             want = _slow_logps(model, rows[i], tokens[i])
-            assert logps[i][0] == pytest.approx(want[0], abs=2e-4), (engine, i)
-            if not quantized:
+            if compute == "fp32":
+                assert logps[i][0] == pytest.approx(want[0], abs=2e-4), (engine, i)
+            if exact:
                 assert logps[i] == pytest.approx(want, abs=2e-4), (engine, i)
             diffs += [abs(a - b) for a, b in zip(logps[i], want, strict=True)]
     assert sum(diffs) / len(diffs) < 0.1, (engine, sum(diffs) / len(diffs))
