@@ -6,9 +6,10 @@ first-token distribution (temperature, top-k) is exact, so the engines' first to
 drawn for prompts of different lengths batched together (left padding), are held to it
 by a chi-square test; every token an engine reports is held to the slow path's
 log-prob of that token given the same prefix, in fp32 and under bf16 autocast (what TRL
-runs by default, and where a CPU's bf16 kernels come in). Engines: fp4rl's KV-cache engine (``hf``,
-the trainer's and the TRL plug-in's default) and transformers' ``generate`` (the TRL
-plug-in's ``transformers``); vLLM's is held to fp4rl's in tests/vllm_engine.
+runs by default, and where a CPU's bf16 kernels come in). Engines: fp4rl's KV-cache
+engine (``hf``, the trainer's and the TRL plug-in's default) and transformers'
+``generate`` (the TRL plug-in's ``transformers``); ``vllm`` is held to the same slow path
+in tests/vllm_engine/test_engine_distribution_vllm.py.
 """
 
 from __future__ import annotations
