@@ -5,14 +5,20 @@ failing stage: each stage runs, is timed, and writes ``<output>/<stage>.json`` (
 results, or the error that stopped it); ``<output>/summary.json`` lists every stage with
 the device's name. The stages:
 
-1. ``tests``: the CUDA tests (Triton quantizers bit-exact against the reference for every
-   format, axis and dtype; a CUDA GRPO step against the CPU one) and the Triton kernel
-   tests, through pytest;
+1. ``tests``: the CUDA tests (every Triton operation bit-exact against the reference for
+   every format, axis, dtype and token count; the rollout operations captured in CUDA
+   graphs at sizes never run eagerly; a CUDA GRPO step against the CPU one), through pytest;
 2. ``formats``: ``bench formats`` at 8192 x 8192, with each quantizer's GB/s (one read and
    one write of every float32 value) and its share of a clone's, the copy bandwidth;
 3. ``linear``: ``bench linear`` at the Qwen2.5-3B shapes, FP4 against bf16;
 4. ``rollout`` and ``train``: ``bench rollout`` and ``bench train`` on the embedded model;
-5. ``demo``: ``fp4rl demo`` on the device, its wall clock and report.
+5. ``vllm``: an engine per recipe with the fp4rl method (compiled, CUDA graphs on), its
+   greedy log-probs against fp4rl's rollout policy before and after a refit (skipped
+   where vLLM is not installed; each recipe's figures are printed as they exist);
+6. ``demo``: ``fp4rl demo`` on the device, its wall clock and report.
+
+``--only`` and ``--skip`` choose stages. docs/gpu.md says how to carry vLLM and the embedded
+model to a GPU machine without network, and holds the runs.
 
 ``--device cpu --quick`` runs every stage at toy sizes in well under two minutes on a
 2-core CPU, so the script is known to work before a GPU is ever lent
