@@ -12,26 +12,14 @@ in one line. verl's platform is the CPU one of ``_cpu_platform``, the only stand
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("verl.trainer", reason="verl is not installed; `make test-verl` runs "
                     "these tests in an environment of its own")
 
+from _one_rank import run_one_rank
+
 SCRIPT = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import _cpu_platform
-_cpu_platform.install()
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
-                        world_size=1)
-import fp4rl.integrations.verl  # what verl's external_lib import does in each worker
 from fp4rl.errors import UserError
 from fp4rl.integrations.vllm import model_dir
 from fp4rl.nn import fp4_layers
@@ -87,13 +75,7 @@ dist.destroy_process_group()
 
 
 def test_verls_own_engine_builds_an_fp4_actor_on_fp32_masters(tmp_path):
-    here = Path(__file__).parent
-    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(here), "29517"], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    out = json.loads(lines[0].removeprefix("RESULT "))
+    out = run_one_rank(SCRIPT, 29517, tmp_path)
     assert out["engine"] == "FSDPEngineWithLMHead"
     assert out["module"].startswith("FSDP")  # verl's FSDP2 wrapped the patched model
     assert out["fp4_layers"] == 30 * 7  # every linear of SmolLM2's 30 blocks

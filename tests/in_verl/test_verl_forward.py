@@ -14,26 +14,14 @@ integration casts fp32 queries to) and calls SDPA."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("verl.trainer", reason="verl is not installed; `make test-verl` runs "
                     "these tests in an environment of its own")
 
+from _one_rank import run_one_rank
+
 SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import _cpu_platform
-_cpu_platform.install()
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
-                        world_size=1)
-import fp4rl.integrations.verl  # what verl's external_lib import does in each worker
 from fp4rl.integrations.vllm import model_dir
 from fp4rl.nn import fp4_layers
 from tensordict import TensorDict
@@ -105,13 +93,7 @@ dist.destroy_process_group()
 
 
 def test_verls_forward_step_runs_the_fp4_actor_in_bf16_on_fp32_masters(tmp_path):
-    here = Path(__file__).parent
-    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(here), "29519"], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    out = json.loads(lines[0].removeprefix("RESULT "))
+    out = run_one_rank(SCRIPT, 29519, tmp_path)
     for phase in ("log_prob", "update"):  # compute_log_prob's and update_actor's engine calls
         assert out[phase]["attention"] == ["torch.bfloat16"], (phase, out)
         assert out[phase]["fp4_out"] == ["torch.bfloat16"], (phase, out)
