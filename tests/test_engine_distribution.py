@@ -18,28 +18,33 @@ import contextlib
 
 import pytest
 import torch
+from _distribution import (
+    CHI2_LIMIT,
+    RECIPE,
+    TEMPERATURE,
+    TEXTS,
+    TOKENS,
+    TOP_K,
+    first_token_chi2,
+    peaked_tiny_llama,
+    slow_logps,
+)
 from transformers import GenerationConfig
 
 import fp4rl
 from fp4rl.integrations.trl import sample_with_fp4rl, sample_with_transformers
-from fp4rl.models import tiny_model
 from fp4rl.nn import fp4_layers
 from fp4rl.rollout import SamplingConfig
 
-TOP_K, TEMPERATURE, DRAWS, TOKENS = 12, 0.9, 400, 3
-RECIPE = "hif4+resq-2:4"
-#: the chi-square statistic with TOP_K - 1 = 11 degrees of freedom exceeds this with
-#: probability 1e-4 under the null (the engine samples the policy's distribution)
-CHI2_LIMIT = 42.1
+DRAWS = 400
 
 
-@pytest.fixture(scope="module", params=[None, RECIPE], ids=["bf16", "fp4"])
+@pytest.fixture(scope="module", params=[None, RECIPE], ids=["plain", "fp4"])
 def policy(request):
-    model, tok = tiny_model("llama", seed=3, initializer_range=0.3)
+    model, tok = peaked_tiny_llama()
     if request.param:
         fp4rl.quantize_model(model, request.param)
-    texts = ["What is 2+2?", "Count: 1 2 3 4 5 6 7 8 9 and then", "x"]
-    return model, tok, [tok(t)["input_ids"] for t in texts]
+    return model, tok, [tok(t)["input_ids"] for t in TEXTS]
 
 
 @contextlib.contextmanager
@@ -49,22 +54,6 @@ def _rollout(model, compute: str = "fp32"):
     with fp4rl.rollout_mode(model) if fp4_layers(model) else contextlib.nullcontext(), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bf16"):
         yield
-
-
-def _filtered_logp(logits: torch.Tensor) -> torch.Tensor:
-    """log-probs of the distribution sampled: temperature, then the top-k tokens."""
-    scaled = logits.float() / TEMPERATURE
-    kth = scaled.topk(TOP_K).values[-1]
-    return scaled.masked_fill(scaled < kth, float("-inf")).log_softmax(-1)
-
-
-def _slow_logps(model, prompt: list[int], completion: list[int]) -> list[float]:
-    """Each completion token's log-prob from one full forward, unpadded."""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    return [float(_filtered_logp(logits[len(prompt) - 1 + i])[t])
-            for i, t in enumerate(completion)]
 
 
 def _sample(engine: str, model, tok, prompts: list[list[int]]):
@@ -88,18 +77,10 @@ def _sample(engine: str, model, tok, prompts: list[list[int]]):
 def test_first_tokens_follow_the_policys_distribution(policy, engine, compute):
     model, tok, prompts = policy
     with _rollout(model, compute):
-        rows, tokens, _ = _sample(engine, model, tok, prompts)
-        for p, prompt in enumerate(prompts):
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt])).logits[0, -1]
-            probs = _filtered_logp(logits).exp()
-            support = probs.nonzero().squeeze(-1)
-            firsts = torch.tensor([t[0] for r, t in zip(rows, tokens, strict=True)
-                                   if r is prompts[p] or r == prompt][:DRAWS])
-            assert set(firsts.tolist()) <= set(support.tolist()), (engine, p)
-            counts = torch.stack([(firsts == s).sum() for s in support]).double()
-            expected = probs[support].double() * len(firsts)
-            chi2 = float(((counts - expected) ** 2 / expected).sum())
+        _, tokens, _ = _sample(engine, model, tok, prompts)
+        for p, prompt in enumerate(prompts):  # rows run prompt by prompt, DRAWS each
+            firsts = torch.tensor([t[0] for t in tokens[p * DRAWS:(p + 1) * DRAWS]])
+            chi2 = first_token_chi2(model, prompt, firsts)
             assert chi2 < CHI2_LIMIT, (engine, p, chi2)
 
 
@@ -120,7 +101,7 @@ def test_reported_logprobs_are_the_policys_for_the_tokens_drawn(policy, engine, 
     with _rollout(model, compute):
         rows, tokens, logps = _sample(engine, model, tok, prompts)
         for i in range(0, len(rows), 31):  # a spread of rows from every prompt
-            want = _slow_logps(model, rows[i], tokens[i])
+            want = slow_logps(model, rows[i], tokens[i])
             if compute == "fp32":
                 assert logps[i][0] == pytest.approx(want[0], abs=2e-4), (engine, i)
             if exact:

@@ -16,31 +16,33 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
+from _distribution import (  # noqa: E402
+    CHI2_LIMIT,
+    RECIPE,
+    TEMPERATURE,
+    TEXTS,
+    TOKENS,
+    TOP_K,
+    first_token_chi2,
+    peaked_tiny_llama,
+    slow_logps,
+)
+
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, VLLMEngine, make_llm  # noqa: E402
-from fp4rl.models import tiny_model  # noqa: E402
 from fp4rl.rollout import SamplingConfig  # noqa: E402
 
-RECIPE = "hif4+resq-2:4"
-TOP_K, TEMPERATURE, DRAWS, TOKENS = 12, 0.9, 300, 3
-CHI2_LIMIT = 42.1  # 11 degrees of freedom, exceeded with probability 1e-4 under the null
-
-
-def _filtered_logp(logits: torch.Tensor) -> torch.Tensor:
-    scaled = logits.float() / TEMPERATURE
-    kth = scaled.topk(TOP_K).values[-1]
-    return scaled.masked_fill(scaled < kth, float("-inf")).log_softmax(-1)
+DRAWS = 300
 
 
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory):
     """The tiny policy, its prompts, and what the engine drew for them."""
     path = tmp_path_factory.mktemp("peaked-llama")
-    model, tok = tiny_model("llama", seed=3, initializer_range=0.3)
+    model, tok = peaked_tiny_llama()
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    prompts = [tok(t)["input_ids"] for t in ["What is 2+2?",
-                                             "Count: 1 2 3 4 5 6 7 8 9 and then", "x"]]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
     llm = make_llm(EngineSpec(str(path), RECIPE, dtype=torch.float32, max_model_len=64,
                               kv_cache_bytes=64 << 20))
     engine = VLLMEngine(llm, tok.pad_token_id, [tok.eos_token_id])
@@ -56,15 +58,9 @@ def drawn(tmp_path_factory):
 def test_vllms_first_tokens_follow_the_policys_distribution(drawn):
     model, prompts, _, batch = drawn
     firsts = batch.response_ids[:, 0]
-    with torch.no_grad(), fp4rl.rollout_mode(model):
+    with fp4rl.rollout_mode(model):
         for p, prompt in enumerate(prompts):
-            probs = _filtered_logp(model(torch.tensor([prompt])).logits[0, -1]).exp()
-            support = probs.nonzero().squeeze(-1)
-            mine = firsts[p * DRAWS:(p + 1) * DRAWS]
-            assert set(mine.tolist()) <= set(support.tolist()), p
-            counts = torch.stack([(mine == s).sum() for s in support]).double()
-            expected = probs[support].double() * DRAWS
-            chi2 = float(((counts - expected) ** 2 / expected).sum())
+            chi2 = first_token_chi2(model, prompt, firsts[p * DRAWS:(p + 1) * DRAWS])
             assert chi2 < CHI2_LIMIT, (p, chi2)
 
 
@@ -78,10 +74,7 @@ def test_vllms_logprobs_are_the_policys_for_the_tokens_drawn(drawn):
     with torch.no_grad(), fp4rl.rollout_mode(model):
         for i in range(0, len(rows), 23):
             n = int(batch.response_mask[i].sum())
-            tokens = batch.response_ids[i, :n].tolist()
-            logits = model(torch.tensor([rows[i] + tokens])).logits[0]
-            want = [float(_filtered_logp(logits[len(rows[i]) - 1 + j])[t])
-                    for j, t in enumerate(tokens)]
+            want = slow_logps(model, rows[i], batch.response_ids[i, :n].tolist())
             got = batch.logprobs[i, :n].tolist()
             diffs += [abs(a - b) for a, b in zip(got, want, strict=True)]
     assert sum(diffs) / len(diffs) < 0.1, sum(diffs) / len(diffs)
