@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from fp4rl.bench import common
-from fp4rl.precision import describe_cpu
+from fp4rl.precision import autocast, describe_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,8 +202,7 @@ def _against_fp4rl(model: torch.nn.Module, tok: Any, outs: list[Any], device: st
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         given = [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids,
                                                 out.outputs[0].logprobs, strict=True)]
-        with torch.no_grad(), fp4rl.rollout_mode(model), \
-                torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        with torch.no_grad(), fp4rl.rollout_mode(model), autocast(torch.device(device), "bf16"):
             logits = model(torch.tensor([ids], device=device)).logits[0].float()
         start = len(out.prompt_token_ids) - 1
         logp = logits[start:-1].log_softmax(-1)

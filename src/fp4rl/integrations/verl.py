@@ -55,6 +55,7 @@ from packaging.version import Version
 from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, get_recipe
+from fp4rl.precision import compute_dtype
 from fp4rl.rollout.vllm.config import QUANT_METHOD, RECIPE_ENV, quantization_config
 
 #: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
@@ -148,9 +149,9 @@ def wrap_build(build: Callable[[Any], torch.nn.Module],
     return build_fp4
 
 
-#: what the FP4 actor computes in under verl's ``forward_step``: FP4 operands are exact in
-#: bf16, and flash-attention takes nothing wider
-COMPUTE_DTYPE = torch.bfloat16
+#: what the FP4 actor computes in under verl's ``forward_step`` (fp4rl's bf16 mixed
+#: precision): FP4 operands are exact in bf16, and flash-attention takes nothing wider
+COMPUTE_DTYPE = compute_dtype("bf16")
 
 
 def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
