@@ -16,7 +16,7 @@ from fp4rl.rl.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
+FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

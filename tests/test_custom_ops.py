@@ -12,7 +12,7 @@ from fp4rl.gemm import Operand, mm, pack_operand, quantize_operand
 from fp4rl.recovery import Recovery, make_recovery
 from fp4rl.recovery.ops import TracedActivation, handle_of
 
-FORMATS = ("hif4", "mxfp4", "nvfp4")
+FORMATS = ("hif4", "mxfp4", "nvfp4", "nvfp4_per_token")
 METHODS = ("", "resq-2:4")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -85,7 +85,8 @@ def test_the_activation_operator_gives_the_methods_operands(fmt, spec, dtype):
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.values, b.values.to(dtype))
         assert (a.scale is None) == (b.scale is None)
-        assert a.scale is None or torch.equal(a.scale, b.scale.float())
+        # the operator hands a per-tensor scale on as one per token: the same factor
+        assert a.scale is None or torch.equal(a.scale, b.scale.float().expand_as(a.scale))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -28,7 +28,7 @@ from fp4rl.rollout.batch import SamplingConfig
 from fp4rl.rollout.sampling import sample_next
 
 META = torch.device("meta")
-BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
+BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
 FOUR_BIT = ["hif4", "mxfp4", "nvfp4"]
 
 

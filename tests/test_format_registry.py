@@ -20,7 +20,7 @@ from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.kernels import cpu
 from fp4rl.recovery import resq_activation, sparsify
 
-BUILTINS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3", "bf16"]
+BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3", "bf16"]
 
 
 class MXINT4(MXFormat):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import fp4rl
 
-BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
+BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
 ALL_FORMATS = [*BLOCK_FORMATS, "bf16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

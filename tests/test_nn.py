@@ -10,7 +10,7 @@ import fp4rl
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, PatchError, Recipe, TrainPrecision, fp4_layers, get_recipe
 
-FORMATS = ["hif4", "mxfp4", "nvfp4"]
+FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token"]
 
 
 def _layer(recipe: Recipe, bias: bool = True, seed: int = 0) -> FP4Linear:
@@ -21,7 +21,8 @@ def _layer(recipe: Recipe, bias: bool = True, seed: int = 0) -> FP4Linear:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_train_gemms_match_explicit_slow_path(fmt):
     """fp32 compute: the three GEMMs equal products of the reference-quantized operands."""
-    layer = _layer(Recipe(train=TrainPrecision(fmt, fmt, fmt)))
+    train = get_recipe(fmt).train  # nvfp4_per_token: NVFP4 weights, per-token X and dY
+    layer = _layer(Recipe(train=train))
     x = torch.randn(3, 40, 128, requires_grad=True)
     y = layer(x)
     dy = torch.randn_like(y)
@@ -29,8 +30,9 @@ def test_train_gemms_match_explicit_slow_path(fmt):
 
     x2, w, g = x.detach().reshape(-1, 128), layer.weight.detach(), dy.reshape(-1, 64)
     ref = lambda t, d: fp4rl.get_format(fmt).quantize_reference(t, dim=d)  # noqa: E731
-    want_y = ref(x2, -1) @ ref(w, -1).t() + layer.bias.detach()
-    want_dx = ref(g, -1) @ ref(w, 0)            # reduction over out_features
+    ref_w = lambda d: fp4rl.get_format(train.weights).quantize_reference(w, dim=d)  # noqa: E731
+    want_y = ref(x2, -1) @ ref_w(-1).t() + layer.bias.detach()
+    want_dx = ref(g, -1) @ ref_w(0)             # reduction over out_features
     want_dw = ref(g, 0).t() @ ref(x2, 0)        # reduction over tokens
     torch.testing.assert_close(y.detach().reshape(-1, 64), want_y)
     torch.testing.assert_close(x.grad.reshape(-1, 128), want_dx)

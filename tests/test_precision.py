@@ -13,14 +13,14 @@ from fp4rl.cli import main
 from fp4rl.errors import UserError
 from fp4rl.gemm import mm, quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.nn import FP4Linear, Recipe, RolloutPrecision, TrainPrecision, get_recipe
+from fp4rl.nn import FP4Linear, Recipe, RolloutPrecision, get_recipe
 from fp4rl.recovery import Recovery
 from fp4rl.rl import rewards
 from fp4rl.rl.config import ConfigError, load_config
 from fp4rl.rl.trainer import Trainer
 
-OPERAND_FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
-TRAIN_FORMATS = ["hif4", "mxfp4", "nvfp4"]
+OPERAND_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
+TRAIN_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token"]
 
 
 def heavy_tailed(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -42,7 +42,7 @@ def test_operands_are_exact_in_bf16(fmt, dim, rounding):
     want = fp4rl.quantize(x, fmt, dim=dim, rounding=rounding,
                           generator=torch.Generator().manual_seed(1))
     assert torch.equal(op.dense(), want)  # bit for bit the fp32 path's operand
-    assert (op.scale is not None) == (fmt == "nvfp4")
+    assert (op.scale is not None) == fmt.startswith("nvfp4")
 
 
 def test_nvfp4_scaled_values_are_not_bf16_exact():
@@ -55,8 +55,10 @@ def test_nvfp4_scaled_values_are_not_bf16_exact():
 def _fp64_products(layer: FP4Linear, x: torch.Tensor, g: torch.Tensor, fmt: str):
     ref = lambda t, d: fp4rl.get_format(fmt).quantize_reference(t, dim=d).double()  # noqa: E731
     w = layer.weight.detach()
-    y = ref(x, -1) @ ref(w, -1).t() + layer.bias.detach().double()
-    return y, ref(g, -1) @ ref(w, 0), ref(g, 0).t() @ ref(x, 0)
+    qw = lambda d: fp4rl.get_format(layer.recipe.train.weights).quantize_reference(  # noqa: E731
+        w, dim=d).double()
+    y = ref(x, -1) @ qw(-1).t() + layer.bias.detach().double()
+    return y, ref(g, -1) @ qw(0), ref(g, 0).t() @ ref(x, 0)
 
 
 def _close_to_bf16_rounding(got: torch.Tensor, want: torch.Tensor,
@@ -71,7 +73,7 @@ def _close_to_bf16_rounding(got: torch.Tensor, want: torch.Tensor,
 @pytest.mark.parametrize("fmt", TRAIN_FORMATS)
 def test_bf16_compute_linear_matches_fp64_product_of_same_operands(fmt):
     torch.manual_seed(0)
-    layer = FP4Linear.from_linear(nn.Linear(128, 64), Recipe(train=TrainPrecision(fmt, fmt, fmt)))
+    layer = FP4Linear.from_linear(nn.Linear(128, 64), Recipe(train=get_recipe(fmt).train))
     x = heavy_tailed(80, 128, seed=1).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)

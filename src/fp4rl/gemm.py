@@ -3,9 +3,11 @@
 Every FP4 value (HiF4, MXFP4, NVFP4's block-scaled part) and every MXFP8 value is exactly
 representable in bfloat16, so a quantized operand loses nothing when it is cast to bf16
 and multiplied on bf16 hardware with fp32 accumulation, as a tensor core (or a CPU with
-avx512_bf16 / AMX) does. The one exception is NVFP4's per-tensor FP32 scale: its product
-with a block value need not fit bf16, so an :class:`Operand` keeps that scale outside,
-and :func:`mm` applies it to the fp32 result, as NVFP4 hardware does.
+avx512_bf16 / AMX) does. The one exception is NVFP4's FP32 scale on top of the blocks: its
+product with a block value need not fit bf16, so an :class:`Operand` keeps that scale
+outside, and :func:`mm` applies it to the fp32 result, as NVFP4 hardware does. The scale
+is one per tensor, or one per vector along the operand's other axis (``nvfp4_per_token``:
+a scale per token), which scales a row or a column of the product.
 
 ``"bf16"`` as an operand format means *not quantized*: the operand enters the GEMM in
 the compute dtype unchanged (the paper's BF16 baseline, with FP32 masters).
@@ -30,7 +32,9 @@ UNQUANTIZED = "bf16"
 
 @dataclass(frozen=True)
 class Operand:
-    """A GEMM operand: ``values`` times an optional per-tensor float32 ``scale``."""
+    """A GEMM operand: ``values`` times an optional float32 ``scale``, 0-dim (per tensor)
+    or one per vector along the axis the GEMM does not reduce (``(rows, 1)`` for a left
+    operand, ``(1, cols)`` for a right one), so that it factors out of every sum."""
 
     values: torch.Tensor
     scale: torch.Tensor | None = None
@@ -43,12 +47,12 @@ class Operand:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the values (and the per-tensor scale's 4)."""
+        """Bytes of the values (and the scales', 4 each)."""
         return self.values.numel() * self.values.element_size() + \
-            (4 if self.scale is not None else 0)
+            (4 * self.scale.numel() if self.scale is not None else 0)
 
     def t(self) -> Operand:
-        return Operand(self.values.t(), self.scale)
+        return Operand(self.values.t(), None if self.scale is None else self.scale.t())
 
     def to(self, dtype: torch.dtype) -> Operand:
         return Operand(self.values.to(dtype), self.scale)
@@ -66,7 +70,7 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     if fmt == UNQUANTIZED:
         return Operand(x)
     f = get_format(fmt)
-    scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
+    scale = f.tensor_scale(x, dim) if tensor_scale is None else tensor_scale
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
         values = quantize_rows_bf16(f, x, scale)
@@ -201,6 +205,7 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     values are then not read (the kernel holds them).
     """
     terms = a if isinstance(a, list) else [a]
+    _check_scales(terms, b)
     if dtype == torch.float32:
         total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
         return _addmm(total.float(), b.dense().float(), bias, dtype)
@@ -232,6 +237,18 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     if bias is not None:
         y.add_(bias.float())
     return y.to(dtype)
+
+
+def _check_scales(terms: list[Operand], b: Operand) -> None:
+    """Refuse a per-vector scale along the reduction axis: it does not factor out of the
+    sums (an operand quantized per token, then multiplied along its tokens)."""
+    for t in terms:
+        if t.scale is not None and t.scale.dim() == 2 and t.scale.shape[1] != 1:
+            raise ValueError("a left GEMM operand's scale must be per tensor or per row, "
+                             f"got {tuple(t.scale.shape)} for {tuple(t.values.shape)}")
+    if b.scale is not None and b.scale.dim() == 2 and b.scale.shape[0] != 1:
+        raise ValueError("a right GEMM operand's scale must be per tensor or per column, "
+                         f"got {tuple(b.scale.shape)} for {tuple(b.values.shape)}")
 
 
 def stack_rows(values: list[torch.Tensor]) -> torch.Tensor:

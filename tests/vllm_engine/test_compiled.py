@@ -26,7 +26,7 @@ KINDS = ("self_attn.qkv_proj", "mlp.down_proj")
 
 
 @pytest.mark.parametrize("storage", ["dequantized", "packed"])
-@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4", "nvfp4_per_token"])
 def test_each_layer_compiles_whole_to_the_eager_bits(smollm_dir, recipe, storage):
     model, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(model, recipe)

@@ -23,7 +23,7 @@ import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 
-RECIPES = ("hif4", "mxfp4", "nvfp4", "hif4+resq-2:4", "mxfp4+resq-2:4")
+RECIPES = ("hif4", "mxfp4", "nvfp4", "nvfp4_per_token+resq-2:4", "hif4+resq-2:4", "mxfp4+resq-2:4")
 #: vLLM linear -> the Hugging Face linears it holds, in row order
 KINDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "self_attn.o_proj": ("self_attn.o_proj",),

@@ -74,6 +74,12 @@ class NumberFormat(ABC):
     label: ClassVar[str] = ""
     #: the compiled kernels this format has (None: the reference path only)
     kernels: ClassVar[FormatKernels | None] = None
+    #: whether the FP32 scale on top of the blocks is one per vector along the quantized
+    #: axis (a token's, say) instead of one per tensor: a GEMM keeps such scales outside
+    #: the product only along its other axis, so a weight cannot take them
+    vector_scales: ClassVar[bool] = False
+    #: the format a weight takes in a recipe named after this one (None: this one)
+    weight_format: ClassVar[str | None] = None
 
     @property
     def display_name(self) -> str:
@@ -104,10 +110,12 @@ class NumberFormat(ABC):
     def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
 
-    def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
-        """The per-tensor float32 scale ``quantize`` divides ``x`` by, a 0-dim tensor on
-        ``x``'s device, or None (only NVFP4 has one). GEMMs keep it outside the product
-        (see ``fp4rl.gemm``)."""
+    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Any
+                     ) -> torch.Tensor | None:
+        """The float32 scale ``quantize`` divides ``x`` by along ``dim`` on top of the
+        blocks, on ``x``'s device, or None (only NVFP4 has one): a 0-dim tensor, or with
+        :attr:`vector_scales` one per vector, the shape of ``x`` with ``dim`` reduced to 1.
+        GEMMs keep it outside the product (see ``fp4rl.gemm``)."""
         return None
 
     @abstractmethod
@@ -237,7 +245,7 @@ class BlockFormat(NumberFormat):
         """A matrix quantized along either axis by a strided kernel (no transposed copy),
         with the same scale and noise draws as the row path; only where
         :func:`has_matrix_kernel` holds."""
-        scale = self._tensor_scale(x, opts)
+        scale = self._scale_along(x, dim, opts)
         noise = self._noise(x.shape[1 - dim], x.shape[dim], x.device, opts)
         out = quantize_matrix(self, x, dim, noise, scale)  # widens x where it must
         if out is None:
@@ -268,9 +276,16 @@ class BlockFormat(NumberFormat):
         return torch.rand(shape, generator=opts.generator, dtype=torch.float32, device=device)
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
-        """Per-tensor float32 scale g (blocks see ``x / g``) as a 0-dim tensor on the
-        device of ``rows``, or None; only NVFP4 has one."""
+        """The float32 scale g of ``(N, L)`` rows (blocks see ``rows / g``) on their
+        device: a 0-dim tensor, or ``(N, 1)`` with :attr:`vector_scales`; None where
+        the format has none (only NVFP4 has one)."""
         return None
+
+    def _scale_along(self, x: torch.Tensor, dim: int,
+                     opts: QuantOptions) -> torch.Tensor | None:
+        """:meth:`_tensor_scale` of ``x`` quantized along ``dim``, in ``x``'s layout (a
+        per-tensor scale does not depend on it)."""
+        return self._tensor_scale(x, opts)
 
 
 def _padded(length: int, block: int) -> int:

@@ -3,6 +3,8 @@
 The per-tensor scale (on by default, as in NVIDIA's training recipe) maps the
 tensor's largest magnitude to the top of the E4M3 x E2M1 range, 6 * 448, so
 block scales use E4M3's precision instead of saturating or underflowing.
+``nvfp4_per_token`` takes that FP32 scale per vector along the quantized axis (per
+token, for activations) instead, so that a token's values do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from fp4rl.formats._exact import divide, round_minifloat
-from fp4rl.formats.base import BlockFormat, QuantOptions
+from fp4rl.formats.base import BlockFormat, QuantOptions, check_tensor
 from fp4rl.formats.mxfp4 import (
     e2m1_codes,
     e2m1_decode,
@@ -102,10 +104,11 @@ class NVFP4(BlockFormat):
     def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
         return e2m1_magnitude_codes(m)
 
-    def tensor_scale(self, x: torch.Tensor, **options: Any) -> torch.Tensor | None:
+    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Any
+                     ) -> torch.Tensor | None:
         """``amax / (6 * 448)`` of ``x`` as a 0-dim float32 tensor on its device (1 where
         ``x`` has no finite non-zero value), or None where switched off."""
-        return self._tensor_scale(x, self.options(**options))
+        return self._scale_along(x, check_tensor(x, dim), self.options(**options))
 
     def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
         """``g = amax / (6 * 448)`` in FP32 over the finite values, a 0-dim tensor on the
@@ -114,8 +117,44 @@ class NVFP4(BlockFormat):
         stall on it and a CUDA graph captures it."""
         if not opts.per_tensor_scale:
             return None
-        g = divide(finite_amax(rows), TENSOR_RANGE)
-        return torch.where(g > 0, g, torch.ones_like(g))
+        return _scale_of(finite_amax(rows))
+
+
+class NVFP4PerToken(NVFP4):
+    """NVFP4 whose FP32 second-level scale belongs to each vector along the quantized
+    axis (each token's row of activations) instead of the whole tensor, as in vLLM's
+    ``nvfp4_per_token``, NeMo-RL's and Miles' recipes. A token's values then depend on
+    that token alone: a serving engine that pads its batch with stale rows (CUDA graphs)
+    scores each token as an eager one does. The scales lie along the GEMM's other axis,
+    so they stay outside the product as the per-tensor one does; a weight keeps NVFP4's
+    one per-tensor scale (:attr:`weight_format`)."""
+
+    name = "nvfp4_per_token"
+    label = "NVFP4/token"
+    vector_scales = True
+    weight_format = "nvfp4"
+
+    def _tensor_scale(self, rows: torch.Tensor, opts: QuantOptions) -> torch.Tensor | None:
+        """One scale per row of ``rows``, ``(rows, 1)``."""
+        return self._scale_along(rows, rows.dim() - 1, opts)
+
+    def _scale_along(self, x: torch.Tensor, dim: int,
+                     opts: QuantOptions) -> torch.Tensor | None:
+        """Each vector's ``amax / (6 * 448)`` over its finite values, the reduced axis
+        kept (size 1), so that it broadcasts against ``x`` (1 for a vector with no finite
+        non-zero value)."""
+        if not opts.per_tensor_scale:
+            return None
+        if x.dim() == 0:
+            return _scale_of(finite_amax(x))
+        amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim, keepdim=True)
+        return _scale_of(amax.float())
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / (6 * 448)`` in float32, 1 where ``amax`` is 0."""
+    g = divide(amax, TENSOR_RANGE)
+    return torch.where(g > 0, g, torch.ones_like(g))
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:

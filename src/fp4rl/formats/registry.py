@@ -16,7 +16,7 @@ from fp4rl.formats.bf16 import BF16
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFP4
 from fp4rl.formats.mxfp8 import MXFP8
-from fp4rl.formats.nvfp4 import NVFP4
+from fp4rl.formats.nvfp4 import NVFP4, NVFP4PerToken
 from fp4rl.registry import Registry
 
 _FORMATS: Registry[NumberFormat] = Registry("format", FormatError, key=str.lower)
@@ -57,10 +57,11 @@ def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,
     """Fake-quantize ``x`` along ``dim`` in format ``fmt`` (output keeps shape and dtype).
 
     Options: ``rounding="nearest"|"stochastic"``, ``generator=torch.Generator`` and,
-    for nvfp4, ``per_tensor_scale=True|False``.
+    for nvfp4 and nvfp4_per_token, ``per_tensor_scale=True|False`` (the FP32 scale
+    on top of the blocks, per tensor or per token).
     """
     return get_format(fmt).quantize(x, dim, **options)
 
 
-for _builtin in (HiF4(), MXFP4(), NVFP4(), MXFP8(), BF16()):
+for _builtin in (HiF4(), MXFP4(), NVFP4(), NVFP4PerToken(), MXFP8(), BF16()):
     register_format(_builtin)

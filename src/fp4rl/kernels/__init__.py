@@ -154,8 +154,9 @@ def quantize_rows(fmt: KernelFormat, rows: torch.Tensor, noise: torch.Tensor | N
     """Fake-quantize contiguous float32 ``(R, L)`` rows along L, or None if no fast path.
 
     ``tensor_scale`` g (NVFP4's per-tensor scale, a 0-dim float32 tensor on the rows'
-    device) quantizes ``rows / g`` and returns the result times g, both steps in float32.
-    The Triton kernels read g on the device; only the C kernel takes it as a number.
+    device, or one per row, ``(R, 1)``) quantizes ``rows / g`` and returns the result
+    times g, both steps in float32. The Triton kernels read g on the device; only the C
+    kernel takes it as a number.
     """
     kernels = _backend(fmt, rows.device, "rows")
     if kernels is None:
@@ -163,7 +164,7 @@ def quantize_rows(fmt: KernelFormat, rows: torch.Tensor, noise: torch.Tensor | N
     if noise is not None:
         noise = noise.contiguous()
     if kernels is cpu:
-        return cpu.quantize_rows_cpu(_code(fmt), rows, noise, _number(tensor_scale))
+        return _quantize_cpu(fmt, rows, noise, tensor_scale, 1)
     return kernels.quantize_2d(fmt, rows, 1, noise, tensor_scale)
 
 
@@ -184,8 +185,20 @@ def quantize_matrix(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.
     flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
     if flipped:
         x, axis = x.t(), 1 - axis
-    out = cpu.quantize_rows_cpu(_code(fmt), x.contiguous(), noise, _number(tensor_scale), axis)
+        tensor_scale = None if tensor_scale is None else tensor_scale.t()
+    out = _quantize_cpu(fmt, x.contiguous(), noise, tensor_scale, axis)
     return out.t() if flipped and out is not None else out
+
+
+def _quantize_cpu(fmt: KernelFormat, x: torch.Tensor, noise: torch.Tensor | None,
+                  tensor_scale: torch.Tensor | None, axis: int) -> torch.Tensor | None:
+    """The C kernel along ``axis`` of contiguous float32 ``x``. It takes one scale as a
+    number; a scale per vector (broadcasting against ``x``) is divided out before and
+    multiplied back after, the same two float32 steps the kernel takes inside."""
+    if tensor_scale is None or tensor_scale.numel() == 1:
+        return cpu.quantize_rows_cpu(_code(fmt), x, noise, _number(tensor_scale), axis)
+    out = cpu.quantize_rows_cpu(_code(fmt), (x / tensor_scale).contiguous(), noise, None, axis)
+    return None if out is None else out * tensor_scale
 
 
 def _code(fmt: KernelFormat) -> int:
@@ -195,8 +208,8 @@ def _code(fmt: KernelFormat) -> int:
 
 
 def _number(tensor_scale: torch.Tensor | None) -> float | None:
-    """A CPU tensor's scale as the number the C kernel takes (no sync on a CPU)."""
-    return None if tensor_scale is None else float(tensor_scale)
+    """A CPU tensor's one scale as the number the C kernel takes (no sync on a CPU)."""
+    return None if tensor_scale is None else float(tensor_scale.reshape(()))
 
 
 def resq_rows(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:

@@ -158,19 +158,20 @@ def _tile(n_rows, length, BS: tl.constexpr, ROWS: tl.constexpr):
     return rows, cols, (rows < n_rows) & (cols < length)
 
 
-@triton.jit(do_not_specialize=TOKEN_SIZES)
+@triton.jit(do_not_specialize=(*TOKEN_SIZES, "sg"))
 def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc, snr, snc,
-                     g_ptr, FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                     g_ptr, sg, FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                      HAS_NOISE: tl.constexpr, HAS_SCALE: tl.constexpr,
                      RESCALE: tl.constexpr):
     """Q(x / g) (times g where RESCALE) of a tile; x of any float dtype (widened to
     float32 exactly), y stored in its own dtype (FP4 and FP8 block values are exact in
-    bf16; a rescaled value rounds to nearest even there, as a cast of the float32 does)."""
+    bf16; a rescaled value rounds to nearest even there, as a cast of the float32 does).
+    g is one value (``sg`` 0) or one per row (``sg`` 1)."""
     rows, cols, inside = _tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
     g = 1.0
-    if HAS_SCALE:
-        g = tl.load(g_ptr)  # on the device: no host sync, capturable in a CUDA graph
+    if HAS_SCALE:  # on the device: no host sync, capturable in a CUDA graph
+        g = tl.load(g_ptr + rows * sg, mask=rows < n_rows, other=1.0)
         x = tl.math.div_rn(x, tl.zeros_like(x) + g)
     noise = 0.0
     if HAS_NOISE:
@@ -345,9 +346,11 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
 
     ``noise`` holds the stochastic-rounding draws laid out as rows along the axis:
     shape (other dim, padded length), as :class:`fp4rl.formats.base.BlockFormat` draws them.
-    ``tensor_scale`` g, a float32 tensor of one value on ``x``'s device, quantizes
-    ``x / g`` and multiplies the result by g (NVFP4; ``rescale=False``: the block values
-    alone, exact in bf16, as a GEMM operand keeps g outside); the kernel reads it there.
+    ``tensor_scale`` g, a float32 tensor on ``x``'s device of one value or of one per
+    row along the axis (a vector's scale: ``(R, 1)`` for axis 1, ``(1, C)`` for axis 0),
+    quantizes ``x / g`` and multiplies the result by g (NVFP4; ``rescale=False``: the block
+    values alone, exact in bf16, as a GEMM operand keeps g outside); the kernel reads it
+    there.
     """
     if x.dim() != 2 or x.dtype not in FLOATS or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float matrix and axis 0 or 1")
@@ -359,11 +362,14 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
     syr, syc = (y.stride(1), y.stride(0)) if axis == 0 else y.stride()
     n_rows, length = (x.shape[1], x.shape[0]) if axis == 0 else x.shape
     snr, snc = noise.stride() if noise is not None else (0, 0)
-    g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(1)
+    g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(-1).contiguous()
+    if g.numel() not in (1, n_rows) and tensor_scale is not None:
+        raise ValueError(f"a scale of {g.numel()} values for {n_rows} rows")
     variant = quantize_variant(fmt, x.dtype, y.dtype, noise is not None,
                                tensor_scale is not None, rescale)
     variant.launch(grid_1d(n_rows, length, bs), x, y, noise if noise is not None else x,
-                   n_rows, length, sxr, sxc, syr, syc, snr, snc, g)
+                   n_rows, length, sxr, sxc, syr, syc, snr, snc, g,
+                   int(tensor_scale is not None and g.numel() > 1))
     return y
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from fp4rl.errors import RecipeError, did_you_mean
-from fp4rl.formats import list_formats
+from fp4rl.formats import get_format, list_formats
 from fp4rl.recovery import Recovery
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
@@ -61,6 +61,23 @@ def _check_format(value: Any, where: str) -> str:
     return value.lower()
 
 
+def _check_weight_format(value: Any, where: str) -> str:
+    """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
+    product only along its other axis (tokens), not along a weight's."""
+    name = _check_format(value, where)
+    fmt = get_format(name)
+    if fmt.vector_scales:
+        raise RecipeError(f"{where}: {name} scales each token's vector, which a weight "
+                          f"cannot take; use {fmt.weight_format or 'another format'} for the "
+                          "weights")
+    return name
+
+
+def _weight_format(fmt: str) -> str:
+    """What a weight takes in a recipe named after ``fmt`` (NVFP4 for ``nvfp4_per_token``)."""
+    return get_format(fmt).weight_format or fmt
+
+
 @dataclass(frozen=True)
 class TrainPrecision:
     """Formats of the training policy's three GEMM operands, and where the backward GEMMs
@@ -92,13 +109,20 @@ class TrainPrecision:
         "reduction axis; reuse_forward: the forward's Q(W) and Q(X)"})
 
     def __post_init__(self) -> None:
-        for name in ("weights", "activations", "gradients"):
+        object.__setattr__(self, "weights", _check_weight_format(self.weights, "train.weights"))
+        for name in ("activations", "gradients"):
             object.__setattr__(self, name, _check_format(getattr(self, name), f"train.{name}"))
         if self.backward_operands not in BACKWARD_OPERANDS:
             hint = did_you_mean(self.backward_operands, BACKWARD_OPERANDS)
             raise RecipeError(f"train.backward_operands: {self.backward_operands!r} is not a "
                               f"backward scheme{hint}; choose one of "
                               f"{', '.join(BACKWARD_OPERANDS)}")
+        if self.backward_operands == "reuse_forward" and \
+                get_format(self.activations).vector_scales:
+            raise RecipeError(f"train.activations: {self.activations} scales each token, and "
+                              "reuse_forward multiplies the forward's Q(X) along the tokens, "
+                              "where a per-token scale does not factor out; use "
+                              "backward_operands: requantize")
 
 
 @dataclass(frozen=True)
@@ -114,8 +138,10 @@ class RolloutPrecision:
         "registered method's name), with its parameters beside it"})
 
     def __post_init__(self) -> None:
-        for name in ("weights", "activations"):
-            object.__setattr__(self, name, _check_format(getattr(self, name), f"rollout.{name}"))
+        object.__setattr__(self, "weights",
+                           _check_weight_format(self.weights, "rollout.weights"))
+        object.__setattr__(self, "activations",
+                           _check_format(self.activations, "rollout.activations"))
 
 
 @dataclass(frozen=True)
@@ -224,8 +250,9 @@ def get_recipe(name: str) -> Recipe:
                 f"(e.g. '+resq-2:4')")
     t = "bf16" if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])
-    return Recipe(TrainPrecision(t, t, t, backward_operands=TRAIN_PRECISIONS[train]),
-                  RolloutPrecision(w, a, Recovery.parse(recovery)))
+    return Recipe(TrainPrecision(_weight_format(t), t, t,
+                                 backward_operands=TRAIN_PRECISIONS[train]),
+                  RolloutPrecision(_weight_format(w), a, Recovery.parse(recovery)))
 
 
 def table1_recipes(fmt: str) -> list[str]:

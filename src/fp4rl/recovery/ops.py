@@ -55,15 +55,17 @@ def _entry(handle: str) -> TracedActivation:
 def _rollout_activation(x: torch.Tensor, handle: str, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation operands of ``x`` (tokens, in) in ``dtype`` (exact: every operand
-    value is a format value), stacked along the rows, and their per-tensor scales (1 where
-    an operand has none)."""
+    value is a format value), stacked along the rows, and each operand's scale per token,
+    ``(terms, tokens)`` (a per-tensor scale repeated; 1 where an operand has none): the
+    same factor on each row of the product, so the same bits."""
     terms = _entry(handle).method.activation(x, dtype)
     values = stack_rows([t.values.to(dtype) for t in terms])
     if values.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         values = values.clone()  # an operator's output may not alias its input
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    scales = torch.stack([one if t.scale is None else t.scale.float().reshape(())
-                          for t in terms])
+    rows = x.shape[0]
+    one = torch.ones((1,), dtype=torch.float32, device=x.device)
+    scales = torch.stack([(one if t.scale is None else t.scale.float().reshape(-1))
+                          .expand(rows) for t in terms])
     return values, scales
 
 
@@ -71,7 +73,7 @@ def _rollout_activation(x: torch.Tensor, handle: str, dtype: torch.dtype
 def _(x: torch.Tensor, handle: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     terms = len(_entry(handle).scales[dtype])
     return (x.new_empty((terms * x.shape[0], x.shape[1]), dtype=dtype),
-            x.new_empty((terms,), dtype=torch.float32))
+            x.new_empty((terms, x.shape[0]), dtype=torch.float32))
 
 
 class TracedActivation:
@@ -94,7 +96,7 @@ class TracedActivation:
             return self.method.activation(x, dtype)
         values, scales = torch.ops.fp4rl.rollout_activation(x, self.handle, dtype)
         rows = x.shape[0]
-        return [Operand(values[i * rows:(i + 1) * rows], scales[i] if scaled else None)
+        return [Operand(values[i * rows:(i + 1) * rows], scales[i, :, None] if scaled else None)
                 for i, scaled in enumerate(self.scales[dtype])]
 
 
