@@ -105,6 +105,13 @@ def test_mismatch_stats():
     assert s["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5))
     assert s["rollout_corr/rollout_is_truncated_frac"] == 0.0
     assert mismatch_stats(old, mu, torch.zeros(1, 3), 5.0) == {}
+    # NeMo-RL's names, written out per token from their definitions: mean exp(|d|) and
+    # the mean k3 estimate exp(d) - d - 1 over the two unmasked tokens (d = 0, then 0.5)
+    assert s["mismatch/token_mult_prob_error"] == pytest.approx((1 + math.exp(0.5)) / 2)
+    assert s["mismatch/gen_kl_error"] == pytest.approx((math.exp(0.5) - 1.5) / 2)
+    assert s["rollout_corr/kl"] == s["mismatch/gen_kl_error"]
+    same = mismatch_stats(old, old, mask, 5.0)
+    assert (same["mismatch/token_mult_prob_error"], same["mismatch/gen_kl_error"]) == (1.0, 0.0)
 
 
 def test_bad_loss_agg_mode():

@@ -80,6 +80,7 @@ def test_one_step_writes_metrics_and_checkpoint(tmp_path):
     rows = read_metrics(tmp_path / METRICS)
     assert [r["step"] for r in rows] == [1, 2] and rows == history
     for key in ("reward_mean", "loss", "sampling/sampling_logp_difference/mean",
+                "mismatch/token_mult_prob_error", "mismatch/gen_kl_error",
                 "sampling/importance_sampling_ratio/mean", "clip_ratio/region_mean",
                 "completions/mean_length", "tokens_per_second/rollout",
                 "tokens_per_second/train", "frac_reward_zero_std", "entropy"):

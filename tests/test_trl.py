@@ -113,6 +113,10 @@ def test_two_steps_on_a_tiny_llama(tmp_path, device, engine, bf16, sampling, tol
     assert 0 < metrics["sampling/importance_sampling_ratio/min"] \
         <= metrics["sampling/importance_sampling_ratio/max"]
     assert metrics["sampling/sampling_logp_difference/max"] > 0  # FP4 rollout != training
+    # NeMo-RL's names beside TRL's: exp(|d|) >= 1, a k3 KL estimate >= 0, both > their
+    # no-mismatch values here
+    assert metrics["mismatch/token_mult_prob_error"] > 1
+    assert metrics["mismatch/gen_kl_error"] > 0
 
     completions, logprobs = trainer._generate_single_turn(prompts, None, {}, 1)
     assert [len(c) for c in completions] == [len(lp) for lp in logprobs]

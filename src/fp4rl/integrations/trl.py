@@ -53,6 +53,7 @@ from torch import nn
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
 from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
+from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
 TRL_REQUIREMENT = "trl>=1.16,<1.17"
@@ -330,6 +331,21 @@ class FP4GRPOTrainer(GRPOTrainer):
               as policy, torch.no_grad(), rollout_mode(policy), self.accelerator.autocast()):
             begin_step(policy)  # one generation round is one RL step: recalibrate recovery
             yield policy
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's rollout and scoring, then NeMo-RL's mismatch metrics of the same tokens
+        (:func:`fp4rl.rollout.mismatch.nemo_rl_mismatch`) beside TRL's ``sampling/*`` ones."""
+        output = super()._generate_and_score_completions(inputs)
+        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+        if old is None or sampled is None:
+            return output
+        diff = (old - sampled)[output["completion_mask"].bool()]
+        diff = diff[~torch.isnan(diff)]  # tokens a sampler could not score, as TRL skips them
+        mode = "train" if self.model.training else "eval"
+        for key, value in nemo_rl_mismatch(diff).items():  # NaN where no token: every
+            gathered = self.accelerator.gather(value.reshape(1))  # process gathers alike
+            self._metrics[mode][key].append(gathered.nanmean().item())
+        return output
 
     def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any,
                               multimodal_fields: dict[str, Any], num_generations: int,

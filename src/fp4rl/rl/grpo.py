@@ -20,6 +20,8 @@ from typing import Literal, get_args
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from fp4rl.rollout.mismatch import nemo_rl_mismatch
+
 LossAggMode = Literal["seq-mean-token-mean", "token-mean"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
@@ -126,7 +128,8 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
                    cap: float) -> dict[str, float]:
     """How far the rollout policy strays from the training policy on the sampled tokens.
 
-    Names follow TRL (``sampling/...``) and verl (``rollout_corr/...``).
+    Names follow TRL (``sampling/...``), verl (``rollout_corr/...``) and NeMo-RL
+    (``mismatch/...``).
     """
     mask = mask.bool()
     if not mask.any():
@@ -134,16 +137,15 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
     diff = (old_logp - rollout_logp)[mask]
     raw = torch.exp(diff)
     truncated = raw.clamp(max=cap) if cap > 0 else raw
-    # k3 estimate of KL(mu || pi_old) from samples of mu
-    kl = (torch.exp(diff) - diff - 1).mean()
+    nemo = nemo_rl_mismatch(diff)
     ess = truncated.sum() ** 2 / (truncated.pow(2).sum() * truncated.numel()).clamp_min(1e-12)
-    return {
+    return {**{k: v.item() for k, v in nemo.items()},
         "sampling/sampling_logp_difference/mean": diff.abs().mean().item(),
         "sampling/sampling_logp_difference/max": diff.abs().max().item(),
         "sampling/importance_sampling_ratio/min": truncated.min().item(),
         "sampling/importance_sampling_ratio/mean": truncated.mean().item(),
         "sampling/importance_sampling_ratio/max": truncated.max().item(),
-        "rollout_corr/kl": kl.item(),
+        "rollout_corr/kl": nemo["mismatch/gen_kl_error"].item(),  # verl's k3 is NeMo-RL's
         "rollout_corr/rollout_is_mean": raw.mean().item(),
         "rollout_corr/rollout_is_truncated_frac": (raw > cap).float().mean().item()
         if cap > 0 else 0.0,
