@@ -44,27 +44,36 @@ def verl_engine(model_dir: str):
                         load_format="dummy", **verl.engine_kwargs(RECIPE))
 
 
-def verl_sync(llm, actor: torch.nn.Module, bucket_bytes: int = 32 << 20) -> None:
+def staged_bytes(llm) -> int:
+    """Bytes of loaded weights the engine's fp4rl layers hold, not yet quantized."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in fp4_layers(llm).values())
+
+
+def verl_sync(llm, actor: torch.nn.Module, bucket_bytes: int = 32 << 20) -> int:
     """verl's naive checkpoint-engine sync: FP32 state-dict buckets through
     ``load_weights``, then ``process_weights_after_loading`` once. A tied LM head is the
-    embedding and is not sent (vLLM 0.32 refuses it in a bucket without the embedding)."""
+    embedding and is not sent (vLLM 0.32 refuses it in a bucket without the embedding).
+    Returns the most weight bytes staged after a bucket."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     model = engine_model(llm)
     state = actor.state_dict()
     if actor.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    bucket, size = [], 0
+    bucket, size, peak = [], 0, 0
     for name, tensor in state.items():
         bucket.append((name, tensor.detach()))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
             model.load_weights(bucket)
+            peak = max(peak, staged_bytes(llm))
             bucket, size = [], 0
     if bucket:
         model.load_weights(bucket)
+        peak = max(peak, staged_bytes(llm))
     process_weights_after_loading(model, llm.llm_engine.vllm_config.model_config,
                                   torch.device("cpu"))
+    return peak
 
 
 def test_verls_sync_gives_the_engine_fp4rls_refit_gives(smollm_dir):
@@ -74,8 +83,13 @@ def test_verls_sync_gives_the_engine_fp4rls_refit_gives(smollm_dir):
     ours = make_llm(EngineSpec(smollm_dir, RECIPE, max_model_len=128,
                                kv_cache_bytes=64 << 20))
     layers, reference = fp4_layers(theirs), fp4_layers(ours)
+    # the FP32 weight of one decoder layer's linears: a layer is quantized once all its
+    # parts arrived, so at most the layer a bucket ends in waits for the next bucket
+    layer_bytes = sum(p.numel() * 4 for n, p in actor.named_parameters()
+                      if n.startswith("model.layers.0.") and n.endswith("proj.weight"))
     for step in range(2):  # a second step: the sync after an update
-        verl_sync(theirs, actor)
+        peak = verl_sync(theirs, actor)
+        assert peak <= layer_bytes, (peak, layer_bytes)
         refit(ours, actor)
         assert all(m.weight.numel() == 0 for m in layers.values())  # nothing kept beside Q(W)
         assert_layers_equal(layers, reference, step)

@@ -68,4 +68,17 @@ def declare_reload_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> Non
     params["weight"] = meta
 
 
-__all__ = ["SUPPORTED", "check_version", "declare_reload_weight", "vllm_version"]
+def in_layerwise_reload(layer: torch.nn.Module) -> bool:
+    """Whether vLLM's layerwise reload is loading ``layer`` now: it then holds the layer's
+    parameters on the meta device, and processes the layer itself once its elements
+    arrived (:func:`declare_reload_weight`). Both ends of :data:`SUPPORTED` mark it by
+    ``LayerReloadingInfo.can_load``."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    except ImportError:
+        return False
+    return get_layerwise_info(layer).can_load()
+
+
+__all__ = ["SUPPORTED", "check_version", "declare_reload_weight", "in_layerwise_reload",
+           "vllm_version"]

@@ -9,8 +9,9 @@ A layer holds no FP32 between loads. Its ``weight`` parameter has no storage the
 through vLLM's own loader (a checkpoint, or ``load_weights`` from verl or TRL) allocates
 it in the dtype the weight arrives in (FP32 masters stay FP32, so ``Q(W)`` is theirs,
 exactly as fp4rl's own refit computes it; anything else in the compute dtype), and
-``process_weights_after_loading`` quantizes it once and frees it. What stays is the
-layer's :class:`WeightStore`:
+``process_weights_after_loading`` quantizes it once and frees it; into a built engine the
+layer is quantized as soon as all its parts arrived, so a sync stages a layer at a time.
+What stays is the layer's :class:`WeightStore`:
 
 - ``dequantized`` (the default): ``Q(W)`` once, in the compute dtype (FP4 values are exact
   in bf16); on a CPU with oneDNN that one copy is vLLM's prepacked GEMM weight, as in a
@@ -52,7 +53,7 @@ from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import RolloutRecovery, make_recovery
 from fp4rl.recovery.ops import TracedActivation
-from fp4rl.rollout.vllm.compat import declare_reload_weight
+from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     VLLMError,
@@ -214,6 +215,7 @@ class FP4RLLinearMethod(LinearMethodBase):
                            partition=partition if partition.split else None)
         layer.fp4rl = state
         shape = (sum(state.shards), input_size_per_partition)
+        owner = weakref.ref(layer)  # the loader lives on the layer's parameter (see _weak)
 
         def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
                         **kwargs: Any) -> Any:
@@ -221,7 +223,15 @@ class FP4RLLinearMethod(LinearMethodBase):
                 param.data = torch.empty(shape, dtype=_staging_dtype(params_dtype, loaded),
                                          device=param.device)
             state.written |= state.parts_of(_shard_id(loaded, args, kwargs))
-            return weight_loader()(param, loaded, *args, **kwargs)
+            out = weight_loader()(param, loaded, *args, **kwargs)
+            layer = owner()
+            if state.store is not None and len(state.written) == len(state.shards) and \
+                    layer is not None and not in_layerwise_reload(layer):
+                # a sync into a built engine: quantize this layer now and free its staged
+                # weight, so that a sync in buckets (verl's) stages one bucket's layers, not
+                # every layer until vLLM's processing at the end
+                process(layer)
+            return out
 
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),
