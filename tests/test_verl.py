@@ -144,6 +144,26 @@ def test_an_actor_built_by_an_engine_without_the_hook_stops_the_run(engine_cls):
     assert registry.new("language_model", "fsdp", engine_cls)  # the hooked engine
 
 
+@pytest.mark.parametrize("backend", verl.CASTING_SYNC_BACKENDS)
+def test_a_weight_sync_that_casts_the_masters_is_refused_in_one_line(backend, monkeypatch):
+    """verl's delta_sharded, kimi and mooncake syncs cast the FP32 masters to the rollout
+    dtype: with an FP4 recipe set, verl's sync factory refuses them naming what works;
+    the backends that send the weights as they are pass, as does any without a recipe."""
+    built = []
+    registry = type("CheckpointEngineRegistry", (),
+                    {"new": staticmethod(lambda backend, **kw: built.append(backend))})
+    verl.guard_sync_registry(registry)
+    verl.guard_sync_registry(registry)  # guarded once
+    monkeypatch.delenv(verl.RECIPE_ENV, raising=False)
+    registry.new(backend, bucket_size=1)
+    monkeypatch.setenv(verl.RECIPE_ENV, "hif4+resq-2:4")
+    with pytest.raises(UserError, match=rf"'{backend}' casts .*checkpoint_engine.backend=naive"):
+        registry.new(backend, bucket_size=1)
+    for ok in ("naive", "nccl", "nixl"):
+        registry.new(ok, bucket_size=1)
+    assert built == [backend, "naive", "nccl", "nixl"]
+
+
 @pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "nvfp4", "mxfp4+resq-channel:0.5"])
 def test_the_overrides_parse_in_hydra_to_the_engine_arguments(recipe):
     from hydra.core.override_parser.overrides_parser import OverridesParser

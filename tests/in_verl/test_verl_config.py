@@ -14,6 +14,7 @@ verl_trainer = pytest.importorskip("verl.trainer", reason="verl is not installed
                                    "`make test-verl` runs these tests in an environment of "
                                    "its own")
 
+from fp4rl.errors import UserError  # noqa: E402
 from fp4rl.integrations import verl  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
@@ -83,3 +84,21 @@ def test_verls_default_fsdp1_is_refused_by_the_hook_in_one_line():
     with pytest.raises(Exception, match="strategy=fsdp2") as refused:
         verl.check_strategy(compose(overrides).actor_rollout_ref.actor)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("backend", verl.CASTING_SYNC_BACKENDS)
+def test_verls_own_sync_factory_refuses_a_backend_that_casts(backend, monkeypatch):
+    """The documented command leaves verl's sync backend at ``naive``, which sends the FP32
+    masters as they are; after the hook is installed (the actor worker imports it as
+    ``external_lib``), verl's own factory refuses the backends that cast them."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    config = compose(documented_overrides())
+    naive = config.actor_rollout_ref.rollout.checkpoint_engine.backend
+    assert naive == "naive" and naive not in verl.CASTING_SYNC_BACKENDS
+    assert verl.install()
+    monkeypatch.setenv(verl.RECIPE_ENV, verl.DEFAULT_RECIPE)
+    with pytest.raises(UserError, match=f"'{backend}' casts") as refused:
+        CheckpointEngineRegistry.new(backend, is_master=True, bucket_size=1 << 20)
+    assert "\n" not in str(refused.value)
+    assert CheckpointEngineRegistry.new(naive, is_master=True, bucket_size=1 << 20)

@@ -68,6 +68,12 @@ SUPPORTED_VERL = SpecifierSet(">=0.8.0,<0.10")
 ENGINE_CLASS = "verl.workers.engine.fsdp.transformer_impl.FSDPEngine"
 #: verl's engine factory, guarded so that an actor built by another engine stops the run
 REGISTRY_CLASS = "verl.workers.engine.base.EngineRegistry"
+#: verl's factory of weight-sync backends (0.9), guarded against those that cast
+SYNC_REGISTRY = ("verl.checkpoint_engine.base", "CheckpointEngineRegistry")
+#: verl 0.9.1's sync backends that cast the actor's weights to the rollout dtype before
+#: they reach vLLM: the engine would hold Q(bf16(W)) while the trainer multiplies Q(W)
+CASTING_SYNC_BACKENDS = ("delta_sharded", "kimi", "mooncake")
+SYNC_BACKEND = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
 
 def recipe_from_env() -> Recipe:
@@ -196,15 +202,56 @@ def guard_registry(registry: type) -> None:
     registry.new = staticmethod(guarded)
 
 
+def check_sync_backend(backend: str) -> None:
+    """Refuse, in one line, a weight-sync backend that casts the FP32 masters before vLLM
+    quantizes them (:data:`CASTING_SYNC_BACKENDS`), where an FP4 recipe is set
+    (``FP4RL_RECIPE``): the rollout would quantize another weight than the trainer, with
+    no error anywhere."""
+    if backend in CASTING_SYNC_BACKENDS and os.environ.get(RECIPE_ENV):
+        raise UserError(f"fp4rl: verl's weight sync {backend!r} casts the actor's FP32 "
+                        "weights to the rollout dtype, so vLLM would quantize bf16(W) while "
+                        f"the FP4 trainer quantizes W: set {SYNC_BACKEND}=naive (or nccl, "
+                        "nixl, which send them as they are)")
+
+
+def guard_sync_registry(registry: type) -> None:
+    """Make ``registry.new`` (verl's sync-backend factory, called in the actor's worker
+    after it built the actor) run :func:`check_sync_backend` first."""
+    new = registry.new
+    if getattr(new, "fp4rl_guarded", False):
+        return
+
+    @functools.wraps(new)
+    def guarded(backend: str, *args: Any, **kwargs: Any) -> Any:
+        check_sync_backend(backend)
+        return new(backend, *args, **kwargs)
+
+    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
+    registry.new = staticmethod(guarded)
+
+
+def _sync_registry() -> type | None:
+    """verl's sync-backend factory; None in a verl without one (0.8)."""
+    module, name = SYNC_REGISTRY
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def install(engine_cls: type | None = None) -> bool:
     """Wrap ``engine_cls._build_module`` (default verl's ``FSDPEngine``) once and guard
-    verl's engine factory (:func:`guard_registry`); False where verl is not installed. A
-    verl release outside :data:`SUPPORTED_VERL` gets a warning."""
+    verl's engine and sync-backend factories (:func:`guard_registry`,
+    :func:`guard_sync_registry`); False where verl is not installed. A verl release
+    outside :data:`SUPPORTED_VERL` gets a warning."""
     if engine_cls is None:
         engine_cls = _verl_class(ENGINE_CLASS)
         if engine_cls is None:
             return False
         guard_registry(_verl_class(REGISTRY_CLASS))  # type: ignore[arg-type]
+        sync = _sync_registry()
+        if sync is not None:
+            guard_sync_registry(sync)
     if not getattr(engine_cls._build_module, "fp4rl_wrapped", False):
         engine_cls._build_module = wrap_build(engine_cls._build_module)
     fsdp_build = getattr(engine_cls, "_build_fsdp_module", None)
@@ -288,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
 
 install()
 
-__all__ = ["COMPUTE_DTYPE", "DEFAULT_RECIPE", "ENGINE_CLASS", "FP32_PARAMS", "FSDP2",
-           "RECIPE_ENV", "SUPPORTED_VERL", "check_param_dtype", "check_strategy",
-           "engine_kwargs", "fp4_actor", "guard_registry", "hydra_overrides", "install",
+__all__ = ["CASTING_SYNC_BACKENDS", "COMPUTE_DTYPE", "DEFAULT_RECIPE", "ENGINE_CLASS",
+           "FP32_PARAMS", "FSDP2", "RECIPE_ENV", "SUPPORTED_VERL", "check_param_dtype",
+           "check_strategy", "check_sync_backend", "engine_kwargs", "fp4_actor",
+           "guard_registry", "guard_sync_registry", "hydra_overrides", "install",
            "is_fp4_actor", "recipe_from_env", "wrap_build", "wrap_fsdp_build"]
 
 if __name__ == "__main__":
