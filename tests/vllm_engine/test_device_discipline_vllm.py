@@ -80,9 +80,12 @@ def test_dummy_start_then_checkpoint_loads(recipe, storage):
             layer.weight.weight_loader(layer.weight,
                                        torch.empty(PARTS[i], IN, device=META, dtype=dtype),
                                        shard)
-        assert process(layer)
+        # a built engine quantizes the layer, and frees the staged weight, as its last
+        # part arrives (a bucketed sync stages a layer at a time): vLLM's processing after
+        # the loads finds nothing new
+        assert layer.weight.numel() == 0 and not layer.fp4rl.written
+        assert not process(layer)
         _store_on_meta(layer)
-        assert layer.weight.numel() == 0
 
 
 @pytest.mark.parametrize(("recipe", "storage"), CASES)
