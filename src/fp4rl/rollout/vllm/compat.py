@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -54,11 +56,10 @@ def declare_reload_weight(layer: torch.nn.Module, shape: tuple[int, int]) -> Non
     so without this a merged q/k/v layer would be processed after its first part. Both
     ends of :data:`SUPPORTED` keep the record in ``LayerReloadingInfo.restore_metadata``;
     a vLLM without layerwise reload needs nothing."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    except ImportError:
+    info = _layerwise_info()
+    if info is None:
         return
-    params, _ = get_layerwise_info(layer).restore_metadata
+    params, _ = info(layer).restore_metadata
     recorded = params.get("weight")
     if recorded is None or tuple(recorded.shape) == shape:
         return
@@ -73,11 +74,19 @@ def in_layerwise_reload(layer: torch.nn.Module) -> bool:
     parameters on the meta device, and processes the layer itself once its elements
     arrived (:func:`declare_reload_weight`). Both ends of :data:`SUPPORTED` mark it by
     ``LayerReloadingInfo.can_load``."""
+    info = _layerwise_info()
+    return info is not None and info(layer).can_load()
+
+
+@cache
+def _layerwise_info() -> Callable[[torch.nn.Module], Any] | None:
+    """vLLM's ``get_layerwise_info`` (a layer's ``LayerReloadingInfo``), or None in a vLLM
+    without layerwise reload."""
     try:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     except ImportError:
-        return False
-    return get_layerwise_info(layer).can_load()
+        return None
+    return get_layerwise_info
 
 
 __all__ = ["SUPPORTED", "check_version", "declare_reload_weight", "in_layerwise_reload",
