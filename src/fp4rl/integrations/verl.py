@@ -184,12 +184,8 @@ def guard_registry(registry: type) -> None:
     """Make ``registry.new`` (verl's engine factory) refuse, in one line, a training policy
     that an engine without the FP4 hook builds (Megatron, say): the hook would never fire,
     and the actor would train in verl's own precision without a word."""
-    new = registry.new
-    if getattr(new, "fp4rl_guarded", False):
-        return
-
-    @functools.wraps(new)
-    def guarded(model_type: str, backend: str, *args: Any, **kwargs: Any) -> Any:
+    def checked(new: Callable[..., Any], model_type: str, backend: str, *args: Any,
+                **kwargs: Any) -> Any:
         engine = new(model_type, backend, *args, **kwargs)
         hooked = getattr(type(engine)._build_module, "fp4rl_wrapped", False)
         if is_fp4_actor(engine) and not hooked:
@@ -197,6 +193,19 @@ def guard_registry(registry: type) -> None:
                             f"(backend {backend!r}), which the FP4 actor hook does not wrap "
                             f"({ENGINE_CLASS}): set {FSDP2}")
         return engine
+
+    _wrap_new(registry, checked)
+
+
+def _wrap_new(registry: type, around: Callable[..., Any]) -> None:
+    """Replace a verl factory's ``registry.new`` once by ``around(new, *args, **kwargs)``."""
+    new = registry.new
+    if getattr(new, "fp4rl_guarded", False):
+        return
+
+    @functools.wraps(new)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        return around(new, *args, **kwargs)
 
     guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
     registry.new = staticmethod(guarded)
@@ -217,17 +226,11 @@ def check_sync_backend(backend: str) -> None:
 def guard_sync_registry(registry: type) -> None:
     """Make ``registry.new`` (verl's sync-backend factory, called in the actor's worker
     after it built the actor) run :func:`check_sync_backend` first."""
-    new = registry.new
-    if getattr(new, "fp4rl_guarded", False):
-        return
-
-    @functools.wraps(new)
-    def guarded(backend: str, *args: Any, **kwargs: Any) -> Any:
+    def checked(new: Callable[..., Any], backend: str, *args: Any, **kwargs: Any) -> Any:
         check_sync_backend(backend)
         return new(backend, *args, **kwargs)
 
-    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
-    registry.new = staticmethod(guarded)
+    _wrap_new(registry, checked)
 
 
 def _sync_registry() -> type | None:
