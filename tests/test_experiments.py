@@ -70,10 +70,6 @@ def test_eval_spec_and_preset_errors():
     with pytest.raises(ValueError, match="unknown experiment plan 'huge'; choose one of tiny, "
                                          "tiny3, paper-3b, paper-7b"):
         get_plan("huge")
-    from fp4rl.experiments import get_preset
-
-    with pytest.warns(DeprecationWarning, match="use get_plan"):
-        assert get_preset("tiny") is get_plan("tiny")
 
 
 def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
@@ -216,7 +212,7 @@ def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, ti
     out = tmp_path / "paper"
     small = [s for s in SMALL if not s.startswith("data.")] + [
         "grpo.max_prompt_length=512", "data.train_size=4", "data.test_size=2"]
-    args = ["experiment", "recovery", "--preset", "paper-3b", "--output", str(out),
+    args = ["experiment", "recovery", "--plan", "paper-3b", "--output", str(out),
             "--format", "hif4", "--set", f"model={tiny_llama_dir}",
             "--set", f"data.train_path={data / 'gsm8k.jsonl'}",
             "--set", f"data.test_path={data / 'gsm8k.jsonl'}",

@@ -14,7 +14,7 @@ import pytest
 
 from fp4rl.cli import build_parser, main
 from fp4rl.errors import ConfigError
-from fp4rl.experiments import get_preset
+from fp4rl.experiments import get_plan
 from fp4rl.presets import list_presets, preset_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,10 +48,10 @@ def test_unknown_preset_lists_the_presets_and_suggests_one(tmp_path):
         preset_path(tmp_path / "smoke.yaml")
 
 
-def test_experiment_presets_read_the_config_presets():
-    assert get_preset("paper-3b").config_path() == preset_path("qwen2.5-3b-gsm8k")
-    assert get_preset("paper-7b").config_path() == preset_path("qwen2.5-math-7b-dapo")
-    assert get_preset("tiny").config_path() is None
+def test_experiment_plans_read_the_config_presets():
+    assert get_plan("paper-3b").config_path() == preset_path("qwen2.5-3b-gsm8k")
+    assert get_plan("paper-7b").config_path() == preset_path("qwen2.5-math-7b-dapo")
+    assert get_plan("tiny").config_path() is None
 
 
 def test_cli_presets_prints_one_aligned_line_each(capsys):

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from fp4rl.nn import recipe as recipe_module
 from fp4rl.nn.recipe import Recipe, RecipeError, TrainPrecision, get_recipe, table1_recipes
 from fp4rl.recovery import Recovery
 
@@ -56,8 +55,6 @@ def test_validation_messages(data, message):
 @pytest.mark.parametrize("fmt", FP4_FORMATS)
 def test_table1_recipes(fmt):
     names = table1_recipes(fmt)
-    with pytest.warns(DeprecationWarning, match="use table1_recipes"):
-        assert recipe_module.table1_presets(fmt) == names  # the old name, for a release
     assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
     cells = {n: get_recipe(n) for n in names}
     assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt
@@ -95,13 +92,6 @@ def test_recovery_suffixes(name, label):
 def test_bad_presets(bad):
     with pytest.raises(RecipeError):
         get_recipe(bad)
-
-
-def test_the_former_name_of_get_recipe_still_works_with_a_deprecation():
-    from fp4rl.nn import preset
-
-    with pytest.warns(DeprecationWarning, match="use fp4rl.nn.get_recipe"):
-        assert preset("hif4+resq-2:4") == get_recipe("hif4+resq-2:4")
 
 
 def test_a_per_token_format_scales_activations_and_gradients_never_weights():

@@ -232,11 +232,3 @@ def test_resqw_repairs_the_weight_as_resq_repairs_the_activation(fmt):
     assert rel_err(ref, exact) < rel_err(resq_only, exact)
     assert layer.recovery.reads_weight  # a rollout engine needs more than Q(W)
 
-
-def test_the_former_registry_names_still_work_with_a_deprecation():
-    from fp4rl import recovery
-
-    with pytest.warns(DeprecationWarning, match="use list_recoveries"):
-        assert recovery.list_methods() == recovery.list_recoveries()
-    with pytest.warns(DeprecationWarning, match="use get_recovery"):
-        assert recovery.get_method("resq") is recovery.get_recovery("resq")

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp4rl.data.answers import last_boxed
-from fp4rl.rl import rewards
 from fp4rl.rl.rewards import (
     auto_reward,
     get_reward,
@@ -179,8 +178,6 @@ def test_registered_rewards_are_found_refused_twice_and_replaceable(
 
     assert get_reward("never") is never
     register_reward("never", never)  # the same function again: nothing to refuse
-    with pytest.warns(DeprecationWarning, match="use get_reward"):
-        assert rewards.get_reward_fn("never") is never
     with pytest.raises(ValueError, match="non-empty"):
         register_reward("", gsm8k_reward)
     with pytest.raises(TypeError, match="must be callable"):

@@ -47,7 +47,7 @@ def test_a_second_writer_is_refused_in_one_line_naming_the_holder(holder, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"PID {proc.pid}" in err[0] and "in use" in err[0], err
     assert (run / "notes.txt").read_text() == "the holder's"  # nothing of it removed
-    assert main(["experiment", "precision", "--preset", "tiny", "--output", str(run),
+    assert main(["experiment", "precision", "--plan", "tiny", "--output", str(run),
                  "--report-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"PID {proc.pid}" in err[0], err

@@ -225,7 +225,7 @@ def test_masters_must_be_fp32(tmp_path):
 
 def test_recipe_object_is_installed(tmp_path):
     model, tok = tiny_model("llama")
-    recipe = fp4rl.nn.preset("mxfp4:fp4/w4a16")
+    recipe = fp4rl.nn.get_recipe("mxfp4:fp4/w4a16")
     trainer = make_trainer(model, tok, config(tmp_path), fp4_recipe=recipe)
     assert trainer.fp4_recipe is recipe and model.fp4rl_recipe is recipe
 

@@ -25,9 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser("experiment", help="the paper's Table 1 (precision) or Tables 2/4 "
                          "(recovery) grid: a GRPO run + evaluation per cell, resumable")
     exp.add_argument("kind", choices=["precision", "recovery"])
-    exp.add_argument("--plan", "--preset", dest="plan", default="tiny",
-                     choices=EXPERIMENT_PLANS, help="the experiment plan (--preset: its former "
-                     "name); tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
+    exp.add_argument("--plan", default="tiny",
+                     choices=EXPERIMENT_PLANS, help="the experiment plan; "
+                     "tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
                      "tiny3: smollm2-135m + synthetic word problems, 5 seeds, 300 test "
                      "prompts; paper-*: the paper's Qwen runs (local weights and data via "
                      "--set)")

@@ -3,14 +3,11 @@
 from fp4rl.experiments.grid import (
     KINDS,
     PLANS,
-    PRESETS,
     Cell,
     EvalSpec,
     ExperimentPlan,
-    ExperimentPreset,
     check_seeds,
     get_plan,
-    get_preset,
     grid_cells,
     seeded_cells,
     select_cells,
@@ -25,8 +22,7 @@ from fp4rl.experiments.runner import (
     run_cells,
 )
 
-__all__ = ["KINDS", "PLANS", "PRESETS", "Cell", "EvalSpec", "Experiment", "ExperimentPlan",
-           "ExperimentPreset", "cell_config", "check_seeds", "get_plan", "get_preset",
-           "grid_cells", "load_result",
+__all__ = ["KINDS", "PLANS", "Cell", "EvalSpec", "Experiment", "ExperimentPlan",
+           "cell_config", "check_seeds", "get_plan", "grid_cells", "load_result",
            "load_results", "run_cell", "run_cells", "seeded_cells", "select_cells",
            "write_report"]

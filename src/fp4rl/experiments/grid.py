@@ -9,7 +9,6 @@ rollout" = "recovery: none") are run once when both grids write to the same dire
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -235,14 +234,3 @@ def get_plan(name: str) -> ExperimentPlan:
                          f"{', '.join(PLANS)}")
     return PLANS[name]
 
-
-#: the former names of experiment plans (a "preset" is a recipe name or a config file)
-ExperimentPreset = ExperimentPlan
-PRESETS = PLANS
-
-
-def get_preset(name: str) -> ExperimentPlan:
-    """Deprecated name of :func:`get_plan`."""
-    warnings.warn("fp4rl.experiments.get_preset is deprecated; use get_plan",
-                  DeprecationWarning, stacklevel=2)
-    return get_plan(name)

@@ -18,10 +18,9 @@ from fp4rl.nn.recipe import (
     RolloutPrecision,
     TrainPrecision,
     get_recipe,
-    preset,
 )
 
 __all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError",
            "RolloutPrecision", "TrainPrecision", "begin_step", "fp4_layers",
-           "get_recipe", "in_transformer_block", "load_rollout_states", "preset", "quantize_model",
+           "get_recipe", "in_transformer_block", "load_rollout_states", "quantize_model",
            "rollout_mode", "rollout_states", "train_mode"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,16 +259,3 @@ def table1_recipes(fmt: str) -> list[str]:
     return ["bf16"] + [f"{fmt}:{t}/{r}" for t in PAPER_TRAIN_PRECISIONS
                        for r in ROLLOUT_PRECISIONS if (t, r) != ("bf16", "bf16")]
 
-
-def table1_presets(fmt: str) -> list[str]:
-    """Deprecated name of :func:`table1_recipes`."""
-    warnings.warn("fp4rl.nn.recipe.table1_presets is deprecated; use table1_recipes",
-                  DeprecationWarning, stacklevel=2)
-    return table1_recipes(fmt)
-
-
-def preset(name: str) -> Recipe:
-    """Deprecated name of :func:`get_recipe` ("preset" now names config files only)."""
-    warnings.warn("fp4rl.nn.preset is deprecated; use fp4rl.nn.get_recipe",
-                  DeprecationWarning, stacklevel=2)
-    return get_recipe(name)

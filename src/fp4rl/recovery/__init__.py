@@ -12,14 +12,10 @@ from fp4rl.recovery import smoothquant, rht, occ, resq, resqw  # noqa: F401, I00
 from fp4rl.recovery.base import (
     RecoveryConfig,
     RolloutRecovery,
-    get_method,
     get_recovery,
-    list_methods,
     list_recoveries,
     recovery_variants,
-    register,
     register_recovery,
-    unregister,
     unregister_recovery,
 )
 from fp4rl.recovery.outliers import clamp_outliers, outlier_block_fraction, outlier_blocks
@@ -28,7 +24,7 @@ from fp4rl.recovery.sparsity import density, keep_mask, parse_pattern, sparsify
 from fp4rl.recovery.spec import Recovery, make_recovery
 
 __all__ = ["Recovery", "RecoveryConfig", "RolloutRecovery", "clamp_outliers", "density",
-           "get_method", "get_recovery", "keep_mask", "list_methods", "list_recoveries",
-           "make_recovery", "outlier_block_fraction", "outlier_blocks", "parse_pattern",
-           "recovery_variants", "register", "register_recovery", "resq_activation",
-           "resq_matmul", "sparsify", "unregister", "unregister_recovery"]
+           "get_recovery", "keep_mask", "list_recoveries", "make_recovery",
+           "outlier_block_fraction", "outlier_blocks", "parse_pattern", "recovery_variants",
+           "register_recovery", "resq_activation", "resq_matmul", "sparsify",
+           "unregister_recovery"]

@@ -14,9 +14,7 @@ first-class citizen as soon as its module is imported.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -228,20 +226,3 @@ def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
 
 register_recovery("none", NoRecovery)
 
-
-def _former(name: str, new: Callable[..., Any]) -> Callable[..., Any]:
-    """``new`` under its former name, with a deprecation."""
-    def former(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"fp4rl.recovery.{name} is deprecated; use {new.__name__}",
-                      DeprecationWarning, stacklevel=2)
-        return new(*args, **kwargs)
-
-    former.__name__ = name
-    former.__doc__ = f"Deprecated name of :func:`{new.__name__}`."
-    return former
-
-
-register = _former("register", register_recovery)
-unregister = _former("unregister", unregister_recovery)
-list_methods = _former("list_methods", list_recoveries)
-get_method = _former("get_method", get_recovery)

@@ -3,7 +3,7 @@
 from fp4rl.rl.config import ConfigError, TrainConfig, load_config
 from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.grpo import LossConfig, group_advantages, grpo_loss
-from fp4rl.rl.rewards import get_reward, get_reward_fn, list_rewards, register_reward
+from fp4rl.rl.rewards import get_reward, list_rewards, register_reward
 from fp4rl.rl.rundir import RunDir, read_metrics
 from fp4rl.rl.trainer import Trainer
 from fp4rl.rollout import RolloutBatch, SamplingConfig, generate, position_ids
@@ -20,7 +20,6 @@ __all__ = [
            "evaluate",
            "generate",
            "get_reward",
-           "get_reward_fn",
            "group_advantages",
            "grpo_loss",
            "list_rewards",

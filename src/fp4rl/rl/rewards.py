@@ -18,7 +18,6 @@ comparison and score 0.0.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -168,9 +167,3 @@ def get_reward(name: str) -> RewardFn:
 for _name, _fn in (("auto", auto_reward), ("gsm8k", gsm8k_reward), ("math", math_reward)):
     register_reward(_name, _fn)
 
-
-def get_reward_fn(name: str) -> RewardFn:
-    """Deprecated name of :func:`get_reward`."""
-    warnings.warn("fp4rl.rl.rewards.get_reward_fn is deprecated; use get_reward",
-                  DeprecationWarning, stacklevel=2)
-    return get_reward(name)
