@@ -135,10 +135,10 @@ def _check_sharded_checkpoints(single, sharded, model_dir) -> None:
 
     for step in (1, 2):
         path = ckpt.step_dir(sharded, step)
-        assert ckpt.is_sharded(path) and (path / "state-rank1.pt").is_file()
+        assert ckpt.has_shards(path) and (path / "state-rank1.pt").is_file()
         assert (path / "model.safetensors").is_file() == (step == 2)  # consolidated at the end
         model, _ = load_model(str(model_dir))
-        state = ckpt.load_checkpoint(path, model) if step == 1 else None
+        state = ckpt.restore_checkpoint(path, model) if step == 1 else None
         if step == 2:  # force the shards path, then compare with the consolidated file
             ckpt.load_weights(path, model)
             shards_only = path.parent / "shards-only"

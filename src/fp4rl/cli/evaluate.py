@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = ev.add_mutually_exclusive_group()
     src.add_argument("--model", help="registered name or checkpoint directory")
     src.add_argument("--checkpoint", help="a training run directory or one of its checkpoints")
-    ev.add_argument("--recipe", help="evaluate under this rollout recipe preset (e.g. "
+    ev.add_argument("--recipe", help="evaluate under this rollout recipe (a name, e.g. "
                     "hif4+resq-2:4); default: unquantized, or the run's recipe with "
                     "--recipe run")
     ev.add_argument("--data", default="synthetic",

@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="bf16, mxfp4, nvfp4 (compressed-tensors), hif4 (fp4rl packed) "
                         "or vllm (float32 block linears + fp4rl quantization_config)")
     export.add_argument("--recipe", help="--format vllm only: the rollout recipe vLLM runs, a "
-                        "preset (default hif4+resq-2:4) or 'run' (the run's own, with "
+                        "recipe name (default hif4+resq-2:4) or 'run' (the run's own, with "
                         "--checkpoint)")
     export.add_argument("--output", required=True, help="new (or empty) directory to write")
     export.set_defaults(func=run)

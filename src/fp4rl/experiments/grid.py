@@ -1,6 +1,6 @@
 """The paper's experiment grids as lists of cells, and the plans that size them.
 
-A cell is one GRPO run named by its recipe preset (``"hif4:bf16/fp4"``,
+A cell is one GRPO run named by its recipe name (``"hif4:bf16/fp4"``,
 ``"mxfp4+resq-2:4"``, ``"bf16"``) and, in a multi-seed grid, its seed. Names are
 canonical, so the cells two grids have in common (BF16, and plain FP4 = "FP4 train / FP4
 rollout" = "recovery: none") are run once when both grids write to the same directory.
@@ -46,17 +46,17 @@ def precision_label(train: str, rollout: str) -> str:
 
 @dataclass(frozen=True)
 class Cell:
-    """One GRPO run of a grid: its recipe preset, where it sits in the table and its seed
+    """One GRPO run of a grid: its recipe name, where it sits in the table and its seed
     (None: the config's ``run.seed``, as in a single-seed grid)."""
 
-    name: str  # canonical preset name
+    name: str  # canonical recipe name
     fmt: str | None  # FP4 format of the column/row group; None for the BF16 baseline
     row: str  # row label in the table
     seed: int | None = None
 
     @property
     def slug(self) -> str:
-        """A directory name: the preset name with ``:``, ``/`` and ``+`` replaced."""
+        """A directory name: the recipe name with ``:``, ``/`` and ``+`` replaced."""
         return re.sub(r"[^A-Za-z0-9.-]+", "_", self.name)
 
     @property

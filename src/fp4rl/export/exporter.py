@@ -62,7 +62,7 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
 
     The layers the run quantized (every block linear, minus its recipe's ``ignore``) are
     quantized; the rest stays bf16. ``vllm``: ``recipe`` is the rollout recipe vLLM runs
-    (a preset name, a Recipe, or ``"run"`` for the run's own; default
+    (a recipe name, a Recipe, or ``"run"`` for the run's own; default
     ``hif4+resq-2:4``), and the run's ``ignore`` is added to its own. Bad arguments fail
     before the model is loaded."""
     from fp4rl.rl.sources import load_trained

@@ -44,7 +44,7 @@ def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = Fals
     if recipe == "run":
         if not run_allowed:
             raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
-                              "names); with --model give a recipe preset, e.g. hif4+resq-2:4")
+                              "names); with --model give a recipe name, e.g. hif4+resq-2:4")
         return
     rollout_recipe(recipe)
 

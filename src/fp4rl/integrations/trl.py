@@ -103,7 +103,7 @@ check_trl_version(trl.__version__)
 
 
 def resolve_recipe(recipe: Recipe | str) -> Recipe:
-    """A :class:`Recipe` from a preset name or recipe string (``"hif4+resq-2:4"``) or a
+    """A :class:`Recipe` from a recipe name (``"hif4+resq-2:4"``) or a
     Recipe itself; an unknown name is a one-line :class:`RecipeError`."""
     if isinstance(recipe, Recipe):
         return recipe
@@ -272,7 +272,7 @@ class FP4GRPOTrainer(GRPOTrainer):
 
     ``model``, ``reward_funcs`` and ``args`` are GRPOTrainer's; its other arguments
     (``train_dataset``, ``processing_class``, ...) go by keyword. ``fp4_recipe`` is a
-    preset name, a recipe string (``"hif4+resq-2:4"``) or a :class:`fp4rl.Recipe`;
+    recipe name (``"hif4+resq-2:4"``) or a :class:`fp4rl.Recipe`;
     ``fp4_rollout_engine`` picks fp4rl's KV-cache engine (temperature, top_p, top_k) or
     transformers' ``generate`` (every generation option of GRPOConfig). With
     ``use_vllm=True, vllm_mode="colocate"`` in ``args``, TRL's colocated vLLM engine

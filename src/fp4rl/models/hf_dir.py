@@ -28,7 +28,7 @@ _GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(
+def load_model_dir(
     directory: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> ModelAndTokenizer:
     """Load the causal LM and tokenizer saved in ``directory`` without touching the network.
@@ -96,8 +96,8 @@ def load_cached(
     its files turn out to be unreadable despite a valid manifest."""
     directory = ensure_entry(entry, fingerprint, build)
     try:
-        return load_checkpoint(directory, dtype, device)
+        return load_model_dir(directory, dtype, device)
     except _UNREADABLE as error:
         log.warning("cache entry %s is unreadable (%s); rebuilding it", directory, error)
         discard(directory)
-        return load_checkpoint(ensure_entry(entry, fingerprint, build), dtype, device)
+        return load_model_dir(ensure_entry(entry, fingerprint, build), dtype, device)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fp4rl.errors import UserError
 from fp4rl.models.cache import Fingerprint, entry_dir, is_complete
-from fp4rl.models.hf_dir import ModelAndTokenizer, load_cached, load_checkpoint
+from fp4rl.models.hf_dir import ModelAndTokenizer, load_cached, load_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def load_model(
     """
     source = REGISTRY.get(name_or_path)
     if source is None:
-        return load_checkpoint(local_model_dir(name_or_path), dtype, device)
+        return load_model_dir(local_model_dir(name_or_path), dtype, device)
     gguf = source.locate(name_or_path)
     build = partial(_dequantize_gguf, gguf)
     return load_cached(name_or_path, source.fingerprint(gguf), build, dtype, device)

@@ -13,7 +13,7 @@ Hugging Face checkpoint) and ``optimizer.pt``. Under FSDP2 every rank writes its
 shards of the model and the optimizer through ``torch.distributed.checkpoint`` into
 ``dcp/`` (no rank gathers the whole state), plus its RNG state; the run's last
 checkpoint also gets a consolidated ``model.safetensors``. A sharded checkpoint without
-one still loads into a whole model on one process (:func:`load_checkpoint`).
+one still loads into a whole model on one process (:func:`restore_checkpoint`).
 """
 
 from __future__ import annotations
@@ -154,10 +154,10 @@ def _write_latest(root: Path, name: str) -> None:
 
 def _complete(path: Path) -> bool:
     return (path / COMPLETE).is_file() and (
-        (path / "model.safetensors").is_file() or is_sharded(path))
+        (path / "model.safetensors").is_file() or has_shards(path))
 
 
-def is_sharded(path: Path) -> bool:
+def has_shards(path: Path) -> bool:
     """Whether checkpoint ``path`` holds FSDP2 shards (``torch.distributed.checkpoint``)."""
     return (path / SHARDS / ".metadata").is_file()
 
@@ -190,14 +190,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[0] if done else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module,
+def restore_checkpoint(path: Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Restore a whole model (and optimizer) in place; return the saved trainer state.
 
     A sharded checkpoint without a consolidated ``model.safetensors`` loads its model
     shards into the whole model on this one process (``torch.distributed.checkpoint``
     reassembles them); its optimizer state resumes only under FSDP
-    (:func:`load_sharded_checkpoint`). A damaged checkpoint raises
+    (:func:`restore_sharded_checkpoint`). A damaged checkpoint raises
     :class:`CheckpointError`."""
     verify_checkpoint(path)
     load_weights(path, model)
@@ -233,7 +233,7 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def load_sharded_checkpoint(path: Path, model: torch.nn.Module,
+def restore_sharded_checkpoint(path: Path, model: torch.nn.Module,
                             optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
     """Restore this rank's model and optimizer shards of an FSDP2 run (the same world
     size that wrote them); return this rank's saved trainer state."""

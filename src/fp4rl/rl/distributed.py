@@ -42,6 +42,12 @@ class Dist:
     def active(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def shards(self) -> bool:
+        """Whether :func:`wrap_model` will shard this run's model (FSDP2); once it has,
+        :func:`fp4rl.rollout.weight_sync.is_fsdp` tests the model itself."""
+        return self.strategy == "fsdp"
+
     def check_divides(self, n: int, what: str = "grpo.batch_size") -> None:
         """Refuse ``n`` items the ranks cannot share equally (every rank must do as much
         work, or the collectives of the slower ones wait)."""
@@ -167,7 +173,7 @@ def wrap_model(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.n
 
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
-    if d.strategy == "fsdp":
+    if d.shards:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

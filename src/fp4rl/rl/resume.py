@@ -19,7 +19,7 @@ import torch
 from fp4rl.errors import CheckpointError, ConfigError
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.distributed import Dist, full_model_state
-from fp4rl.rollout.weight_sync import is_sharded
+from fp4rl.rollout.weight_sync import is_fsdp
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Checkpointer:
 
     @property
     def sharded(self) -> bool:
-        return is_sharded(self.model)
+        return is_fsdp(self.model)
 
     def save(self, step: int, state: dict[str, Any], consolidate: bool = False
              ) -> Path | None:
@@ -81,11 +81,11 @@ class Checkpointer:
 
     def _load(self, path: Path) -> dict[str, Any]:
         if not self.sharded:
-            return ckpt.load_checkpoint(path, self.model, self.optimizer)
-        if not ckpt.is_sharded(path):
+            return ckpt.restore_checkpoint(path, self.model, self.optimizer)
+        if not ckpt.has_shards(path):
             raise ConfigError(f"{path} was not written under distributed.strategy=fsdp; "
                               "resume it with the strategy that wrote it")
-        state = ckpt.load_sharded_checkpoint(path, self.model, self.optimizer, self.dist.rank)
+        state = ckpt.restore_sharded_checkpoint(path, self.model, self.optimizer, self.dist.rank)
         self.policy.load_state_dict(full_model_state(self.model, everywhere=True))
         return state
 

@@ -67,7 +67,7 @@ def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
 
     ``checkpoint`` (a run directory or one checkpoint) loads the trained master weights
     onto the run's base model. ``recipe`` None evaluates them unquantized, ``"run"`` under
-    the run's own recipe, a preset name (``hif4+resq-2:4``) under that recipe.
+    the run's own recipe, a recipe name (``hif4+resq-2:4``) under that recipe.
     """
     from fp4rl.models import load_model
 

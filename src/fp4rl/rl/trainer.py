@@ -70,7 +70,7 @@ from fp4rl.rollout import (
     resolve_engine,
     sample_seed,
 )
-from fp4rl.rollout.weight_sync import is_sharded
+from fp4rl.rollout.weight_sync import is_fsdp
 
 
 class _Sequences(NamedTuple):
@@ -157,8 +157,8 @@ class Trainer:
         #: the rollout policy's model: the training model itself, or under FSDP an
         #: unsharded copy refreshed from the shards once per step (generation runs many
         #: forwards of different counts per rank, which sharded layers cannot)
-        self.policy = copy.deepcopy(self.model) if self.dist.strategy == "fsdp" else self.model
-        if self.dist.strategy == "fsdp" and optimizer is not None:
+        self.policy = copy.deepcopy(self.model) if self.dist.shards else self.model
+        if self.dist.shards and optimizer is not None:
             raise ConfigError("distributed.strategy=fsdp shards the parameters, so the trainer "
                               "builds the optimizer itself (set optimizer.name/kwargs)")
         #: what the loss's forward runs through: the model, its DDP wrapper, or the model
@@ -394,7 +394,7 @@ class Trainer:
         micros = self._micro_batches(torch.arange(seqs.ids.shape[0]))
         mine = {i: self._logprobs(model, seqs, r)[0]
                 for i, r in enumerate(micros) if i % d.world_size == d.rank}
-        if is_sharded(model):
+        if is_fsdp(model):
             for _ in range(-(-len(micros) // d.world_size) - len(mine)):
                 self._logprobs(model, seqs, micros[0])
         parts: dict[int, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from fp4rl.rollout.batch import (
     position_ids,
 )
 from fp4rl.rollout.sampling import row_generators, sample_next
-from fp4rl.rollout.weight_sync import is_sharded, refresh_rollout_copy
+from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
@@ -217,7 +217,7 @@ class KVCacheEngine:
         """Nothing for a whole model (the engine samples from it); for an FSDP2-sharded
         one, its rollout copy refreshed from the shards (bytes moved and seconds, as
         metrics)."""
-        if not is_sharded(model):
+        if not is_fsdp(model):
             return {}
         return refresh_rollout_copy(model, self.policy, self.world_size)
 

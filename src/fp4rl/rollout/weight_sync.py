@@ -44,7 +44,7 @@ class SyncBytes:
                 "sync/rollout_weight_bytes_as_bf16": float(self.packed_as_bf16)}
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
+def is_fsdp(model: torch.nn.Module) -> bool:
     """Whether ``model`` is sharded by FSDP2: the one test of "is this FSDP" that the
     engines, the trainer and the checkpointer share (a sharded model's rollout runs on
     its unsharded copy, refreshed by :func:`refresh_rollout_copy`)."""
@@ -134,4 +134,4 @@ def _tensor_scale(fmt: NumberFormat, local: torch.Tensor) -> torch.Tensor | None
     return fmt.tensor_scale(amax.reshape(1))
 
 
-__all__ = ["SyncBytes", "is_sharded", "packable", "refresh_rollout_copy", "sync_rollout_weights"]
+__all__ = ["SyncBytes", "is_fsdp", "packable", "refresh_rollout_copy", "sync_rollout_weights"]

@@ -44,7 +44,7 @@ class VLLMError(UserError):
 
 
 def rollout_recipe(recipe: Recipe | str) -> Recipe:
-    """``recipe`` (a preset name or a Recipe) checked for what the plug-in runs."""
+    """``recipe`` (a recipe name or a Recipe) checked for what the plug-in runs."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     method = recipe.rollout.recovery.method
     if not get_recovery(method).serves_in_engines:

@@ -30,7 +30,7 @@ from fp4rl.rollout.vllm.config import (
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
 from fp4rl.rollout.vllm.settings import VLLMSettings
-from fp4rl.rollout.weight_sync import is_sharded, refresh_rollout_copy
+from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
@@ -244,7 +244,7 @@ class VLLMEngine:
         all-gather each rollout weight's packed codes and scales into the unsharded
         rollout copy (:mod:`fp4rl.rollout.weight_sync`, never a full-precision copy of
         those weights), which then refits this rank's engine with ``Q(W)``'s values."""
-        if not is_sharded(model):
+        if not is_fsdp(model):
             return refit(self.llm, model, self.packed_wire, self.piece_bytes).metrics()
         if self.policy is None:
             raise ConfigError("a sharded model refits its engine through its unsharded "
