@@ -26,18 +26,14 @@ torch.set_num_threads(1)
 def _isolated_registries():
     """Formats, recovery methods, rewards, rollout engines and export formats a test (or a
     benchmark it runs) registers do not leak into the next test."""
-    from fp4rl.export import registry as exports
-    from fp4rl.formats import registry as formats
-    from fp4rl.recovery import base
-    from fp4rl.rl import rewards
-    from fp4rl.rollout import registry as engines
+    import fp4rl.export
+    import fp4rl.recovery
+    import fp4rl.rl.rewards
+    import fp4rl.rollout  # noqa: F401  (their built-in entries are registered before)
+    from fp4rl.registry import scratch
 
-    tables = (formats._FORMATS, base._METHODS, rewards._REWARDS, engines._ENGINES,
-              exports._FORMATS)
-    saved = [t.snapshot() for t in tables]
-    yield
-    for table, before in zip(tables, saved, strict=True):
-        table.restore(before)
+    with scratch():
+        yield
 
 
 @pytest.fixture(scope="session")

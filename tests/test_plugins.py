@@ -149,3 +149,19 @@ def test_filter_fn_and_ignore_choose_the_targets():
     assert only_mlp == {n for n in every if ".mlp." in n}
     with pytest.raises(fp4rl.nn.PatchError, match="filter_fn"):
         quantize_model(model, "hif4", filter_fn=lambda m, name: False)
+
+
+def test_scratch_undoes_what_is_registered_or_replaced_inside():
+    """A notebook's temporary plug-ins end with its ``scratch()`` block: a new reward is
+    gone after it, a replaced format is the original again."""
+    from fp4rl.formats import get_format, register_format
+    from fp4rl.formats.hif4 import HiF4
+    from fp4rl.registry import scratch
+
+    original = get_format("hif4")
+    with scratch():
+        rewards.register_reward("always", lambda completion, reference: 1.0)
+        register_format(HiF4(), replace=True)
+        assert "always" in rewards.list_rewards() and get_format("hif4") is not original
+    assert "always" not in rewards.list_rewards()
+    assert get_format("hif4") is original

@@ -9,7 +9,8 @@ the nearest registered one and the choices; names list in registration order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from fp4rl.errors import UserError, did_you_mean
@@ -26,6 +27,7 @@ class Registry(Generic[T]):
                  key: Callable[[str], str] = str) -> None:
         self.kind, self.error, self.hint, self.key = kind, error, hint, key
         self._items: dict[str, T] = {}
+        _ALL.append(self)
 
     def register(self, name: str, obj: T, *, replace: bool = False) -> T:
         """Make ``obj`` the one called ``name``; returns ``obj``."""
@@ -57,19 +59,29 @@ class Registry(Generic[T]):
         """(name, object) pairs, in registration order."""
         return list(self._items.items())
 
-    def snapshot(self) -> dict[str, T]:
-        """The registry as it is (for :meth:`restore`: tests that register their own)."""
-        return dict(self._items)
-
-    def restore(self, snapshot: dict[str, T]) -> None:
-        self._items = dict(snapshot)
-
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.key(name) in self._items
+
+
+#: every registry made, in creation order (:func:`scratch` restores them all)
+_ALL: list[Registry] = []
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[None]:
+    """Every registry (formats, recovery methods, rewards, rollout engines, export
+    formats) as it is now, restored on exit: what a notebook cell or a test registers or
+    replaces inside is undone, so a temporary plug-in never leaks into the next run."""
+    saved = [(table, dict(table._items)) for table in _ALL]
+    try:
+        yield
+    finally:
+        for table, items in saved:
+            table._items = items
 
 
 def _describe(obj: object) -> str:
     return getattr(obj, "__qualname__", None) or repr(obj)
 
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "scratch"]

@@ -203,13 +203,6 @@ class Recipe:
             data["ignore"] = list(self.ignore)
         return data
 
-    def with_recovery(self, **changes: Any) -> Recipe:
-        """A copy whose rollout recovery has ``changes`` applied (a new ``method`` starts
-        from that method's defaults)."""
-        recovery = self.rollout.recovery.replace(**changes)
-        return dataclasses.replace(self, rollout=dataclasses.replace(self.rollout,
-                                                                     recovery=recovery))
-
 
 def _reject_unknown(data: dict[str, Any], allowed: set[str], where: str) -> None:
     if not isinstance(data, dict):
