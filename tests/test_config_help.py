@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fp4rl.cli import main
+from fp4rl.errors import ConfigError
 from fp4rl.rl.config import TrainConfig, config_fields, flatten, load_config
 
 
@@ -13,7 +14,7 @@ def test_every_setting_is_described_with_its_type_and_default():
     fields = {f.key: f for f in config_fields()}
     settings = set(flatten(TrainConfig().model_dump()))
     settings |= {f"rollout.vllm.{k}" for k in
-                 load_config(None, ["rollout.engine=vllm"]).vllm_settings().model_dump()}
+                 load_config(None, ["rollout.engine=vllm"]).engine_options("vllm")}
     settings |= {"rollout.engine"}
     assert settings <= set(fields), settings - set(fields)
     assert all(f.description for f in fields.values()), \
@@ -56,3 +57,42 @@ def test_help_config_prints_and_exits_without_an_output(capsys):
     for key in ("grpo.learning_rate = 1e-06  (float)", "rollout.vllm.refit_wire = packed",
                 "distributed.timeout_s = 600.0"):
         assert key in out
+
+
+def test_an_engine_brings_its_own_settings_section():
+    """A registered engine's settings model is ``rollout.<name>`` in a config: validated
+    there, listed by --help-config, handed to the engine, and not part of the recipe;
+    nothing in the config schema names it."""
+    from pydantic import BaseModel, ConfigDict
+
+    from fp4rl.rollout import KVCacheEngine, register_engine
+
+    class EchoSettings(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        depth: int = 3
+
+    class EchoEngine(KVCacheEngine):
+        name = "echo"
+        summary = "an engine of a test's own"
+        settings = EchoSettings
+
+        @classmethod
+        def check_config(cls, settings, recipe, shards, named):
+            if settings.depth > 8:
+                raise ConfigError("rollout.echo.depth: at most 8")
+
+    register_engine(EchoEngine)
+    cfg = load_config(None, ["rollout.engine=echo", "rollout.echo.depth=5"])
+    assert cfg.engine_options("echo") == {"depth": 5}
+    assert cfg.recipe() == load_config(None, []).recipe()
+    fields = {f.key: f for f in config_fields()}
+    assert fields["rollout.echo.depth"].default == "3"
+    assert "echo: an engine of a test's own" in fields["rollout.engine"].description
+    for overrides, says in ((["rollout.engine=echo", "rollout.echo.depth=9"], "at most 8"),
+                            (["rollout.engine=echo", "rollout.echo.width=1"],
+                             r"rollout\.echo: unknown key\(s\) \['width'\]"),
+                            (["rollout.echo.depth=5"], "rollout.echo configures the echo "
+                                                       "engine, and rollout.engine=hf"),
+                            (["rollout.hf.depth=5"], "the hf engine takes no settings")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, overrides)

@@ -25,14 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
-from fp4rl.errors import ConfigError, RecipeError
+from fp4rl.errors import ConfigError, RecipeError, UserError
 from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
 from fp4rl.presets import preset_path
 from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
-from fp4rl.rollout.registry import AUTO, EngineError, engine_name, list_engines
-from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
-from fp4rl.rollout.vllm.settings import VLLMSettings
+from fp4rl.rollout.registry import (
+    AUTO,
+    AUTO_PICKS,
+    DEFAULT_ENGINE,
+    EngineError,
+    engine_name,
+    get_engine,
+    list_engines,
+)
 
 
 class _Section(BaseModel):
@@ -172,8 +178,8 @@ class TrainConfig(_Section):
         "docs/layers.md")
     rollout: dict[str, Any] = Field(
         default_factory=dict, description="the rollout policy (weights, activations, "
-        "recovery: docs/layers.md), the engine that runs it (engine: hf or vllm) and that "
-        "engine's settings (vllm: below)")
+        "recovery: docs/layers.md), the engine that runs it (rollout.engine) and each "
+        "engine's own settings (rollout.<engine>: below)")
     ignore: list[str] = Field(default_factory=list, description="modules left unquantized "
                               "(regexes on module names), as in compressed-tensors")
     data: DataConfig = Field(default_factory=DataConfig, description="the examples")
@@ -191,53 +197,53 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _recipe_is_valid(self) -> TrainConfig:
         try:
-            self.recipe()
+            recipe = self.recipe()
         except RecipeError as err:
             raise ValueError(str(err)) from None
         try:
-            engine_name(self.rollout.get("engine", "hf"))
+            chosen = engine_name(self.rollout.get("engine", DEFAULT_ENGINE))
         except EngineError as err:
             raise ValueError(f"rollout.engine: {err}") from None
-        settings = self.vllm_settings()  # refuses a key or value it does not know
-        if settings.weight_storage == "packed" and settings.refit_wire != "packed":
-            raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
-                             "sent: set rollout.vllm.refit_wire=packed")
-        may_run_vllm = self.rollout_engine in ("vllm", AUTO)
-        if "vllm" in self.rollout and not may_run_vllm:
-            raise ValueError(f"rollout.vllm configures the vllm engine, and rollout.engine="
-                             f"{self.rollout_engine} runs another: drop rollout.vllm or set "
-                             "rollout.engine=vllm")
-        if may_run_vllm and self.distributed.strategy == "fsdp" and \
-                settings.weight_storage == "packed":
-            raise ValueError("distributed.strategy=fsdp refits each engine with Q(W)'s values "
-                             "gathered from the shards, which rollout.vllm.weight_storage="
-                             "packed cannot keep: use weight_storage=dequantized, or ddp")
-        if self.rollout_engine == "vllm":  # what vLLM cannot run fails before any loading
-            try:
-                rollout_recipe(self.recipe())
-            except VLLMError as err:
-                raise ValueError(str(err)) from None
+        for name in list_engines():
+            if name in self.rollout and chosen not in (name, AUTO):
+                raise ValueError(f"rollout.{name} configures the {name} engine, and "
+                                 f"rollout.engine={chosen} runs another: drop rollout.{name} "
+                                 f"or set rollout.engine={name}")
+            if chosen in (name, AUTO):  # what it cannot serve fails before any loading
+                settings = self.engine_settings(name)
+                try:
+                    get_engine(name).check_config(settings, recipe,
+                                                  self.distributed.strategy == "fsdp",
+                                                  named=chosen == name)
+                except UserError as err:
+                    raise ValueError(str(err)) from None
         return self
 
     @property
     def rollout_engine(self) -> str:
-        """Where the rollout runs: ``hf`` (fp4rl's KV-cache engine on the trainer's model)
-        or ``vllm`` (a colocated vLLM engine with the fp4rl quantization method); an alias
-        (``fp4rl``) reads as the engine's one name."""
-        return engine_name(self.rollout.get("engine", "hf"))
+        """Where the rollout runs: a registered engine's one name (an alias reads as it),
+        or ``auto``."""
+        return engine_name(self.rollout.get("engine", DEFAULT_ENGINE))
 
-    def vllm_settings(self) -> VLLMSettings:
-        """``rollout.vllm``, defaults filled in; a key or value it does not know is one
-        line naming it."""
+    def engine_settings(self, engine: str) -> BaseModel | None:
+        """``rollout.<engine>`` validated by the engine's own settings model, defaults
+        filled in (None for an engine that takes none); a key or value it does not know
+        is one line naming it."""
+        model = get_engine(engine).settings
+        if model is None:
+            if engine in self.rollout:
+                raise ValueError(f"rollout.{engine}: the {engine} engine takes no settings")
+            return None
         try:
-            return VLLMSettings.model_validate(self.rollout.get("vllm") or {})
+            return model.model_validate(self.rollout.get(engine) or {})
         except ValidationError as err:
-            raise ValueError(settings_problem("rollout.vllm", VLLMSettings, err)) from None
+            raise ValueError(settings_problem(f"rollout.{engine}", model, err)) from None
 
     def engine_options(self, engine: str) -> dict[str, Any]:
-        """The settings ``engine`` reads: its own section of ``rollout`` (``rollout.vllm``
-        for vllm; fp4rl's ``hf`` engine has none)."""
-        return self.vllm_settings().model_dump() if engine == "vllm" else {}
+        """The settings ``engine`` reads, as :class:`~fp4rl.rollout.base.RolloutSetup`
+        hands them to it: its own section of ``rollout``, defaults filled in."""
+        settings = self.engine_settings(engine)
+        return settings.model_dump() if settings is not None else {}
 
     def recipe(self) -> Recipe:
         return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})
@@ -270,13 +276,20 @@ def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
         if key == "train":
             rows += recipe_fields(TrainPrecision, "train.")
         if key == "rollout":
-            rows += recipe_fields(RolloutPrecision, "rollout.")
-            rows.append(ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]),
-                                    "hf", "where the rollout runs: fp4rl's KV-cache engine "
-                                    "on the trainer's model (hf), a colocated vLLM engine "
-                                    "(vllm), or auto: vllm on a CUDA device where it runs "
-                                    "the recipe, else hf"))
-            rows += config_fields(VLLMSettings, "rollout.vllm.")
+            rows += recipe_fields(RolloutPrecision, "rollout.") + engine_fields()
+    return rows
+
+
+def engine_fields() -> list[ConfigField]:
+    """``rollout.engine`` with every registered engine's summary, then each engine's own
+    settings under ``rollout.<engine>.``, from the models the engines registered."""
+    engines = [get_engine(name) for name in list_engines()]
+    described = "; ".join(f"{e.name}: {e.summary}" for e in engines)
+    rows = [ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]), DEFAULT_ENGINE,
+                        f"where the rollout runs ({described}; {AUTO}: {AUTO_PICKS})")]
+    for engine in engines:
+        if engine.settings is not None:
+            rows += config_fields(engine.settings, f"rollout.{engine.name}.")
     return rows
 
 
@@ -330,9 +343,12 @@ def default_text(field: FieldInfo | dataclasses.Field[Any]) -> str:
 
 def settings_problem(section: str, schema: type[BaseModel], err: ValidationError) -> str:
     """The first problem of ``err`` as one line: ``section.key must be ... , got ...``
-    (the field's own ``must``), or the unknown key and the keys there are."""
+    (the field's own ``must``), the unknown key and the keys there are, or what the
+    model's own validator said."""
     e = err.errors()[0]
     key = str(e["loc"][0]) if e["loc"] else ""
+    if e["type"] == "value_error":  # the model's own validators word their refusals
+        return str(e["ctx"]["error"])
     if e["type"] == "extra_forbidden":
         return (f"{section}: unknown key(s) {[key]}; allowed: "
                 f"{', '.join(schema.model_fields)}")
@@ -346,10 +362,10 @@ def settings_problem(section: str, schema: type[BaseModel], err: ValidationError
 def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
     """The quantization recipe of a training config (as a run saves it): its ``train``,
     ``rollout`` and ``ignore``. ``rollout.engine`` says where the rollout ran, not what
-    policy it ran (nor do the engine's settings, ``rollout.vllm``), so it is not part of
-    the recipe."""
+    policy it ran (nor do the engines' settings, ``rollout.<engine>``), so it is not part
+    of the recipe."""
     rollout = {k: v for k, v in (config.get("rollout") or {}).items()
-               if k not in ("engine", "vllm")}
+               if k not in ("engine", *list_engines())}
     return Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
                              "ignore": config.get("ignore")}, strict=strict)
 

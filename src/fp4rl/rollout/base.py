@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel
 
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
 
@@ -58,6 +59,19 @@ class RolloutEngine(Protocol):
 
     #: the engine's name in ``rollout.engine`` and ``--engine``
     name: ClassVar[str]
+    #: what it is, in a few words (``fp4rl train --help-config`` lists the engines so)
+    summary: ClassVar[str]
+    #: the model of its own settings, ``rollout.<name>`` in a training config (None: it
+    #: takes none); :class:`RolloutSetup` ``options`` hands them to it, defaults filled in
+    settings: ClassVar[type[BaseModel] | None]
+
+    @classmethod
+    def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
+                     named: bool) -> None:
+        """Refuse, in one line, a training config this engine could not serve, before
+        anything loads and without importing the engine's own library: ``settings`` its
+        validated section, ``shards`` whether the run shards its model (FSDP2), ``named``
+        whether the config names this engine (else ``auto`` may pick it)."""
 
     @classmethod
     def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:

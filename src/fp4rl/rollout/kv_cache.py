@@ -194,6 +194,12 @@ class KVCacheEngine:
     otherwise it is the trainer's model, which is always current."""
 
     name: ClassVar[str] = "hf"
+    summary: ClassVar[str] = "fp4rl's KV-cache engine on the trainer's model"
+    settings: ClassVar[None] = None
+
+    @classmethod
+    def check_config(cls, settings: None, recipe: Recipe, shards: bool, named: bool) -> None:
+        """Every config runs here."""
 
     def __init__(self, policy: torch.nn.Module, pad_token_id: int,
                  eos_token_ids: Sequence[int], *, mixed_precision: str = "no",

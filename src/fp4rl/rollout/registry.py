@@ -50,6 +50,10 @@ def list_engines() -> list[str]:
 
 #: the engine a user would pick on the run's device (:func:`resolve_engine`)
 AUTO = "auto"
+#: the engine a config that names none runs: fp4rl's own, which runs every recipe anywhere
+DEFAULT_ENGINE = KVCacheEngine.name
+#: what :data:`AUTO` picks, as ``fp4rl train --help-config`` says it
+AUTO_PICKS = "vllm on a CUDA device where vLLM is installed and runs the recipe's rollout, else hf"
 
 
 def engine_name(name: str) -> str:

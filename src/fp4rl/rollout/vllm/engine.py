@@ -185,6 +185,21 @@ class VLLMEngine:
     TIS corrects the real vLLM/trainer mismatch."""
 
     name: ClassVar[str] = "vllm"
+    summary: ClassVar[str] = "a colocated vLLM engine with the fp4rl quantization method"
+    settings: ClassVar[type[VLLMSettings]] = VLLMSettings
+
+    @classmethod
+    def check_config(cls, settings: VLLMSettings, recipe: Recipe, shards: bool,
+                     named: bool) -> None:
+        """What would pass and then fail inside vLLM: packed storage under FSDP (whose refit
+        sends values, not codes), and, when named, a rollout the plug-in cannot run."""
+        if shards and settings.weight_storage == "packed":
+            raise ConfigError("distributed.strategy=fsdp refits each engine with Q(W)'s "
+                              "values gathered from the shards, which rollout.vllm."
+                              "weight_storage=packed cannot keep: use weight_storage="
+                              "dequantized, or ddp")
+        if named:
+            rollout_recipe(recipe)
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
                  refit_wire: str = "packed", policy: torch.nn.Module | None = None,

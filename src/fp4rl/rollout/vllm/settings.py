@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from fp4rl.rollout.vllm.config import WEIGHT_STORAGES
 from fp4rl.rollout.vllm.refit import PIECE_BYTES
@@ -49,6 +57,13 @@ class VLLMSettings(BaseModel):
     enforce_eager: Literal["auto"] | StrictBool = _field(
         "auto", "auto, true or false",
         "no CUDA graphs or torch.compile; auto: eager on a CPU, compiled on GPUs")
+
+    @model_validator(mode="after")
+    def _storage_gets_its_wire(self) -> VLLMSettings:
+        if self.weight_storage == "packed" and self.refit_wire != "packed":
+            raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
+                             "sent: set rollout.vllm.refit_wire=packed")
+        return self
 
 
 __all__ = ["VLLMSettings"]
