@@ -20,12 +20,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 from fp4rl.gemm import Operand, PackedOperand, pack_operand  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.rollout.vllm.config import VLLMError  # noqa: E402
-from fp4rl.rollout.vllm.method import (  # noqa: E402
-    FP4RLLinearMethod,
-    WeightStore,
-    install,
-    process,
-)
+from fp4rl.rollout.vllm.loading import install, process  # noqa: E402
+from fp4rl.rollout.vllm.method import FP4RLLinearMethod  # noqa: E402
+from fp4rl.rollout.vllm.stores import WeightStore  # noqa: E402
 
 META = torch.device("meta")
 IN, PARTS = 128, [32, 16, 16]  # a merged q/k/v layer

@@ -21,7 +21,8 @@ import fp4rl  # noqa: E402
 from fp4rl.formats import register_format  # noqa: E402
 from fp4rl.nn import FP4Linear  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
-from fp4rl.rollout.vllm.method import FP4RLLinearMethod, process  # noqa: E402
+from fp4rl.rollout.vllm.loading import process  # noqa: E402
+from fp4rl.rollout.vllm.method import FP4RLLinearMethod  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,8 @@ from fp4rl.gemm import pack_operand  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.recovery import make_recovery  # noqa: E402
 from fp4rl.rollout.vllm.config import VLLMError  # noqa: E402
-from fp4rl.rollout.vllm.method import FP4RLConfig, install, process  # noqa: E402
+from fp4rl.rollout.vllm.loading import install, process  # noqa: E402
+from fp4rl.rollout.vllm.quant_config import FP4RLConfig  # noqa: E402
 
 TP = 2
 HIDDEN, HEAD, HEADS, KV_HEADS, FFN = 128, 16, 8, 2, 256
@@ -130,14 +131,14 @@ def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, as
     packed fields through the method's field loaders: each rank quantizes (or keeps) its
     share; NVFP4's per-tensor scale is the maximum over the ranks (the all-reduce is
     answered from both ranks' shares here, as there is no process group)."""
-    import fp4rl.rollout.vllm.method as method_module
+    import fp4rl.rollout.vllm.loading as loading
     from fp4rl.formats.nvfp4 import finite_amax
 
     w = _weights(1)
     fmt = get_recipe(recipe).rollout.weights
     whole_of = {float(finite_amax(_rank_share(n, p, r, w[p]))): finite_amax(w[p])
                 for n, (parts, _, _) in LAYERS.items() for p in parts for r in range(TP)}
-    monkeypatch.setattr(method_module, "whole_amax", lambda amax: whole_of[float(amax)])
+    monkeypatch.setattr(loading, "whole_amax", lambda amax: whole_of[float(amax)])
     for rank in range(TP):
         as_tp_rank(rank, TP)
         for name, (parts, _, _) in LAYERS.items():

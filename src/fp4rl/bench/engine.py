@@ -67,7 +67,8 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
     )
     from fp4rl.models import load_model
     from fp4rl.nn import fp4_layers, quantize_model
-    from fp4rl.rollout.vllm.method import release_freed_memory, store_bytes
+    from fp4rl.rollout.vllm.loading import store_bytes
+    from fp4rl.rollout.vllm.stores import release_freed_memory
 
     vllm = require_vllm()
     model, tok = load_model(model_name)

@@ -16,6 +16,7 @@ import difflib
 import json
 import re
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -317,9 +318,12 @@ def recipe_fields(part: type, prefix: str) -> list[ConfigField]:
 
 
 def type_name(annotation: Any) -> str:
-    """``auto | none | ddp`` for a Literal, ``int | None``, ``list[int]``, ``str``."""
+    """``auto | none | ddp`` for a Literal or an enum, ``int | None``, ``list[int]``,
+    ``str``."""
     if get_origin(annotation) is Annotated:  # a strict type: what it annotates
         return type_name(get_args(annotation)[0])
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return " | ".join(str(member.value) for member in annotation)
     args = get_args(annotation)
     if get_origin(annotation) is Literal:
         return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
@@ -338,6 +342,8 @@ def default_text(field: FieldInfo | dataclasses.Field[Any]) -> str:
         value = field.get_default(call_default_factory=True)
     else:
         value = field.default
+    if isinstance(value, Enum):
+        return str(value.value)
     return value if isinstance(value, str) else json.dumps(value)
 
 

@@ -16,6 +16,7 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from typing import Any
 
 from fp4rl.errors import UserError
@@ -25,8 +26,27 @@ from fp4rl.version import __version__
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
 QUANT_METHOD = "fp4rl"
-#: how an engine keeps ``Q(W)``: in the compute dtype, or as the format's packed fields
-WEIGHT_STORAGES = ("dequantized", "packed")
+
+
+class WeightStorage(StrEnum):
+    """How an engine keeps ``Q(W)`` between weight versions: its values in the compute
+    dtype (vLLM's own GEMM), or the format's 4-bit codes and scales, decoded at each
+    forward. A member equals its value, the spelling configs use."""
+
+    DEQUANTIZED = "dequantized"
+    PACKED = "packed"
+
+
+class RefitWire(StrEnum):
+    """How ``Q(W)`` travels to an engine at a refit: the format's 4-bit codes and scales,
+    or their values in bf16 (the dtype of the message, not the ``bf16`` number format)."""
+
+    PACKED = "packed"
+    BF16 = "bf16"
+
+
+#: the storages' spellings, in the order configs list them (the first is the default)
+WEIGHT_STORAGES = tuple(s.value for s in WeightStorage)
 #: the keys of a ``quantization_config`` of this method
 CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
 #: the worker extension a refit calls (:mod:`fp4rl.rollout.vllm.worker`)
@@ -61,22 +81,24 @@ def supported_recovery() -> list[str]:
     return [m for m in list_recoveries() if get_recovery(m).serves_in_engines]
 
 
-def quantization_config(recipe: Recipe | str, weight_storage: str = "dequantized"
-                        ) -> dict[str, Any]:
+def quantization_config(recipe: Recipe | str,
+                        weight_storage: str = WeightStorage.DEQUANTIZED) -> dict[str, Any]:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
     recipe = rollout_recipe(recipe)
     check_storage(weight_storage)
     return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
-            "ignore": list(recipe.ignore), "weight_storage": weight_storage,
+            "ignore": list(recipe.ignore), "weight_storage": str(weight_storage),
             "fp4rl_version": __version__}
 
 
-def check_storage(weight_storage: str) -> str:
-    if weight_storage not in WEIGHT_STORAGES:
+def check_storage(weight_storage: str) -> WeightStorage:
+    """``weight_storage`` as a :class:`WeightStorage`; else one line with the choices."""
+    try:
+        return WeightStorage(weight_storage)
+    except ValueError:
         raise VLLMError(f"weight_storage must be one of {', '.join(WEIGHT_STORAGES)}, got "
-                        f"{weight_storage!r}")
-    return weight_storage
+                        f"{weight_storage!r}") from None
 
 
 def recipe_from_config(config: dict[str, Any]) -> Recipe:
@@ -109,10 +131,10 @@ def check_actor_recipe(recipe: Recipe) -> None:
                         f"`python -m fp4rl.integrations.verl --recipe {name}`")
 
 
-def storage_from_config(config: dict[str, Any]) -> str:
+def storage_from_config(config: dict[str, Any]) -> WeightStorage:
     """The ``weight_storage`` a ``quantization_config`` entry asks for (default
     ``dequantized``)."""
-    return check_storage(config.get("weight_storage", "dequantized"))
+    return check_storage(config.get("weight_storage", WeightStorage.DEQUANTIZED))
 
 
 def require_vllm() -> Any:

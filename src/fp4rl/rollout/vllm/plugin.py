@@ -19,7 +19,7 @@ def register() -> None:
     check_version()
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from fp4rl.rollout.vllm import method
+    from fp4rl.rollout.vllm.quant_config import FP4RLConfig
 
-    register_quantization_config(QUANT_METHOD)(method.FP4RLConfig)
+    register_quantization_config(QUANT_METHOD)(FP4RLConfig)
     _REGISTERED = True

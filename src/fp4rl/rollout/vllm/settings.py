@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from fp4rl.rollout.vllm.config import WEIGHT_STORAGES
+from fp4rl.rollout.vllm.config import WEIGHT_STORAGES, RefitWire, WeightStorage
 from fp4rl.rollout.vllm.refit import PIECE_BYTES
 
 
@@ -32,13 +32,13 @@ class VLLMSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    weight_storage: Literal[WEIGHT_STORAGES] = _field(  # type: ignore[valid-type]
-        WEIGHT_STORAGES[0], " or ".join(WEIGHT_STORAGES),
+    weight_storage: WeightStorage = _field(
+        WeightStorage.DEQUANTIZED, " or ".join(WEIGHT_STORAGES),
         "how the engine keeps Q(W): its values in the compute dtype (vLLM's own GEMM), or "
         "the format's 4-bit codes and scales, decoded at each forward (less memory, more "
         "work a forward)")
-    refit_wire: Literal["packed", "bf16"] = _field(
-        "packed", "packed or bf16",
+    refit_wire: RefitWire = _field(
+        RefitWire.PACKED, " or ".join(RefitWire),
         "how Q(W) travels to the engine at each refit: the format's 4-bit codes and "
         "scales, or their values in bf16; weight_storage=packed needs packed")
     refit_piece_bytes: StrictInt = _field(
@@ -60,7 +60,8 @@ class VLLMSettings(BaseModel):
 
     @model_validator(mode="after")
     def _storage_gets_its_wire(self) -> VLLMSettings:
-        if self.weight_storage == "packed" and self.refit_wire != "packed":
+        if self.weight_storage is WeightStorage.PACKED and \
+                self.refit_wire is not RefitWire.PACKED:
             raise ValueError("rollout.vllm.weight_storage=packed keeps the 4-bit codes it is "
                              "sent: set rollout.vllm.refit_wire=packed")
         return self

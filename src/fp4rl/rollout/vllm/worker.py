@@ -35,7 +35,7 @@ class FP4RLWorkerExtension:
         load). Returns how many fp4rl layers took a new ``Q(W)``."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from fp4rl.rollout.vllm.method import LayerState, install, process
+        from fp4rl.rollout.vllm.loading import LayerState, install, process
 
         sent = RefitPayload.from_wire(payload)
         model = self.model_runner.model

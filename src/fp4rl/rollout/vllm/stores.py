@@ -1,0 +1,190 @@
+"""How an fp4rl layer of a vLLM engine keeps ``Q(W)`` between weight versions: one store
+class per :class:`~fp4rl.rollout.vllm.config.WeightStorage` (imported only where vLLM is).
+
+- :class:`DequantizedStore` (the default): ``Q(W)`` once, in the compute dtype (FP4 values
+  are exact in bf16); on a CPU with oneDNN that one copy is vLLM's prepacked GEMM weight,
+  as in a plain bf16 engine, so the engine takes no more memory than bf16.
+- :class:`PackedStore`: the format's own 4-bit codes and scales, decoded per forward (the
+  memory an FP4 GEMM's operand takes; on hardware without FP4 GEMMs the decode costs
+  time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from fp4rl.gemm import Operand, PackedOperand
+from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
+
+#: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
+Part = Operand | PackedOperand
+#: a GEMM the store runs: rows, ``Q(W)`` (values may be empty where a prepacked kernel
+#: holds them), and the kernel ``(rows, bias) -> product`` or None
+Gemm = tuple[int, Operand, "Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None"]
+
+
+class WeightStore(ABC):
+    """``Q(W)`` of one layer as the engine keeps it between weight versions."""
+
+    storage: ClassVar[WeightStorage]
+    dtype: torch.dtype
+
+    @staticmethod
+    def build(parts: list[Part], storage: WeightStorage, dtype: torch.dtype,
+              prepack: bool = True) -> WeightStore:
+        """The store of ``parts`` as ``storage`` asks; dense parts (an unquantized layer, or
+        ``Q(W)`` sent as values) are always kept dequantized, as there are no codes."""
+        packed = [p for p in parts if isinstance(p, PackedOperand)]
+        if storage == WeightStorage.PACKED and len(packed) == len(parts):
+            return PackedStore(dtype, packed)
+        operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
+        return DequantizedStore(dtype, _gemms(operands, prepack))
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a forward reads, in a fixed order."""
+
+    @abstractmethod
+    def gemms(self) -> list[Gemm]:
+        """The GEMMs a forward runs, one per logical layer with its own scale."""
+
+    @abstractmethod
+    def nbytes(self, in_features: int) -> int:
+        """The bytes ``Q(W)`` takes here (a prepacked kernel's copy counted as its values)."""
+
+    def prepacked(self) -> bool:
+        """Whether a GEMM runs on a kernel holding its own copy of the weight."""
+        return False
+
+    def refilled(self, new: WeightStore, in_place: bool = False) -> WeightStore:
+        """This store holding ``new``'s weights, written into its own tensors where the
+        layouts (shape, dtype, device of every tensor) agree, else ``new``. ``in_place``
+        (a compiled engine: its forward, and the CUDA graphs captured from it, read the
+        tensors they traced, at their addresses) refuses a layout change: swapping in
+        new tensors would leave the graph reading the old weights, with no error."""
+        mine, theirs = self.tensors(), new.tensors()
+        changed = self.storage != new.storage or len(mine) != len(theirs) or \
+            any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                for a, b in zip(mine, theirs, strict=True))
+        if changed and in_place:
+            raise VLLMError("a refit changed the layout of a compiled engine's weights "
+                            f"({_layout(mine)} -> {_layout(theirs)}); its captured forward "
+                            "would keep reading the old ones: send Q(W) in the layout the "
+                            "engine was built with, or build it with enforce_eager=True")
+        if self.prepacked() or changed:
+            return new
+        with torch.no_grad():
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b)
+        return self
+
+
+@dataclass
+class DequantizedStore(WeightStore):
+    """``Q(W)``'s values in the compute dtype, its GEMMs ready (values dropped where a
+    prepacked kernel holds them)."""
+
+    storage: ClassVar[WeightStorage] = WeightStorage.DEQUANTIZED
+    dtype: torch.dtype
+    ready: list[Gemm]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, op, _ in self.ready for t in _part_tensors(op)]
+
+    def gemms(self) -> list[Gemm]:
+        return self.ready
+
+    def nbytes(self, in_features: int) -> int:
+        return sum(rows * in_features * self.dtype.itemsize for rows, _, _ in self.ready)
+
+    def prepacked(self) -> bool:
+        return any(kernel is not None for _, _, kernel in self.ready)
+
+
+@dataclass
+class PackedStore(WeightStore):
+    """``Q(W)`` as the format's 4-bit codes and scales, decoded at every forward."""
+
+    storage: ClassVar[WeightStorage] = WeightStorage.PACKED
+    dtype: torch.dtype
+    parts: list[PackedOperand]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in _part_tensors(p)]
+
+    def gemms(self) -> list[Gemm]:
+        decoded = [p.decode(self.dtype) for p in self.parts]
+        return [(rows, op, None) for rows, op in _joined(decoded)]
+
+    def nbytes(self, in_features: int) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def release_freed_memory() -> None:
+    """Hand the load-time weights this process freed back to the system (glibc keeps freed
+    blocks for reuse otherwise, and the engine would look as large as at its peak)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _layout(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device}"
+                     for t in tensors)
+
+
+def _joined(operands: list[Operand]) -> list[tuple[int, Operand]]:
+    """Parts without a per-tensor scale joined into one operand (one GEMM)."""
+    if all(op.scale is None for op in operands):
+        return [(sum(op.values.shape[0] for op in operands),
+                 Operand(torch.cat([op.values for op in operands])))]
+    return [(op.values.shape[0], op) for op in operands]
+
+
+def _part_tensors(part: Part) -> list[torch.Tensor]:
+    fields = [] if isinstance(part, Operand) else [part.packed.fields[n]
+                                                   for n in sorted(part.packed.fields)]
+    values = [part.values] if isinstance(part, Operand) else []
+    return [*values, *fields, *([] if part.scale is None else [part.scale])]
+
+
+def _gemms(operands: list[Operand], prepack: bool = True) -> list[Gemm]:
+    """The dequantized GEMMs: with ``prepack``, each operand's values become vLLM's
+    prepacked oneDNN weight where there is one (the values themselves are then dropped),
+    else stay as they are."""
+    out: list[Gemm] = []
+    for rows, op in _joined(operands):
+        kernel = _packed_matmul(op.values) if prepack else None
+        if kernel is not None:
+            op = Operand(op.values.new_empty(0, op.values.shape[1]), op.scale)
+        out.append((rows, op, kernel))
+    return out
+
+
+def _packed_matmul(values: torch.Tensor
+                   ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+    """``(rows, bias) -> rows @ values.T + bias`` on vLLM's oneDNN kernel with the weight
+    prepacked once (the kernel vLLM's own bf16 linears use on CPU; the same bits as
+    ``torch.addmm``, about twice as fast at decode sizes), or None where it does not
+    apply."""
+    if values.device.type != "cpu" or values.dtype != torch.bfloat16:
+        return None
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+    try:
+        handle = ops.create_onednn_mm(values.t(), 32)
+    except RuntimeError:  # a CPU oneDNN has no bf16 matmul for (avx2 only): torch's GEMM,
+        return None       # as vLLM's own linears fall back to
+    return lambda rows, bias: ops.onednn_mm(handle, rows, bias)
+
+
+__all__ = ["DequantizedStore", "Gemm", "PackedStore", "Part", "WeightStore",
+           "release_freed_memory"]
