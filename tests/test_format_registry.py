@@ -18,6 +18,7 @@ from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.kernels import cpu
+from fp4rl.kernels.codes import FormatCode
 from fp4rl.recovery import resq_activation, sparsify
 
 BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3", "bf16"]
@@ -157,7 +158,7 @@ def test_no_kernel_for_a_plugin_format(monkeypatch):
 
 def test_a_format_declares_only_operations_that_exist():
     with pytest.raises(ValueError, match=r"unknown kernel operations \['rows_fp8'\]"):
-        kernels.FormatKernels(kernels.FMT_HIF4, c=frozenset({"rows", "rows_fp8"}))
+        kernels.FormatKernels(FormatCode.HIF4, c=frozenset({"rows", "rows_fp8"}))
 
 
 @pytest.mark.skipif(cpu.load_library() is None, reason="the C kernel did not build")

@@ -14,7 +14,8 @@ from fp4rl.formats._exact import bf16_round, floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
-from fp4rl.kernels import FMT_HIF4, QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels.codes import FormatCode
 
 C = 0.142578125  # bf16(1/7)
 SCALE_MIN, SCALE_MAX = 2.0**-48, 49152.0  # E6M2 range; 1.75 * 2**15 is the NaN code
@@ -41,7 +42,7 @@ class HiF4(BlockFormat):
     block_size = 64
     bits_per_value = 4.5
     #: the C kernel runs every block pass; Triton also decodes packed weights
-    kernels = FormatKernels(FMT_HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+    kernels = FormatKernels(FormatCode.HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
                             triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode"})
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:

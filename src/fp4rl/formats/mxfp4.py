@@ -13,7 +13,8 @@ from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
-from fp4rl.kernels import FMT_MXFP4, QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels.codes import FormatCode
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = DeviceTable(lambda: torch.tensor(E2M1_GRID, dtype=torch.float64))
@@ -125,7 +126,7 @@ class MXFP4(MXFormat):
     name = "mxfp4"
     bits_per_value = 4.25
     #: the C kernel runs every block pass; Triton also decodes packed weights
-    kernels = FormatKernels(FMT_MXFP4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+    kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
                             triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode"})
     scale_offset = 2  # E2M1's largest exponent
 

@@ -9,7 +9,8 @@ import torch
 
 from fp4rl.formats.mxfp4 import MXFormat
 from fp4rl.formats.nvfp4 import e4m3_bytes, e4m3_round, e4m3_values
-from fp4rl.kernels import FMT_MXFP8_E4M3, QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels.codes import FormatCode
 
 
 class MXFP8(MXFormat):
@@ -17,7 +18,7 @@ class MXFP8(MXFormat):
     label = "MXFP8"
     bits_per_value = 8.25
     #: no packed decode kernel: MXFP8 weights are not packed for the rollout
-    kernels = FormatKernels(FMT_MXFP8_E4M3, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
+    kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
                             triton=QUANTIZE_AND_RESQ | {"rows_bf16"})
     scale_offset = 8  # E4M3's largest exponent
 

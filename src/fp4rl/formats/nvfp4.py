@@ -24,7 +24,8 @@ from fp4rl.formats.mxfp4 import (
 )
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
-from fp4rl.kernels import FMT_NVFP4, QUANTIZE, FormatKernels
+from fp4rl.kernels import QUANTIZE, FormatKernels
+from fp4rl.kernels.codes import FormatCode
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
@@ -63,7 +64,7 @@ class NVFP4(BlockFormat):
     #: the C kernel lacks the ResQ and bf16 passes, as the per-tensor scale needs a pass
     #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
     #: residual has a scale of its own)
-    kernels = FormatKernels(FMT_NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
+    kernels = FormatKernels(FormatCode.NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
                             tensor_scale=True)
     extra_options = ("per_tensor_scale",)
 

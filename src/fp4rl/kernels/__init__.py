@@ -23,12 +23,11 @@ from typing import Protocol
 import torch
 
 from fp4rl.kernels import cpu
+from fp4rl.kernels.codes import FormatCode
 
 #: largest n:m group the fused CPU path handles
 RESQ_MAX_GROUP = 64
 
-#: the ``FMT`` codes quant.c (its FMT_* enum) and the Triton kernels branch on
-FMT_HIF4, FMT_MXFP4, FMT_NVFP4, FMT_MXFP8_E4M3 = range(4)
 #: operations: "rows"/"cols" (quantize along axis 1/0), "resq" (the fused ResQ pass),
 #: "resq_terms" (ResQ's two bf16 GEMM operands in one pass), "rows_bf16" (bf16 rows to
 #: their bf16 block values in one pass), "decode" (packed codes to values)
@@ -41,14 +40,14 @@ QUANTIZE_AND_RESQ = QUANTIZE | {"resq", "resq_terms"}
 class FormatKernels:
     """The compiled kernels of one format, declared by the format itself.
 
-    ``code`` selects the format's branch in quant.c and in the Triton kernels (one of the
-    ``FMT_*`` constants); ``c`` and ``triton`` are the :data:`OPERATIONS` each backend
-    runs for it. An operation a backend lacks is composed from others or taken by the
+    ``code`` (a :class:`~fp4rl.kernels.codes.FormatCode`) selects the format's branch in
+    quant.c and in the Triton kernels; ``c`` and ``triton`` are the :data:`OPERATIONS` each
+    backend runs for it. An operation a backend lacks is composed from others or taken by the
     reference path (NVFP4's per-tensor scale, say, needs a pass over the whole tensor
     before the C kernel's block pass).
     """
 
-    code: int
+    code: FormatCode
     c: frozenset[str] = frozenset()
     triton: frozenset[str] = frozenset()
     #: the kernels read a per-tensor scale g on top of the blocks (NVFP4)
@@ -204,7 +203,7 @@ def _quantize_cpu(fmt: KernelFormat, x: torch.Tensor, noise: torch.Tensor | None
 def _code(fmt: KernelFormat) -> int:
     """``fmt``'s kernel code; only called once a backend was chosen, so it has kernels."""
     assert fmt.kernels is not None
-    return fmt.kernels.code
+    return int(fmt.kernels.code)
 
 
 def _number(tensor_scale: torch.Tensor | None) -> float | None:
@@ -284,7 +283,7 @@ def decode_rows(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, l
     return triton_decode.decode_2d(fmt, fields, rows, length, dtype)
 
 
-__all__ = ["FMT_HIF4", "FMT_MXFP4", "FMT_MXFP8_E4M3", "FMT_NVFP4", "OPERATIONS", "QUANTIZE",
+__all__ = ["OPERATIONS", "QUANTIZE",
            "QUANTIZE_AND_RESQ", "FormatKernels", "KernelFormat", "decode_rows", "has_kernel",
            "has_matrix_kernel", "kernel_plan", "quantize_matrix", "quantize_rows",
            "quantize_rows_bf16", "resq_rows", "resq_terms"]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from fp4rl.kernels.codes import c_defines
 from fp4rl.paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant.c")
@@ -29,7 +30,7 @@ SOURCE = Path(__file__).with_name("quant.c")
 #: microseconds, which a 32-row decode step of a 576-wide model (18k values) already repays
 PARALLEL_MIN_ELEMENTS = 1 << 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math")
+         "-fno-trapping-math", *c_defines())
 
 
 def _cpu_model() -> str:

@@ -20,7 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { FMT_HIF4 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2, FMT_MXFP8 = 3 };
+/* FMT_HIF4, FMT_MXFP4, FMT_NVFP4, FMT_MXFP8: given by the compiler's -D flags, from the one
+ * declaration of the codes (fp4rl/kernels/codes.py, FormatCode). */
 
 static inline uint64_t bits_of(double v) { uint64_t u; memcpy(&u, &v, 8); return u; }
 static inline double from_bits(uint64_t u) { double v; memcpy(&v, &u, 8); return v; }
@@ -490,7 +491,7 @@ static int row_pass(int fmt, const float *x, const uint16_t *xb, int64_t rows, i
                     int keep, int group, int nthreads, float *sum, uint16_t *q_out,
                     uint16_t *r_out)
 {
-    if (fmt < 0 || fmt > 3 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
+    if (fmt < 0 || fmt > FMT_MXFP8 || fmt == FMT_NVFP4 || group < 0 || group > 64) return -1;
     int status = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t row = 0; row < rows; row++) {

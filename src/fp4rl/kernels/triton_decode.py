@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import FMT_HIF4, KernelFormat
+from fp4rl.kernels import KernelFormat
+from fp4rl.kernels.codes import FormatCode
 from fp4rl.kernels.triton_quant import Variant, _format, _pow2, _rows_per_program, _tile, grid_1d
 
 
@@ -103,7 +104,7 @@ def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, len
     blocks = -(-length // bs)
     flat = {k: v.contiguous() for k, v in fields.items()}
     codes, scale = flat["codes"], flat["scale"]
-    l2, l3 = (flat["level2"], flat["level3"]) if code == FMT_HIF4 else (scale, scale)
+    l2, l3 = (flat["level2"], flat["level3"]) if code == FormatCode.HIF4 else (scale, scale)
     y = torch.empty(rows, length, dtype=dtype, device=codes.device)
     decode_variant(fmt, dtype).launch(grid_1d(rows, length, bs), codes, scale, l2, l3, y,
                                       rows, length, blocks)

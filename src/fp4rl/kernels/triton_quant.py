@@ -23,11 +23,15 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels import QUANTIZE, KernelFormat
+from fp4rl.kernels.codes import FormatCode
 
 TILE_ELEMENTS = 2048
 #: 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even. A ``tl.constexpr``: the
 #: compiler refuses a plain Python global inside ``@triton.jit`` (the interpreter allows it).
 MAGIC = tl.constexpr(4503599627370496.0)
+#: the format codes (:class:`~fp4rl.kernels.codes.FormatCode`) as the kernels compare them
+HIF4, MXFP4, NVFP4 = (tl.constexpr(int(c)) for c in
+                      (FormatCode.HIF4, FormatCode.MXFP4, FormatCode.NVFP4))
 #: Integer arguments that grow with the token count, which Triton must not specialize on
 #: (1, multiples of 16): a specialized size would compile a new variant on the first batch
 #: of that size, inside a CUDA-graph capture if that is where it first comes.
@@ -133,11 +137,11 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
     a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     top = tl.max(bits & 0x7FFFFFFF, axis=1)  # NaN and Inf sort above every finite value
     amax = top.to(tl.float32, bitcast=True)
-    if FMT == 0:
+    if FMT == HIF4:
         mag = _hif4_mag(a, noise, ROWS, HAS_NOISE)
-    elif FMT == 1:
+    elif FMT == MXFP4:
         mag = _mx_mag(a, amax, noise, 1, 0, 6.0, 2, HAS_NOISE)
-    elif FMT == 2:
+    elif FMT == NVFP4:
         mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
     else:
         mag = _mx_mag(a, amax, noise, 3, -6, 448.0, 8, HAS_NOISE)
@@ -239,7 +243,7 @@ def _format(fmt: KernelFormat) -> tuple[int, int]:
     """The ``FMT`` code the kernels branch on and the block size, both the format's own."""
     if fmt.kernels is None:
         raise ValueError(f"the Triton kernels have no format {fmt.name!r}")
-    return fmt.kernels.code, fmt.block_size
+    return int(fmt.kernels.code), fmt.block_size
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,39 +1,21 @@
-"""Training configuration: a YAML file plus ``key=value`` overrides, validated with pydantic.
-
-Top-level ``model``, ``train``, ``rollout`` and ``ignore`` are the policy and its recipe
-(``rollout`` also names the engine and holds that engine's own settings: docs/architecture.md,
-"Names"); the other sections configure data, GRPO, evaluation and the run. Every field
-carries its description, which ``fp4rl train --help-config`` prints. GRPO option names
-follow TRL's GRPOConfig (``num_generations``, ``epsilon``, ``epsilon_high``, ``beta``,
-``learning_rate``) and verl where TRL has no equivalent (``loss_agg_mode``,
-``tis_imp_ratio_cap``); see ``docs/training.md``.
-"""
+"""The training config's schema: one pydantic model per section, :class:`TrainConfig` the
+whole. Every field carries its description, which ``fp4rl train --help-config`` prints
+(:mod:`.help`). The recipe's parts (``train``, ``rollout``, ``ignore``) are validated by
+:class:`~fp4rl.nn.recipe.Recipe`; each rollout engine's own section, ``rollout.<engine>``,
+by the settings model the engine registered."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import re
-from dataclasses import dataclass
-from enum import Enum
-from pathlib import Path
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
-from fp4rl.errors import ConfigError, RecipeError, UserError
-from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
-from fp4rl.presets import preset_path
-from fp4rl.recovery import get_recovery, list_recoveries
-from fp4rl.rl.grpo import LOSS_AGG_MODES, LossConfig
+from fp4rl.errors import RecipeError, UserError
+from fp4rl.nn.recipe import Recipe
+from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
     AUTO,
-    AUTO_PICKS,
     DEFAULT_ENGINE,
     EngineError,
     engine_name,
@@ -250,103 +232,6 @@ class TrainConfig(_Section):
         return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})
 
 
-@dataclass(frozen=True)
-class ConfigField:
-    """One setting of the training config as ``fp4rl train --help-config`` prints it."""
-
-    key: str
-    type: str
-    default: str
-    description: str
-
-
-def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
-                  ) -> list[ConfigField]:
-    """Every setting of ``schema`` by dotted key, read from its fields (sections, then
-    their settings; ``rollout`` with its engine and the vLLM engine's settings), so that
-    what is printed is what is validated."""
-    rows = []
-    for name, field in schema.model_fields.items():
-        key, annotation = f"{prefix}{name}", field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.append(ConfigField(key, "section", "", field.description or ""))
-            rows += config_fields(annotation, f"{key}.")
-            continue
-        rows.append(ConfigField(key, type_name(annotation), default_text(field),
-                                field.description or ""))
-        if key == "train":
-            rows += recipe_fields(TrainPrecision, "train.")
-        if key == "rollout":
-            rows += recipe_fields(RolloutPrecision, "rollout.") + engine_fields()
-    return rows
-
-
-def engine_fields() -> list[ConfigField]:
-    """``rollout.engine`` with every registered engine's summary, then each engine's own
-    settings under ``rollout.<engine>.``, from the models the engines registered."""
-    engines = [get_engine(name) for name in list_engines()]
-    described = "; ".join(f"{e.name}: {e.summary}" for e in engines)
-    rows = [ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]), DEFAULT_ENGINE,
-                        f"where the rollout runs ({described}; {AUTO}: {AUTO_PICKS})")]
-    for engine in engines:
-        if engine.settings is not None:
-            rows += config_fields(engine.settings, f"rollout.{engine.name}.")
-    return rows
-
-
-def recipe_fields(part: type, prefix: str) -> list[ConfigField]:
-    """The settings of one part of the recipe (its dataclass fields' ``help``); the
-    recovery as its method's name and every registered method's parameters."""
-    rows = []
-    for f in dataclasses.fields(part):
-        if f.name != "recovery":
-            choices = f.metadata.get("choices")
-            kind = " | ".join(choices()) if choices else str(f.type)
-            rows.append(ConfigField(f"{prefix}{f.name}", kind, default_text(f),
-                                    f.metadata["help"]))
-            continue
-        rows.append(ConfigField(f"{prefix}recovery.method", " | ".join(list_recoveries()),
-                                "none", f.metadata["help"]))
-        params: dict[str, tuple[dataclasses.Field[Any], list[str]]] = {}
-        for method in list_recoveries():
-            for p in dataclasses.fields(get_recovery(method).config_cls):
-                params.setdefault(p.name, (p, []))[1].append(method)
-        rows += [ConfigField(f"{prefix}recovery.{name}", str(p.type), default_text(p),
-                             f"{p.metadata['help']} ({', '.join(methods)})")
-                 for name, (p, methods) in params.items()]
-    return rows
-
-
-def type_name(annotation: Any) -> str:
-    """``auto | none | ddp`` for a Literal or an enum, ``int | None``, ``list[int]``,
-    ``str``."""
-    if get_origin(annotation) is Annotated:  # a strict type: what it annotates
-        return type_name(get_args(annotation)[0])
-    if isinstance(annotation, type) and issubclass(annotation, Enum):
-        return " | ".join(str(member.value) for member in annotation)
-    args = get_args(annotation)
-    if get_origin(annotation) is Literal:
-        return " | ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
-    if args and get_origin(annotation) in (Union, UnionType):
-        return " | ".join(dict.fromkeys(type_name(a) for a in args))
-    if args:
-        return f"{annotation.__origin__.__name__}[{', '.join(type_name(a) for a in args)}]"
-    if annotation is type(None):
-        return "None"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def default_text(field: FieldInfo | dataclasses.Field[Any]) -> str:
-    """The default as a ``key=value`` override writes it."""
-    if isinstance(field, FieldInfo):
-        value = field.get_default(call_default_factory=True)
-    else:
-        value = field.default
-    if isinstance(value, Enum):
-        return str(value.value)
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def settings_problem(section: str, schema: type[BaseModel], err: ValidationError) -> str:
     """The first problem of ``err`` as one line: ``section.key must be ... , got ...``
     (the field's own ``must``), the unknown key and the keys there are, or what the
@@ -376,154 +261,5 @@ def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
                              "ignore": config.get("ignore")}, strict=strict)
 
 
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Set ``a.b.c=value`` (value parsed as YAML) in a nested dict, in place."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} is not key=value (e.g. grpo.learning_rate=1e-5)")
-    try:
-        value = parse_value(raw) if raw else None
-    except ConfigError as err:
-        raise ConfigError(f"override {key}: {err}") from None
-    set_path(data, key, value)
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML as a user means it (YAML 1.2's core rules): ``1e-1`` is a float (YAML 1.1
-    wants ``1.0e-1``); only true/false are booleans, so ``mixed_precision=no`` is "no";
-    and ``2:4`` stays the string the paper writes (YAML 1.1 reads base-60 integers,
-    ``2:4`` = 124), as do ``010`` and other numbers YAML 1.1 reads in odd bases."""
-
-
-_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
-                              list("-+0123456789"))
-_Loader.add_implicit_resolver(
-    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?"
-                       r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
-                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-
-
-def parse_value(raw: str) -> Any:
-    """An override's value, read as YAML with :class:`_Loader`; malformed YAML is a
-    one-line :class:`ConfigError`."""
-    try:
-        return yaml.load(raw, Loader=_Loader)
-    except yaml.YAMLError as err:
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(f"{raw!r} is not valid YAML ({problem})") from None
-
-
-def set_path(data: dict[str, Any], key: str, value: Any) -> None:
-    """``data["a"]["b"]["c"] = value`` for ``key = "a.b.c"``, creating sections."""
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {key!r}: {part!r} is not a section")
-        node = child
-    node[leaf] = value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                changes: dict[str, Any] | None = None) -> TrainConfig:
-    """Read ``path`` (a YAML file or a preset name, see :mod:`fp4rl.presets`), apply
-    ``overrides`` (``key=value``) and ``changes`` (``{"run.steps": 3}``), then validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = preset_path(path)
-        try:
-            data = yaml.load(p.read_text(), Loader=_Loader) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{p} is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p} must hold a mapping at the top level")
-    for item in overrides or []:
-        apply_override(data, item)
-    for key, value in (changes or {}).items():
-        set_path(data, key, value)
-    return validate(data)
-
-
-#: settings a resumed run may change: how long it runs, how often and how many checkpoints
-#: it keeps, its evaluation (which the trainer never runs) and how long a collective
-#: waits. Any other change would continue the run on a different trajectory.
-RESUMABLE = ("run.steps", "run.save_steps", "run.keep_checkpoints", "eval",
-             "distributed.timeout_s")
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a config's settings by dotted key."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{dotted}."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
-def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """The settings ``requested`` changes from ``saved``, by dotted key, as (saved,
-    requested), leaving out the :data:`RESUMABLE` ones."""
-    old, new = flatten(saved.model_dump()), flatten(requested.model_dump())
-    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
-            if old.get(key) != new.get(key)
-            and not any(key == r or key.startswith(f"{r}.") for r in RESUMABLE)}
-
-
-def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
-    """``grpo.learning_rate 1e-05 -> 0.001, ...``: what a refused resume would change."""
-    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
-
-
-REMOVED_KEYS = {
-    "dtype": "dtype is gone: master weights are always FP32; choose the compute dtype with "
-             "mixed_precision=no|bf16|auto",
-}
-
-
-def _suggestion(error: Any) -> str:
-    """"; did you mean X?" for an unknown key close to a field of its section."""
-    if error["type"] != "extra_forbidden":
-        return ""
-    section: Any = TrainConfig
-    for part in error["loc"][:-1]:
-        annotation = section.model_fields[part].annotation if part in section.model_fields \
-            else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        section = annotation
-    close = difflib.get_close_matches(str(error["loc"][-1]), list(section.model_fields), n=1)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
-def validate(data: dict[str, Any]) -> TrainConfig:
-    for key, why in REMOVED_KEYS.items():
-        if key in data:
-            raise ConfigError(why)
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as err:
-        problems = []
-        for e in err.errors():
-            where = ".".join(str(p) for p in e["loc"]) or "config"
-            if e["type"] == "value_error":  # our validators name their keys themselves
-                problems.append(str(e["ctx"]["error"]))
-                continue
-            problems.append(f"{where}: {e['msg']}{_suggestion(e)}")
-        raise ConfigError("invalid training config: " + "; ".join(problems)) from None
-
-
-__all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "ConfigField", "DataConfig",
-           "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig",
-           "TrainConfig", "apply_override", "changed_settings", "config_fields",
-           "describe_changes", "flatten", "load_config", "set_path", "validate"]
+__all__ = ["DataConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig",
+           "RunConfig", "TrainConfig", "recipe_of", "settings_problem"]
