@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
 
-.PHONY: setup demo test test-vllm test-verl test-long lint bench clean
+.PHONY: setup demo test test-fast test-vllm test-verl test-long lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ test: lint
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
 
+# The inner loop: the main suite without the tests that load the real embedded model
+# (`slow`) or take minutes (`long`); a few minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not long"
+
+# The pre-release check (CI does not run it: it would take .ci/run past an hour).
 test-long: setup $(VSTAMP)
 	$(PY) -m pytest -q -m long
 	$(VPY) -m pytest -q -p no:cacheprovider -m long tests/vllm_engine

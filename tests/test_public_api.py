@@ -1,4 +1,5 @@
-"""The public names docs/design.md promises, importable and doing what they say."""
+"""The public names the README and docs/architecture.md promise, importable and doing what
+they say."""
 
 from __future__ import annotations
 
@@ -37,13 +38,32 @@ def test_quantize_model_patches_block_linears_and_modes_switch_them():
         assert {m.mode for m in layers.values()} == {Mode.ROLLOUT}
 
 
+def _two_of_four(r: torch.Tensor) -> torch.Tensor:
+    """S of the paper, one group of four at a time: the two largest magnitudes kept (ties
+    to the earlier position), the others zeroed."""
+    out = torch.zeros_like(r)
+    for i in range(r.shape[0]):
+        for start in range(0, r.shape[1], 4):
+            group = [(-abs(float(r[i, j])), j) for j in range(start, start + 4)]
+            for _, j in sorted(group)[:2]:
+                out[i, j] = r[i, j]
+    return out
+
+
 def test_resq_matmul_is_the_papers_formula():
+    """Q(x)Q(w)^T + S(Q(x - Q(x)))Q(w)^T, computed here from the format's plain reference
+    quantizer, a loop for the 2:4 selection and float64 products, against the fused
+    activation and the library's two-GEMM and one-GEMM forms."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 64, generator=g), torch.randn(5, 64, generator=g)
-    qx = fp4rl.quantize(x, "hif4")
-    qw = fp4rl.quantize(w, "hif4")
-    expected = qx @ qw.t() + recovery.sparsify(fp4rl.quantize(x - qx, "hif4"), "2:4") @ qw.t()
-    got = recovery.resq_matmul(x, w, "hif4", "2:4", two_gemm=True)
-    assert torch.equal(got, expected)
+    q = formats.get_format("hif4").quantize_reference
+    qx, qw = q(x), q(w)
+    activation = qx + _two_of_four(q(x - qx))
+    assert torch.equal(recovery.resq_activation(x, "hif4", "2:4"), activation)
+    expected = (qx.double() @ qw.double().t()
+                + _two_of_four(q(x - qx)).double() @ qw.double().t())
+    for two_gemm in (True, False):
+        got = recovery.resq_matmul(x, w, "hif4", "2:4", two_gemm=two_gemm)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
     kept = recovery.sparsify(x, "2:4").reshape(6, 16, 4)
     assert ((kept != 0).sum(-1) <= 2).all()
