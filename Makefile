@@ -98,7 +98,7 @@ test-vllm: $(VSTAMP) $(WSTAMP)
 # rollout worker extension and bucketed weight transfer against an fp4rl engine; and the
 # Triton kernels compiled ahead of time with the Triton torch 2.11 pins (3.6)
 test-verl: $(WSTAMP)
-	$(WPY) -m pytest -q -p no:cacheprovider tests/in_verl tests/test_triton_compile.py
+	$(WPY) -m pytest -q -p no:cacheprovider tests/in_verl tests/kernels/test_triton_compile.py
 
 bench: setup
 	$(VENV)/bin/fp4rl bench formats --json runs/bench-formats.json

@@ -22,7 +22,7 @@ model to a GPU machine without network, and holds the runs.
 
 ``--device cpu --quick`` runs every stage at toy sizes in well under two minutes on a
 2-core CPU, so the script is known to work before a GPU is ever lent
-(``tests/test_gpu_check.py``)::
+(``tests/bench/test_gpu_check.py``)::
 
     python benchmarks/gpu_check.py --output runs/gpu-check            # on the GPU machine
     python benchmarks/gpu_check.py --device cpu --quick --output /tmp/check
@@ -58,8 +58,8 @@ def device_name(device: str) -> str:
 
 def stage_tests(device: str, quick: bool) -> dict[str, Any]:
     # on a GPU the CUDA tests; the interpreted kernel tests prove nothing more there
-    files = ["tests/test_cuda.py"] if quick or device != "cpu" else \
-        ["tests/test_cuda.py", "tests/test_triton_kernels.py"]
+    files = ["tests/kernels/test_cuda.py"] if quick or device != "cpu" else \
+        ["tests/kernels/test_cuda.py", "tests/kernels/test_triton_kernels.py"]
     env = {**os.environ}
     if device == "cpu" and not quick:
         env.update(TRITON_INTERPRET="1")

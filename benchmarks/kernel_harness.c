@@ -4,6 +4,7 @@
  * Prints nanoseconds per value, best of 7, for every format along rows and along axis 0.
  *
  *   cc -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math \
+ *      $(python -c 'from fp4rl.kernels.codes import c_defines; print(*c_defines())') \
  *      benchmarks/kernel_harness.c src/fp4rl/kernels/quant.c -lm -o /tmp/kernel_harness
  *   /tmp/kernel_harness [rows cols]
  */
@@ -42,7 +43,12 @@ static void fill(float *x, int64_t n)
 int main(int argc, char **argv)
 {
     const int64_t rows = argc > 2 ? atoll(argv[1]) : 2048, cols = argc > 2 ? atoll(argv[2]) : 2048;
-    const char *names[4] = {"hif4", "mxfp4", "nvfp4 (block scale only)", "mxfp8_e4m3"};
+    /* by code (FMT_* from the build's -D flags, fp4rl.kernels.codes) */
+    const char *names[4];
+    names[FMT_HIF4] = "hif4";
+    names[FMT_MXFP4] = "mxfp4";
+    names[FMT_NVFP4] = "nvfp4 (block scale only)";
+    names[FMT_MXFP8] = "mxfp8_e4m3";
     float *x = malloc((size_t)(rows * cols) * sizeof(float));
     float *y = malloc((size_t)(rows * cols) * sizeof(float));
     if (x == NULL || y == NULL) return 1;

@@ -1,4 +1,4 @@
-"""The slow path every rollout engine is held to (tests/test_engine_distribution.py,
+"""The slow path every rollout engine is held to (tests/rollout/test_engine_distribution.py,
 tests/vllm_engine/test_engine_distribution_vllm.py): one full forward of the rollout
 policy over a prompt (and a completion), no KV cache, no padding, one sequence at a time,
 and the filtered distribution it gives (temperature, then top-k)."""

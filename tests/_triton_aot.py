@@ -1,4 +1,4 @@
-"""Run by tests/test_triton_compile.py in a process of its own, with TRITON_INTERPRET
+"""Run by tests/kernels/test_triton_compile.py in a process of its own, with TRITON_INTERPRET
 unset (compiled kernels, not interpreted ones): compiles every kernel variant of the
 registered formats for sm_90 and sm_100, and computes the specialization key of each
 operation's launches at several token counts. Prints one JSON line."""

@@ -11,8 +11,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fp4rl"
+PACKAGE = ROOT / "src" / "fp4rl"
 
 #: bottom up; a room imports only rooms of lower floors (siblings stay independent)
 FLOORS: tuple[tuple[str, ...], ...] = (

@@ -1,5 +1,5 @@
 """The device-discipline tier for the vLLM method: a layer's whole life cycle with the
-layer on the ``meta`` device, standing in for a GPU (see tests/test_device_discipline.py).
+layer on the ``meta`` device, standing in for a GPU (see tests/kernels/test_device_discipline.py).
 
 Create, vLLM's ``dummy`` start, a load from a checkpoint (FP32 masters as verl sends them,
 and bf16), a load of an fp4rl export's packed fields (which vLLM's loader hands over as

@@ -1,5 +1,5 @@
 """The ``vllm`` rollout engine samples the rollout policy's distribution, as
-``tests/test_engine_distribution.py`` holds fp4rl's own engine and transformers' to it:
+``tests/rollout/test_engine_distribution.py`` holds fp4rl's own engine and transformers' to it:
 first tokens, drawn for prompts of different lengths in one call, against the exact
 filtered distribution of fp4rl's rollout policy (one unpadded forward of the patched
 Hugging Face model, the slow path), by a chi-square test; the log-probs the engine reports

@@ -278,7 +278,7 @@ def method_lines(results: Results, seeds: tuple[int, ...]) -> list[str]:
         "seeds understates their spread, and in simulated grids of 300 prompts with a "
         "seed-to-seed spread of 10 points it covered the true gap about 81% (3 seeds) and "
         "87% (5 seeds) of the time, where the seed-t interval covered 95% "
-        "(`tests/test_stats.py`).",
+        "(`tests/experiments/test_stats.py`).",
         "",
         _coverage(len(seeds)) + " With this many comparisons, about one in twenty would "
         "leave 0 by chance where there is no difference.",

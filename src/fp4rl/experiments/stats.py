@@ -36,7 +36,7 @@ seeds). When each seed was scored on prompts of its own (``nested``), the per-se
 are independent and their spread already holds the prompt sampling: the interval is the
 plain t over seeds. With one seed no seed spread can be measured: the interval covers
 the prompts only (a t interval over the per-prompt values, N - 1 degrees of freedom),
-which the report says. The simulation in ``tests/test_stats.py`` checks that 95%
+which the report says. The simulation in ``tests/experiments/test_stats.py`` checks that 95%
 intervals built this way cover a known difference 93-97% of the time, with 3 and with 5
 seeds.
 

@@ -21,7 +21,10 @@
 #include <string.h>
 
 /* FMT_HIF4, FMT_MXFP4, FMT_NVFP4, FMT_MXFP8: given by the compiler's -D flags, from the one
- * declaration of the codes (fp4rl/kernels/codes.py, FormatCode). */
+ * declaration of the codes (fp4rl/kernels/codes.py, FormatCode; c_defines() prints them). */
+#if !defined(FMT_HIF4) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) || !defined(FMT_MXFP8)
+#error "compile with the format codes: fp4rl.kernels.codes.c_defines() gives the -D flags"
+#endif
 
 static inline uint64_t bits_of(double v) { uint64_t u; memcpy(&u, &v, 8); return u; }
 static inline double from_bits(uint64_t u) { double v; memcpy(&v, &u, 8); return v; }

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _paths import ROOT
 from torch import nn
 
 import fp4rl
@@ -24,7 +24,7 @@ from fp4rl.rl import rewards
 from fp4rl.rl.config import load_config
 from fp4rl.rl.trainer import Trainer
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = ROOT / "docs" / "architecture.md"
 
 
 def doc_examples() -> list[str]:

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import _paths
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -28,7 +29,7 @@ from fp4rl.data import (
 from fp4rl.errors import UserError
 from fp4rl.rl.rewards import get_reward
 
-FIXTURES = Path(__file__).parent / "fixtures" / "data"
+FIXTURES = _paths.FIXTURES / "data"
 
 
 def _parquet_from_json(name: str, directory: Path) -> Path:

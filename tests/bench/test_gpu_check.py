@@ -8,11 +8,9 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from _paths import ROOT
 
 
 @pytest.mark.slow

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from _oracle import BLOCKS
+from _paths import ROOT, TESTS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp4rl
 
-HERE = Path(__file__).parent
-GOLDEN_DIRS = [d for d in (HERE / "golden", HERE.parents[1] / "shared" / "golden") if d.is_dir()]
+GOLDEN_DIRS = [d for d in (TESTS / "golden", ROOT.parent / "shared" / "golden") if d.is_dir()]
 OPTIONS = {"hif4": {}, "mxfp4": {}, "nvfp4": {"per_tensor_scale": False}}
 
 

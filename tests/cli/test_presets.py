@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
 from fp4rl.cli import build_parser, main
 from fp4rl.errors import ConfigError
 from fp4rl.experiments import get_plan
 from fp4rl.presets import list_presets, preset_path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 NAMES = {"demo", "smoke", "qwen2.5-3b-gsm8k", "qwen2.5-math-7b-dapo"}
 
 

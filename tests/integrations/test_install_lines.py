@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "integrations.md"
 #: what verl 0.9.1 pins, which the lines must resolve to beside fp4rl's own ranges
 PINNED = {"verl": "0.9.1", "torch": "2.11.0", "vllm": "0.24.0"}

@@ -12,12 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _paths
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
-FIXTURES = Path(__file__).parent / "fixtures" / "data"
+FIXTURES = _paths.FIXTURES / "data"
 
 
 def _snapshot(hub: Path, kind: str, repo: str) -> Path:

@@ -120,7 +120,7 @@ def test_enforce_eager_is_auto_or_a_boolean(value):
 
 def test_engines_compile_on_gpus_for_every_format(monkeypatch):
     """auto: eager on CPU; compiled on GPUs, NVFP4 included (its per-tensor activation
-    scale stays on the device: tests/test_device_discipline.py)."""
+    scale stays on the device: tests/kernels/test_device_discipline.py)."""
     import torch
 
     from fp4rl.rollout.vllm.engine import EngineSpec

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from _launch import launcher, run_bounded
+from _paths import FIXTURES
 
 from fp4rl.errors import ConfigError
 from fp4rl.rl.distributed import Dist, reduce_metrics, setup
@@ -41,7 +41,7 @@ TIMEOUT_S = 240
 
 
 #: a config of the library defaults, not the smoke preset `fp4rl train` runs without one
-DEFAULTS = Path(__file__).parent / "fixtures" / "defaults.yaml"
+DEFAULTS = FIXTURES / "defaults.yaml"
 
 
 def _overrides(model_dir, precision: str = "no") -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import trl
+from _paths import ROOT
 from _trl_checks import IS_METRICS, digit_fraction, logged, recomputed_logprobs
 from datasets import Dataset
 from torch import nn
@@ -265,7 +266,7 @@ def test_import_without_trl_names_the_extra(monkeypatch):
 
 
 def test_extras_pin_the_tested_range():
-    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    pyproject = ROOT / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     assert extras["trl"] == [fp4trl.TRL_REQUIREMENT]
     assert fp4trl.TRL_REQUIREMENT in extras["dev"]
@@ -300,7 +301,7 @@ def test_two_steps_on_the_embedded_model(tmp_path):
 
 def trl_section_script() -> str:
     """The Python block of docs/integrations.md's ``## TRL`` section."""
-    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    text = (ROOT / "docs" / "integrations.md").read_text()
     section = text.split("\n## TRL\n", 1)[1].split("\n## ", 1)[0]
     (script,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return script

@@ -6,14 +6,15 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import ROOT
 
 import fp4rl
 from fp4rl.cli import main
 from fp4rl.kernels import cpu
+from fp4rl.kernels.codes import c_defines
 
 
 def test_bench_formats_writes_ratios(tmp_path, capsys):
@@ -112,9 +113,11 @@ def test_kernel_harness_builds_against_the_kernel(tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
+    assert subprocess.run([compiler, "-fsyntax-only", str(cpu.SOURCE)], capture_output=True,
+                          check=False).returncode != 0  # the codes come from one place only
     exe = tmp_path / "harness"
-    subprocess.run([compiler, "-O1", "-fopenmp", "-Wall", "-Werror",
+    subprocess.run([compiler, "-O1", "-fopenmp", "-Wall", "-Werror", *c_defines(),
                     str(root / "benchmarks" / "kernel_harness.c"), str(cpu.SOURCE),
                     "-lm", "-o", str(exe)], check=True)
     out = subprocess.run([str(exe), "64", "128"], check=True, capture_output=True,

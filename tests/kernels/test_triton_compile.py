@@ -10,23 +10,21 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import TESTS
 
 triton = pytest.importorskip("triton")
 
 from fp4rl.formats import get_format, list_formats  # noqa: E402
 from fp4rl.kernels import aot, triton_quant  # noqa: E402
 
-HERE = Path(__file__).parent
-
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(HERE / "_triton_aot.py")], env=env,
+    run = subprocess.run([sys.executable, str(TESTS / "_triton_aot.py")], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

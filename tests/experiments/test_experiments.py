@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-from pathlib import Path
 
 import pytest
+from _paths import FIXTURES
 
 from fp4rl.cli import main
 from fp4rl.errors import UserError
@@ -208,7 +208,7 @@ def test_parallel_cells_run_in_worker_processes(tmp_path, tiny_llama_dir):
 
 
 def test_paper_preset_reads_local_weights_data_and_extra_benchmarks(tmp_path, tiny_llama_dir):
-    data = Path(__file__).parent / "fixtures" / "data"
+    data = FIXTURES / "data"
     out = tmp_path / "paper"
     small = [s for s in SMALL if not s.startswith("data.")] + [
         "grpo.max_prompt_length=512", "data.train_size=4", "data.test_size=2"]
