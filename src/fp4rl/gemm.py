@@ -122,7 +122,7 @@ class PackedOperand:
     @staticmethod
     def layout(fmt: str, cols: int) -> PackedTensor:
         """One packed row of ``cols`` values: the fields' names and per-row shapes."""
-        opts = {"per_tensor_scale": False} if has_tensor_scale(fmt) else {}
+        opts = {"per_tensor_scale": False} if get_format(fmt).has_tensor_scale else {}
         return get_format(fmt).encode(torch.zeros(1, cols), dim=-1, **opts)
 
     @classmethod
@@ -163,11 +163,6 @@ def _decode_rows(fields: list[torch.Tensor], names: str, fmt: str, rows: int,
 def _(fields: list[torch.Tensor], names: str, fmt: str, rows: int, cols: int, dim: int,
       dtype: torch.dtype) -> torch.Tensor:
     return fields[0].new_empty((rows, cols), dtype=dtype)
-
-
-def has_tensor_scale(fmt: str) -> bool:
-    """Whether ``fmt`` scales a whole tensor on top of its blocks (NVFP4)."""
-    return get_format(fmt).tensor_scale(torch.ones(1)) is not None
 
 
 def pack_operand(x: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None = None

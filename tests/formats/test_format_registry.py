@@ -179,3 +179,12 @@ def test_builtin_formats_own_their_cpu_kernels():
     assert kernels.resq_rows(nvfp4, x, 2, 4) is None  # its per-tensor scale needs two passes
     with pytest.raises(ValueError, match="axis must be 0 or 1"):
         kernels.has_kernel(hif4, "cpu", 2)
+
+
+@pytest.mark.parametrize("name", list_formats())
+def test_the_tensor_scale_trait_says_what_the_format_does(name):
+    """``has_tensor_scale`` is what GEMMs and engines read instead of quantizing a probe:
+    it must agree with whether the format computes a scale on top of its blocks."""
+    fmt = get_format(name)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    assert fmt.has_tensor_scale == (fmt.tensor_scale(x) is not None)

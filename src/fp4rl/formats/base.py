@@ -74,6 +74,9 @@ class NumberFormat(ABC):
     label: ClassVar[str] = ""
     #: the compiled kernels this format has (None: the reference path only)
     kernels: ClassVar[FormatKernels | None] = None
+    #: whether the format scales values by an FP32 scale on top of its blocks (NVFP4's
+    #: per-tensor amax scale), which GEMMs keep outside the product
+    has_tensor_scale: ClassVar[bool] = False
     #: whether the FP32 scale on top of the blocks is one per vector along the quantized
     #: axis (a token's, say) instead of one per tensor: a GEMM keeps such scales outside
     #: the product only along its other axis, so a weight cannot take them

@@ -67,6 +67,7 @@ class NVFP4(BlockFormat):
     kernels = FormatKernels(FormatCode.NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
                             tensor_scale=True)
     extra_options = ("per_tensor_scale",)
+    has_tensor_scale = True
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()

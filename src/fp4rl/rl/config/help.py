@@ -29,6 +29,8 @@ class ConfigField:
     type: str
     default: str
     description: str
+    #: the recovery methods that take this parameter (``rollout.recovery.<param>`` rows)
+    methods: tuple[str, ...] = ()
 
 
 def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
@@ -83,7 +85,7 @@ def recipe_fields(part: type, prefix: str) -> list[ConfigField]:
             for p in dataclasses.fields(get_recovery(method).config_cls):
                 params.setdefault(p.name, (p, []))[1].append(method)
         rows += [ConfigField(f"{prefix}recovery.{name}", str(p.type), default_text(p),
-                             f"{p.metadata['help']} ({', '.join(methods)})")
+                             f"{p.metadata['help']} ({', '.join(methods)})", tuple(methods))
                  for name, (p, methods) in params.items()]
     return rows
 
