@@ -145,7 +145,47 @@ def test_recipe_and_config_accept_the_scheme():
 def test_bad_scheme_is_refused_with_the_choices():
     with pytest.raises(RecipeError, match=r"train\.backward_operands: 'reuse_fwd' is not a "
                                           r"backward scheme \(did you mean 'reuse_forward'\?\)"
-                                          r"; choose one of requantize, reuse_forward"):
+                                          r"; choose one of requantize, reuse_forward, "
+                                          r"dequantized"):
         Recipe.from_dict({"train": {"backward_operands": "reuse_fwd"}})
     with pytest.raises(ConfigError, match=r"backward_operands"):
         load_config(None, ["train.backward_operands=exact"])
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "nvfp4", "nvfp4_per_token"])
+def test_dequantized_backward_is_bf16_gemms_on_the_forwards_dequantized_operands(fmt):
+    """NeMo-RL's and Miles's backward: dX = dY Q(W) and dW = dY^T Q(X) with the forward's
+    operands (blocked along in_features) dequantized, rounded to bf16 once, and dY as it
+    is; per-token activation scales included, which reuse_forward refuses."""
+    train = TrainPrecision(fmt if fmt != "nvfp4_per_token" else "nvfp4", fmt, "bf16",
+                           backward_operands="dequantized")
+    layer = _layer(train)
+    x, g = _heavy_tailed(96, 128, seed=11), _heavy_tailed(96, 64, seed=12)
+    g = g.to(torch.bfloat16).float()
+    _, dx, dw = _run(layer, x, g, autocast=True)
+    w = layer.weight.detach()
+    qw = fp4rl.quantize(w, train.weights, dim=-1).to(torch.bfloat16).double()
+    qx = fp4rl.quantize(x, fmt, dim=-1).to(torch.bfloat16).double()
+    gb = g.to(torch.bfloat16).double()  # the incoming gradient is bf16 under autocast
+    # fp32 accumulation of exact bf16 products, rounded once to bf16 (dX) or kept in fp32
+    # (dW): within one bf16 rounding of the fp64 product, as the bf16 test above bounds it
+    for got, exact in ((dx, gb @ qw), (dw, gb.t() @ qx)):
+        err = (got.double() - exact).abs()
+        assert (err <= 2**-8 * exact.abs() + 1e-6 * exact.abs().max()).all()
+    assert dx.dtype == torch.float32 and dw.dtype == torch.float32
+    if fmt == "nvfp4":  # the scale kept outside (reuse_forward) instead of rounded in
+        reuse = TrainPrecision(fmt, fmt, "bf16", backward_operands="reuse_forward")
+        _, dx_reuse, dw_reuse = _run(_layer(reuse), x, g, autocast=True)
+        for a, b in ((dx, dx_reuse), (dw, dw_reuse)):
+            assert not torch.equal(a, b)  # NVFP4's values times g are not all bf16 numbers
+            assert (a - b).norm() / b.norm() < 1e-2
+
+
+def test_dequantized_backward_takes_unquantized_gradients_only():
+    with pytest.raises(RecipeError, match=r"train\.gradients: hif4 with backward_operands: "
+                                          r"dequantized.*set gradients: bf16"):
+        TrainPrecision("hif4", "hif4", "hif4", backward_operands="dequantized")
+    recipe = Recipe.from_dict({"train": {"weights": "nvfp4", "activations": "nvfp4_per_token",
+                                         "backward_operands": "dequantized"}})
+    assert Recipe.from_dict(recipe.to_dict()) == recipe
+    assert recipe.to_dict()["train"]["backward_operands"] == "dequantized"

@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from test_format_registry import MXINT4  # noqa: E402
+from _plugin_formats import MXINT4  # noqa: E402
 
 import fp4rl  # noqa: E402
 from fp4rl.formats import register_format  # noqa: E402

@@ -10,7 +10,8 @@ operand re-quantized from high precision (master weights stay FP32)::
 That is ``train.backward_operands: requantize``, what block-scaled hardware needs.
 ``reuse_forward`` instead multiplies the new ``Q_g(dY)`` with the forward's ``Q_w(W)`` and
 ``Q_a(X)``, both blocked along in_features, as the HiFloat4 authors' simulation does
-(:func:`backward_axes`).
+(:func:`backward_axes`); ``dequantized`` multiplies unquantized ``dY`` with those two
+dequantized into the compute dtype (their scales multiplied in), as NeMo-RL and Miles do.
 
 In **rollout** mode the forward runs the rollout recipe: the weight quantized once per
 weight version (cached; an optimizer step bumps the parameter's version and so
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
-from fp4rl.nn.recipe import Recipe, TrainPrecision
+from fp4rl.nn.recipe import BackwardOperands, Recipe, TrainPrecision
 from fp4rl.precision import active_compute_dtype, autocast_off
 from fp4rl.recovery import RolloutRecovery, make_recovery
 
@@ -51,7 +52,16 @@ def backward_axes(precision: TrainPrecision) -> tuple[int, int]:
     input gradient) and the activation (for the weight gradient): their own reduction
     axes (out_features, tokens) under ``requantize``, the forward's (in_features) under
     ``reuse_forward``. ``dY`` is always blocked along the reduction axis."""
-    return (-1, -1) if precision.backward_operands == "reuse_forward" else (0, 0)
+    return (0, 0) if precision.backward_operands is BackwardOperands.REQUANTIZE else (-1, -1)
+
+
+def _backward_operand(op: Operand, precision: TrainPrecision, dtype: torch.dtype) -> Operand:
+    """A forward operand as a backward GEMM takes it: as it is, or under ``dequantized``
+    its values times its scale, rounded to the compute dtype once (no scale left to keep
+    outside the product, so a per-token one is no obstacle)."""
+    if precision.backward_operands is BackwardOperands.DEQUANTIZED:
+        return Operand(op.dense().to(dtype))
+    return op.to(dtype)
 
 
 class _FP4LinearFn(torch.autograd.Function):
@@ -69,7 +79,7 @@ class _FP4LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # Q(X) for the weight gradient, in the compute dtype
             x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
             saved_x = qx if x_axis == -1 else quantize_operand(x2, p.activations, x_axis)
-            saved_x = saved_x.to(dtype)
+            saved_x = _backward_operand(saved_x, p, dtype)
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
         ctx.precision, ctx.dtype, ctx.x_shape = p, dtype, x.shape
@@ -84,8 +94,9 @@ class _FP4LinearFn(torch.autograd.Function):
         sr = p.stochastic_gradients
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
+            qw = quantize_operand(weight, p.weights, backward_axes(p)[0])
             grad_x = mm(quantize_operand(g, p.gradients, -1, sr),
-                        quantize_operand(weight, p.weights, backward_axes(p)[0]), ctx.dtype)
+                        _backward_operand(qw, p, ctx.dtype), ctx.dtype)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
@@ -194,7 +205,8 @@ class FP4Linear(nn.Linear):
     def extra_repr(self) -> str:
         r, t = self.recipe.rollout, self.recipe.train
         rec = f"+{r.recovery.label}" if r.recovery.label else ""
+        scheme = "" if t.backward_operands is BackwardOperands.REQUANTIZE \
+            else f"/{t.backward_operands}"
         return (f"{super().extra_repr()}, mode={self.mode.value}, "
-                f"train=W:{t.weights}/A:{t.activations}/G:{t.gradients}"
-                f"{'' if t.backward_operands == 'requantize' else '/' + t.backward_operands}, "
+                f"train=W:{t.weights}/A:{t.activations}/G:{t.gradients}{scheme}, "
                 f"rollout=W:{r.weights}/A:{r.activations}{rec}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import yaml
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import get_format, list_formats
+from fp4rl.gemm import UNQUANTIZED
 from fp4rl.recovery import Recovery
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
@@ -43,8 +45,19 @@ ROLLOUT_PRECISIONS = {
 TRAIN_PRECISIONS = {"bf16": "requantize", "fp4": "requantize", "fp4-reuse": "reuse_forward"}
 #: the training precisions of the paper's Table 1
 PAPER_TRAIN_PRECISIONS = ("bf16", "fp4")
-#: how the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`)
-BACKWARD_OPERANDS = ("requantize", "reuse_forward")
+
+
+class BackwardOperands(StrEnum):
+    """How the two backward GEMMs get their W and X operands (see :class:`TrainPrecision`);
+    a member equals its value, the spelling configs use."""
+
+    REQUANTIZE = "requantize"
+    REUSE_FORWARD = "reuse_forward"
+    DEQUANTIZED = "dequantized"
+
+
+#: the schemes' spellings, the default first
+BACKWARD_OPERANDS = tuple(b.value for b in BackwardOperands)
 
 
 def quantized_formats() -> list[str]:
@@ -88,7 +101,11 @@ class TrainPrecision:
     ``reuse_forward`` multiplies the new ``Q(dY)`` with the forward's ``Q(W)`` and ``Q(X)``
     (blocked along in_features), as the HiFloat4 authors' simulation (``QLinear.py``)
     does. With ``gradients: bf16``, ``reuse_forward`` is the exact gradient of the
-    quantized forward (straight-through quantizers).
+    quantized forward (straight-through quantizers). ``dequantized`` (NeMo-RL's and
+    Miles's FP4 recipes) runs both backward GEMMs in the compute dtype on the forward's
+    ``Q(W)`` and ``Q(X)`` with their scales multiplied in, and unquantized gradients: the
+    values a bf16 GEMM gets after dequantizing, which any scale allows (a per-token one
+    too, which ``reuse_forward`` cannot keep outside its weight-gradient GEMM).
     """
 
     weights: str = field(default="bf16", metadata={
@@ -105,7 +122,8 @@ class TrainPrecision:
     backward_operands: str = field(default="requantize", metadata={
         "choices": lambda: BACKWARD_OPERANDS,
         "help": "requantize: W and X quantized afresh along each backward GEMM's own "
-        "reduction axis; reuse_forward: the forward's Q(W) and Q(X)"})
+        "reduction axis; reuse_forward: the forward's Q(W) and Q(X); dequantized: the "
+        "forward's Q(W) and Q(X) dequantized into the compute dtype, gradients unquantized"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", _check_weight_format(self.weights, "train.weights"))
@@ -116,12 +134,19 @@ class TrainPrecision:
             raise RecipeError(f"train.backward_operands: {self.backward_operands!r} is not a "
                               f"backward scheme{hint}; choose one of "
                               f"{', '.join(BACKWARD_OPERANDS)}")
-        if self.backward_operands == "reuse_forward" and \
+        object.__setattr__(self, "backward_operands", BackwardOperands(self.backward_operands))
+        if self.backward_operands is BackwardOperands.REUSE_FORWARD and \
                 get_format(self.activations).vector_scales:
             raise RecipeError(f"train.activations: {self.activations} scales each token, and "
                               "reuse_forward multiplies the forward's Q(X) along the tokens, "
                               "where a per-token scale does not factor out; use "
-                              "backward_operands: requantize")
+                              "backward_operands: requantize or dequantized")
+        if self.backward_operands is BackwardOperands.DEQUANTIZED and \
+                self.gradients != UNQUANTIZED:
+            raise RecipeError(f"train.gradients: {self.gradients} with backward_operands: "
+                              "dequantized, whose backward GEMMs run in the compute dtype on "
+                              f"unquantized gradients; set gradients: {UNQUANTIZED} "
+                              "(or backward_operands: reuse_forward)")
 
 
 @dataclass(frozen=True)
@@ -195,7 +220,8 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping :meth:`from_dict` reads back (``ignore`` only when set)."""
         data: dict[str, Any] = {
-            "train": dataclasses.asdict(self.train),
+            "train": {k: str(v) if isinstance(v, StrEnum) else v
+                      for k, v in dataclasses.asdict(self.train).items()},
             "rollout": {"weights": self.rollout.weights,
                         "activations": self.rollout.activations,
                         "recovery": self.rollout.recovery.to_dict()}}
