@@ -74,8 +74,8 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
     if name == "vllm":
         recipe = vllm_recipe(trained.recipe if recipe == "run" else
                              recipe or DEFAULT_VLLM_RECIPE, run_ignore=trained.recipe.ignore)
-    return export_model(trained.model, trained.tokenizer, name, output, trained.recipe.ignores,
-                        recipe=recipe)
+    ignores = trained.recipe.ignores_in(n for n, _ in trained.model.named_modules())
+    return export_model(trained.model, trained.tokenizer, name, output, ignores, recipe=recipe)
 
 
 def export_pretrained(model: str, fmt: str, output: str | Path,

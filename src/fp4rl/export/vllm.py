@@ -60,7 +60,7 @@ def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
 def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
     """The block linears ``recipe`` quantizes as their packed ``Q(W)``, the rest in bf16,
     and the ``quantization_config`` that makes vLLM run ``recipe``'s rollout policy."""
-    layers = block_linears(model, recipe.ignores)
+    layers = block_linears(model, recipe.ignores_in(n for n, _ in model.named_modules()))
     if not layers:
         raise ExportError(f"{type(model).__name__} has no linear layer inside a transformer "
                           "block for the vLLM plug-in to quantize; export it as bf16")
@@ -86,6 +86,8 @@ def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
 def check_merged(names: Iterable[str], recipe: Recipe) -> None:
     """Refuse an ``ignore`` that splits one of vLLM's merged linears (q/k/v, gate/up):
     vLLM runs them as one layer, quantized or not as a whole."""
+    names = list(names)
+    ignores = recipe.ignores_in(names)
     groups: dict[str, list[str]] = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
@@ -93,7 +95,7 @@ def check_merged(names: Iterable[str], recipe: Recipe) -> None:
             if leaf in parts:
                 groups.setdefault(f"{parent}.{merged}", []).append(name)
     for merged, members in groups.items():
-        ignored = [n for n in members if recipe.ignores(n)]
+        ignored = [n for n in members if ignores(n)]
         if ignored and len(ignored) < len(members):
             raise ExportError(f"ignore leaves part of vLLM's merged linear {merged} "
                               f"({', '.join(ignored)}) unquantized; vLLM runs it as one "

@@ -41,15 +41,17 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     """Replace the targeted linear layers by :class:`FP4Linear` layers running ``recipe``.
 
     Targets are the ``nn.Linear`` modules for which ``filter_fn(module, name)`` is true
-    (default :func:`in_transformer_block`), minus those the recipe's ``ignore`` regexes
-    match. Parameters are shared, not copied, so names, the state_dict and any optimizer
-    keep working. Patching an already patched model installs the new recipe (and puts
-    back a plain ``nn.Linear`` where a layer is no longer targeted). Returns ``model``.
+    (default :func:`in_transformer_block`), minus those the recipe's ``ignore`` leaves out
+    (regexes, block positions, kinds: :mod:`fp4rl.nn.select`). Parameters are shared,
+    not copied, so names, the state_dict and any optimizer keep working. Patching an
+    already patched model installs the new recipe (and puts back a plain ``nn.Linear``
+    where a layer is no longer targeted). Returns ``model``.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     keep = filter_fn or in_transformer_block
+    ignores = recipe.ignores_in(name for name, _ in model.named_modules())
     targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and keep(mod, name) and not recipe.ignores(name)]
+               if isinstance(mod, nn.Linear) and keep(mod, name) and not ignores(name)]
     if not targets:
         raise PatchError("no linear layers to patch: the default targets linears inside "
                          "transformer blocks (names like 'model.layers.0.mlp.down_proj'); "

@@ -18,7 +18,7 @@ registered rollout recovery method.
 from __future__ import annotations
 
 import dataclasses
-import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -29,6 +29,7 @@ import yaml
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import get_format, list_formats
 from fp4rl.gemm import UNQUANTIZED
+from fp4rl.nn.select import Selector, block_count
 from fp4rl.recovery import Recovery
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
@@ -175,23 +176,29 @@ class Recipe:
     train: TrainPrecision = field(default_factory=TrainPrecision)
     rollout: RolloutPrecision = field(default_factory=RolloutPrecision)
     #: modules left unquantized: regexes matched against the whole module name (a
-    #: compressed-tensors style ``re:`` prefix is accepted)
+    #: compressed-tensors style ``re:`` prefix is accepted), or selectors of blocks by
+    #: position (``first:N``, ``last:N``, ``last:<fraction>``) or of linears by kind
+    #: (``kind:attention``, ``kind:mlp``): :mod:`fp4rl.nn.select`
     ignore: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
-            raise RecipeError(f"ignore must be a list of regexes, got {self.ignore!r}")
-        patterns = tuple(p.removeprefix("re:") for p in self.ignore)
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise RecipeError(f"ignore: {pattern!r} is not a regex ({err})") from None
-        object.__setattr__(self, "ignore", patterns)
+            raise RecipeError(f"ignore must be a list of regexes or selectors, got "
+                              f"{self.ignore!r}")
+        selectors = tuple(Selector.parse(p) for p in self.ignore)
+        object.__setattr__(self, "ignore", tuple(s.text for s in selectors))
+        object.__setattr__(self, "_selectors", selectors)
 
-    def ignores(self, module_name: str) -> bool:
-        """Whether ``ignore`` leaves the module called ``module_name`` unquantized."""
-        return any(re.fullmatch(p, module_name) for p in self.ignore)
+    def ignores(self, module_name: str, blocks: int | None = None) -> bool:
+        """Whether ``ignore`` leaves the module called ``module_name`` unquantized, in a
+        model of ``blocks`` transformer blocks (needed by ``last:`` only)."""
+        return any(s.matches(module_name, blocks) for s in self._selectors)
+
+    def ignores_in(self, names: Iterable[str]) -> Callable[[str], bool]:
+        """:meth:`ignores` for the modules of one model, whose module ``names`` give its
+        block count."""
+        blocks = block_count(list(names))
+        return lambda module_name: self.ignores(module_name, blocks)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], strict: bool = True) -> Recipe:
@@ -240,6 +247,29 @@ def _reject_unknown(data: dict[str, Any], allowed: set[str], where: str) -> None
                           f"allowed: {sorted(allowed)}")
 
 
+def _field_recipes() -> dict[str, Recipe]:
+    """The field's FP4 RL recipes, dense analogues of what their sources run
+    (docs/layers.md, "The field's recipes", says where each differs)."""
+    nvfp4 = TrainPrecision("nvfp4", "nvfp4", "bf16", backward_operands="dequantized")
+    per_token = TrainPrecision("nvfp4", "nvfp4_per_token", "bf16",
+                               backward_operands="dequantized")
+    return {
+        # NeMo-RL (PR 3566): NVFP4 W4A4 in training and rollout, attention in BF16,
+        # the backward dequantized
+        "nemo-rl-nvfp4": Recipe(nvfp4, RolloutPrecision("nvfp4", "nvfp4"),
+                                ("kind:attention",)),
+        # Miles (PR 1261): per-token NVFP4 activation scales, the backward dequantized,
+        # the last 15% of the blocks in BF16 (its 4-over-6 block scales are not in fp4rl)
+        "miles-nvfp4": Recipe(per_token, RolloutPrecision("nvfp4", "nvfp4_per_token"),
+                              ("last:0.15",)),
+    }
+
+
+def field_recipe_names() -> list[str]:
+    """Names of the field's recipes :func:`get_recipe` takes (``nemo-rl-nvfp4``, ...)."""
+    return list(_field_recipes())
+
+
 def get_recipe(name: str) -> Recipe:
     """The recipe a recipe name stands for.
 
@@ -248,11 +278,17 @@ def get_recipe(name: str) -> Recipe:
     Table 1), or train ``fp4-reuse``: FP4 training whose backward GEMMs reuse the
     forward's Q(W) and Q(X) (``backward_operands: reuse_forward``); any of them with a
     recovery suffix ``"+<method>[-<argument>]"`` naming a registered method
-    (``"+resq-2:4"``).
+    (``"+resq-2:4"``); or one of the field's recipes (:func:`field_recipe_names`), with
+    a recovery suffix too.
     """
     if not isinstance(name, str):
         raise RecipeError(f"a recipe name must be a string, got {type(name).__name__}")
     base, _, recovery = name.partition("+")
+    field_recipes = _field_recipes()
+    if base in field_recipes:
+        recipe = field_recipes[base]
+        rollout = dataclasses.replace(recipe.rollout, recovery=Recovery.parse(recovery))
+        return dataclasses.replace(recipe, rollout=rollout)
     if base == "bf16":
         fmt, train, rollout = "hif4", "bf16", "bf16"
     else:
@@ -264,7 +300,8 @@ def get_recipe(name: str) -> Recipe:
                 f"unknown recipe {name!r}{did_you_mean(fmt, quantized_formats())}: use 'bf16', "
                 f"'<fmt>' or '<fmt>:<train>/<rollout>' with fmt in "
                 f"{', '.join(quantized_formats())}, train in {', '.join(TRAIN_PRECISIONS)}, "
-                f"rollout in {', '.join(ROLLOUT_PRECISIONS)}, optionally '+<recovery method>' "
+                f"rollout in {', '.join(ROLLOUT_PRECISIONS)}, or one of the field's recipes "
+                f"({', '.join(field_recipes)}), optionally '+<recovery method>' "
                 f"(e.g. '+resq-2:4')")
     t = "bf16" if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])

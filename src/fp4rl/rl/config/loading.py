@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from fp4rl.errors import ConfigError
+from fp4rl.errors import ConfigError, RecipeError
+from fp4rl.nn.recipe import get_recipe
 from fp4rl.presets import preset_path
 from fp4rl.rl.config.overrides import apply_override, set_path
 from fp4rl.rl.config.schema import TrainConfig
@@ -21,7 +22,9 @@ from fp4rl.rl.config.yaml12 import Loader
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 changes: dict[str, Any] | None = None) -> TrainConfig:
     """Read ``path`` (a YAML file or a preset name, see :mod:`fp4rl.presets`), apply
-    ``overrides`` (``key=value``) and ``changes`` (``{"run.steps": 3}``), then validate."""
+    ``overrides`` (``key=value``) and ``changes`` (``{"run.steps": 3}``), then validate.
+    An override ``recipe=NAME`` replaces the file's recipe (its ``train``, rollout policy
+    and ``ignore``) as a whole."""
     data: dict[str, Any] = {}
     if path is not None:
         p = preset_path(path)
@@ -31,6 +34,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p} must hold a mapping at the top level")
+    if any(item.startswith("recipe=") for item in overrides or []):
+        data = _without_recipe(data)
     for item in overrides or []:
         apply_override(data, item)
     for key, value in (changes or {}).items():
@@ -59,10 +64,45 @@ def _suggestion(error: Any) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+def _without_recipe(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` less its recipe (``recipe``, ``train``, ``ignore``, the rollout policy),
+    keeping where and how the rollout runs (``rollout.engine``, an engine's settings)."""
+    rollout = data.get("rollout")
+    kept = {k: v for k, v in data.items() if k not in ("recipe", "train", "ignore", "rollout")}
+    if isinstance(rollout, dict):
+        kept["rollout"] = {k: v for k, v in rollout.items()
+                           if k not in ("weights", "activations", "recovery")}
+    return kept
+
+
+def expand_recipe_name(data: dict[str, Any]) -> dict[str, Any]:
+    """``recipe: NAME`` (a config key or ``recipe=NAME``) as the ``train``, rollout policy
+    and ``ignore`` it names; the config may not also set them (one source for each)."""
+    if "recipe" not in data:
+        return data
+    data = dict(data)
+    name = data.pop("recipe")
+    rollout = data.get("rollout") or {}
+    policy = [f"rollout.{k}" for k in ("weights", "activations", "recovery")
+              if isinstance(rollout, dict) and k in rollout]
+    clash = [k for k in ("train", "ignore") if data.get(k)] + policy
+    if clash:
+        raise ConfigError(f"recipe={name} sets train, rollout's policy and ignore at once: "
+                          f"drop {', '.join(clash)}, or the recipe name")
+    try:
+        named = get_recipe(name).to_dict()
+    except RecipeError as err:
+        raise ConfigError(f"recipe: {err}") from None
+    data["train"], data["ignore"] = named["train"], named.get("ignore", [])
+    data["rollout"] = {**named["rollout"], **rollout} if isinstance(rollout, dict) else rollout
+    return data
+
+
 def validate(data: dict[str, Any]) -> TrainConfig:
     for key, why in REMOVED_KEYS.items():
         if key in data:
             raise ConfigError(why)
+    data = expand_recipe_name(data)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:

@@ -156,15 +156,17 @@ class TrainConfig(_Section):
                         "cuda:N")
     train: dict[str, Any] = Field(
         default_factory=dict, description="the training policy's formats: weights, "
-        "activations, gradients (each a format name), backward_operands (requantize or "
-        "reuse_forward); "
-        "docs/layers.md")
+        "activations, gradients (each a format name), backward_operands (requantize, "
+        "reuse_forward or dequantized); docs/layers.md. A whole recipe by name instead: "
+        "recipe=NAME (e.g. hif4+resq-2:4, nemo-rl-nvfp4) sets train, rollout's policy and "
+        "ignore")
     rollout: dict[str, Any] = Field(
         default_factory=dict, description="the rollout policy (weights, activations, "
         "recovery: docs/layers.md), the engine that runs it (rollout.engine) and each "
         "engine's own settings (rollout.<engine>: below)")
-    ignore: list[str] = Field(default_factory=list, description="modules left unquantized "
-                              "(regexes on module names), as in compressed-tensors")
+    ignore: list[str] = Field(default_factory=list, description="modules left unquantized: "
+                              "regexes on module names, as in compressed-tensors, or first:N, "
+                              "last:N, last:<fraction> (blocks), kind:attention, kind:mlp")
     data: DataConfig = Field(default_factory=DataConfig, description="the examples")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO's sampling, "
                              "batching, optimizer settings and loss")

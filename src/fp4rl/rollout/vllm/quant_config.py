@@ -58,7 +58,7 @@ class FP4RLConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         names = hf_layer_names(prefix)
-        ignored = [self.recipe.ignores(n) for n in names]
+        ignored = [self.recipe.ignores(n, _block_count()) for n in names]
         self._layers += 1
         if BLOCK_PREFIX.search(prefix) is None or all(ignored):
             # unquantized, but through this method: vLLM's own CPU method repacks the
@@ -70,6 +70,18 @@ class FP4RLConfig(QuantizationConfig):
                             " unquantized; vLLM runs it as one layer: ignore all of "
                             f"{', '.join(names)} or none")
         return FP4RLLinearMethod(self.recipe, self._layers - 1, self.weight_storage)
+
+
+
+def _block_count() -> int | None:
+    """The transformer blocks of the model vLLM is building (an ``ignore`` such as
+    ``last:0.15`` counts from the end), or None outside a build."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None or config.model_config is None:
+        return None
+    return getattr(config.model_config.hf_text_config, "num_hidden_layers", None)
 
 
 __all__ = ["FP4RLConfig"]
