@@ -92,3 +92,23 @@ def test_a_recipe_name_in_a_config_file(tmp_path):
     assert cfg.recipe() == get_recipe("miles-nvfp4") and cfg.ignore == ["last:0.15"]
     with pytest.raises(ConfigError, match="recipe: unknown recipe 'miles'"):
         load_config(None, ["recipe=miles"])
+
+
+@pytest.mark.parametrize("name", ["hif4", "nvfp4_per_token", *field_recipe_names()])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_where_both_policies_quantize_alike_the_trainer_scores_what_the_rollout_ran(
+        name, autocast):
+    """Recipes whose training forward and rollout use the same formats (the field's
+    recipes: one quantization in trainer and sampler) give bit-identical logits in both
+    modes on the same sequence: their Q(W) and Q(X) are the same, so a mismatch the run
+    logs comes from how the engine computes (decode against prefill), not the policy."""
+    import torch
+
+    model, _ = tiny_model("qwen2")
+    fp4rl.quantize_model(model, name)
+    ids = torch.tensor([[3, 9, 27, 81, 40, 12, 7, 7, 100]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        train = model(input_ids=ids).logits
+        with fp4rl.rollout_mode(model):
+            rollout = model(input_ids=ids).logits
+    assert torch.equal(train, rollout)
