@@ -218,3 +218,36 @@ def test_greedy_completions_of_32_prompts_agree(smollm_dir, hf):
     print(f"hif4+resq-2:4, fp32: vLLM = fp4rl on {vllm_rate:.0%} of 32 greedy completions; "
           f"fp4rl = fp4rl with 4-ulp attention jitter on {self_rate:.0%}")
     assert vllm_rate >= self_rate - 2 / 32  # within what fp4rl's own noise floor allows
+
+
+@pytest.mark.parametrize("recipe", ["nemo-rl-nvfp4", "miles-nvfp4"])
+def test_the_fields_recipes_leave_the_same_layers_in_bf16_and_agree(smollm_dir, hf, recipe):
+    """An ``ignore`` by kind (attention) or by position (the last 15% of the blocks, from
+    vLLM's own model config) leaves the same layers unquantized in vLLM as in fp4rl's
+    patched model, and a quantized layer of each still equals fp4rl's bit for bit."""
+    from fp4rl.gemm import UNQUANTIZED
+    from fp4rl.nn import fp4_layers
+
+    model, _ = hf
+    fp4rl.quantize_model(model, recipe)
+    patched = set(fp4_layers(model))
+    llm = engine(smollm_dir, recipe, torch.bfloat16, model)
+    vm = dict(engine_model(llm).named_modules())
+    hm = dict(model.named_modules())
+    blocks = model.config.num_hidden_layers
+    for layer in range(blocks):
+        for kind, parts in KINDS.items():
+            v = vm[f"model.layers.{layer}.{kind}"]
+            names = [f"model.layers.{layer}.{p}" for p in parts]
+            quantized = v.fp4rl.fmt != UNQUANTIZED
+            assert quantized == all(n in patched for n in names), f"{recipe} {v.fp4rl.fmt} {names}"
+            if quantized and layer in (0, blocks // 2):
+                x = activations(5, v.fp4rl.in_features, seed=layer).to(torch.bfloat16)
+                got = v.quant_method.apply(v, x)
+                with torch.no_grad(), fp4rl.rollout_mode(model), \
+                        torch.autocast("cpu", dtype=torch.bfloat16):
+                    want = torch.cat([hm[n](x.float()) for n in names], -1)
+                assert torch.equal(got, want), f"{recipe} {kind} layer {layer}"
+    assert any(n not in patched for n in (f"model.layers.{blocks - 1}.mlp.down_proj",
+                                          "model.layers.0.self_attn.q_proj"))
+    release(llm)
