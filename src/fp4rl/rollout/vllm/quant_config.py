@@ -81,7 +81,9 @@ def _block_count() -> int | None:
     config = get_current_vllm_config_or_none()
     if config is None or config.model_config is None:
         return None
-    return getattr(config.model_config.hf_text_config, "num_hidden_layers", None)
+    model = config.model_config
+    text = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    return getattr(text, "num_hidden_layers", None)
 
 
 __all__ = ["FP4RLConfig"]
