@@ -61,11 +61,16 @@ class FormatKernels:
 
 
 class KernelFormat(Protocol):
-    """What the kernels read of a format object (:class:`fp4rl.formats.NumberFormat`)."""
+    """What the kernels read of a format object (:class:`fp4rl.formats.NumberFormat`).
 
-    name: str
-    block_size: int
-    kernels: FormatKernels | None
+    Read-only properties, so that the formats' ClassVars satisfy them."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kernels(self) -> FormatKernels | None: ...
 
 
 _AXIS_OPS = {0: "cols", 1: "rows"}
