@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import cast
 
 import torch
 
@@ -202,13 +203,15 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     terms = a if isinstance(a, list) else [a]
     _check_scales(terms, b)
     if dtype == torch.float32:
-        total = terms[0].dense() if len(terms) == 1 else sum(t.dense() for t in terms)
+        # sum's stub adds its int start (0) to the type; terms are never empty
+        total = terms[0].dense() if len(terms) == 1 else \
+            cast(torch.Tensor, sum(t.dense() for t in terms))
         return _addmm(total.float(), b.dense().float(), bias, dtype)
     single = len(terms) == 1 and terms[0].scale is None and b.scale is None
     if single:
-        rows = terms[0].values.to(dtype)
-        return _addmm(rows, b.values.to(dtype), bias, dtype) if matmul is None \
-            else matmul(rows, bias)
+        lhs = terms[0].values.to(dtype)
+        return _addmm(lhs, b.values.to(dtype), bias, dtype) if matmul is None \
+            else matmul(lhs, bias)
     stacked = stack_rows([t.values.to(dtype) for t in terms])
     products = stacked @ b.values.to(dtype) if matmul is None else matmul(stacked, None)
     unscaled = b.scale is None and all(t.scale is None for t in terms)

@@ -26,6 +26,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -75,8 +76,8 @@ class LogProgress:
 
     # ----- rich's interface ------------------------------------------------------------
     def add_task(self, description: str, total: float | None = None, completed: float = 0,
-                 visible: bool = True, **fields: Any) -> int:
-        task_id = len(self.tasks)
+                 visible: bool = True, **fields: Any) -> TaskID:
+        task_id = TaskID(len(self.tasks))  # rich's task id type (an int)
         self.tasks[task_id] = _Task(description, total, completed, str(fields.get("info", "")),
                                     visible, self.clock())
         return task_id

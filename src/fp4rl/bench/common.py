@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -42,7 +42,7 @@ class Comparison:
     target: str = ""
 
 
-def measure(fns: dict[str, Callable[[], object]], repeats: int,
+def measure(fns: Mapping[str, Callable[[], object]], repeats: int,
             slow: dict[str, int] | None = None, warmup: int = 1) -> dict[str, Timing]:
     """Time each callable ``repeats`` times, interleaved; ``slow`` caps repeats per name."""
     slow = slow or {}

@@ -7,6 +7,7 @@ allocate and write the result); the fast quantizer is judged against it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from statistics import median
 
 import torch
@@ -41,8 +42,8 @@ def run(formats: Sequence[str] = DEFAULT_FORMATS, size: int = 4096, repeats: int
     fns = {"clone": _synced(x.clone, dev)}
     for name in formats:
         fmt = get_format(name)
-        fns[f"{name}/fast"] = _synced(lambda f=fmt: f.quantize(x, dim=dim), dev)
-        fns[f"{name}/reference"] = _synced(lambda f=fmt: f.quantize_reference(x, dim=dim), dev)
+        fns[f"{name}/fast"] = _synced(partial(fmt.quantize, x, dim=dim), dev)
+        fns[f"{name}/reference"] = _synced(partial(fmt.quantize_reference, x, dim=dim), dev)
     slow = {f"{name}/reference": reference_repeats for name in formats}
     timings = measure(fns, repeats, slow=slow)
     results = []

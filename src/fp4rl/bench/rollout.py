@@ -54,12 +54,12 @@ CROSS_TARGET = ">= 2 (vLLM tokens/s over hf's)"
 def check_engines(engines: Sequence[str]) -> tuple[str, ...]:
     """The engines asked for (aliases read as their engine), in the registry's order;
     an unknown name, or vLLM's absence, is one line."""
-    engines = {engine_name(e) for e in engines or ["(none)"]}
-    if "vllm" in engines:
+    names = {engine_name(e) for e in engines or ["(none)"]}
+    if "vllm" in names:
         from fp4rl.rollout.vllm.config import require_vllm
 
         require_vllm()
-    return tuple(e for e in list_engines() if e in engines)
+    return tuple(e for e in list_engines() if e in names)
 
 
 def default_batch(engines: Sequence[str]) -> int:

@@ -97,7 +97,7 @@ class Level:
 def _binary(rng: random.Random, a: int, op: str, b: int) -> _Problem:
     symbol, word, apply = _OPERATORS[op]
     question = rng.choice((f"What is {a} {symbol} {b}?", f"Calculate {a} {word} {b}."))
-    key = (op, *sorted((a, b))) if op in "+*" else (op, a, b)
+    key: tuple[int | str, ...] = (op, *sorted((a, b))) if op in "+*" else (op, a, b)
     return _Problem(key, question, f"{a} {op} {b}", apply(a, b))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from fp4rl.export.compressed import LAYOUTS, compressed_payload, require_compressed_tensors
@@ -101,7 +102,7 @@ register_export_format(ExportFormat("bf16", _bf16))
 for _layout in LAYOUTS:
     register_export_format(ExportFormat(
         _layout, _compressed(_layout),
-        requires=lambda layout=_layout: require_compressed_tensors(layout)))
+        requires=partial(require_compressed_tensors, _layout)))
 register_export_format(ExportFormat("hif4", _hif4))
 register_export_format(ExportFormat("vllm", _vllm, takes_recipe=True))
 

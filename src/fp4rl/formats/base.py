@@ -203,7 +203,7 @@ class BlockFormat(NumberFormat):
         scale = self._tensor_scale(rows, opts)
         if scale is not None:
             rows = rows / scale
-        blocks, noise = self._to_blocks(rows, self._noise(*rows.shape, rows.device, opts))
+        blocks, noise = self._to_blocks(rows, self._noise(rows.shape[0], rows.shape[1], rows.device, opts))
         nan = nonfinite_blocks(blocks)
         fields = self.fields(torch.where(nan, 0.0, blocks), noise)
         buffers = self.pack(fields, nan.squeeze(-1))
@@ -236,7 +236,7 @@ class BlockFormat(NumberFormat):
             return self._quantize_matrix(x, d, opts)
         rows, restore = _to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
-        noise = self._noise(*rows.shape, rows.device, opts)
+        noise = self._noise(rows.shape[0], rows.shape[1], rows.device, opts)
         out = quantize_rows(self, rows, noise, scale) if fast else None
         if out is None:
             out = self._reference_rows(rows if scale is None else rows / scale, noise)

@@ -41,6 +41,7 @@ def decode_rows(packed: PackedTensor, dtype: torch.dtype = torch.float32) -> tor
             return fmt.decode(packed).float().to(dtype)
         values = blocks.reshape(rows, -1)[:, :length]
     if scaled:
+        assert packed.tensor_scale is not None  # what ``scaled`` says
         values = values * packed.tensor_scale
     return values.to(dtype)
 

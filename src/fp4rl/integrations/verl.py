@@ -197,7 +197,7 @@ def guard_registry(registry: type) -> None:
     _wrap_new(registry, checked)
 
 
-def _wrap_new(registry: type, around: Callable[..., Any]) -> None:
+def _wrap_new(registry: Any, around: Callable[..., Any]) -> None:
     """Replace a verl factory's ``registry.new`` once by ``around(new, *args, **kwargs)``."""
     new = registry.new
     if getattr(new, "fp4rl_guarded", False):
@@ -255,11 +255,13 @@ def install(engine_cls: type | None = None) -> bool:
         sync = _sync_registry()
         if sync is not None:
             guard_sync_registry(sync)
-    if not getattr(engine_cls._build_module, "fp4rl_wrapped", False):
-        engine_cls._build_module = wrap_build(engine_cls._build_module)
+    build = engine_cls._build_module  # type: ignore[attr-defined]  # verl's engine method
+    if not getattr(build, "fp4rl_wrapped", False):
+        engine_cls._build_module = wrap_build(build)  # type: ignore[attr-defined]  # verl's
     fsdp_build = getattr(engine_cls, "_build_fsdp_module", None)
     if fsdp_build is not None and not getattr(fsdp_build, "fp4rl_wrapped", False):
-        engine_cls._build_fsdp_module = wrap_fsdp_build(fsdp_build)
+        engine_cls._build_fsdp_module = wrap_fsdp_build(  # type: ignore[attr-defined]  # verl's
+            fsdp_build)
     return True
 
 

@@ -42,7 +42,7 @@ def load_model_dir(
     else:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype,
                                                      local_files_only=True)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of .to loses self
     check_tied_embeddings(model)
     tokenizer = load_tokenizer(directory)
     if tokenizer.pad_token is None:

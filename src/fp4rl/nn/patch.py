@@ -57,15 +57,15 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
                          "transformer blocks (names like 'model.layers.0.mlp.down_proj'); "
                          "check filter_fn and the recipe's ignore list")
     chosen = {name for name, _ in targets}
-    for name, module in list(fp4_layers(model).items()):
+    for name, layer in list(fp4_layers(model).items()):
         if name not in chosen:
-            _replace(model, name, _plain_linear(module))
+            _replace(model, name, _plain_linear(layer))
     for seed, (name, module) in enumerate(targets):
         if isinstance(module, FP4Linear):
             module.set_recipe(recipe)
         else:
             _replace(model, name, FP4Linear.from_linear(module, recipe, seed))
-    model.fp4rl_recipe = recipe
+    model.fp4rl_recipe = recipe  # type: ignore[assignment]  # fp4rl's attribute on the model
     return model
 
 

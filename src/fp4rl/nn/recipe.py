@@ -192,7 +192,8 @@ class Recipe:
     def ignores(self, module_name: str, blocks: int | None = None) -> bool:
         """Whether ``ignore`` leaves the module called ``module_name`` unquantized, in a
         model of ``blocks`` transformer blocks (needed by ``last:`` only)."""
-        return any(s.matches(module_name, blocks) for s in self._selectors)
+        return any(s.matches(module_name, blocks)
+                   for s in self._selectors)  # type: ignore[attr-defined]  # set by __post_init__
 
     def ignores_in(self, names: Iterable[str]) -> Callable[[str], bool]:
         """:meth:`ignores` for the modules of one model, whose module ``names`` give its
@@ -287,8 +288,8 @@ def get_recipe(name: str) -> Recipe:
     field_recipes = _field_recipes()
     if base in field_recipes:
         recipe = field_recipes[base]
-        rollout = dataclasses.replace(recipe.rollout, recovery=Recovery.parse(recovery))
-        return dataclasses.replace(recipe, rollout=rollout)
+        precision = dataclasses.replace(recipe.rollout, recovery=Recovery.parse(recovery))
+        return dataclasses.replace(recipe, rollout=precision)
     if base == "bf16":
         fmt, train, rollout = "hif4", "bf16", "bf16"
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 from dataclasses import dataclass
 
 from fp4rl.errors import RecipeError
@@ -47,7 +48,8 @@ class Selector:
         """The entry's meaning; a malformed selector or regex is one line."""
         head, sep, arg = entry.partition(":")
         if sep and head in ("first", "last"):
-            return cls(entry, **{head: _count(entry, arg, head == "last")})
+            position: dict[str, Any] = {head: _count(entry, arg, head == "last")}
+            return cls(entry, **position)
         if sep and head == "kind":
             if arg not in KINDS:
                 raise RecipeError(f"ignore: {entry!r}: choose kind:{', kind:'.join(KINDS)}")

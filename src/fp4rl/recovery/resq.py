@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 
@@ -99,7 +100,7 @@ class ResQConfig(RecoveryConfig):
 
 class ResQ(RolloutRecovery):
     config_cls = ResQConfig
-    variants = (("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
+    variants: ClassVar[tuple[tuple[str, str], ...]] = (("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
                 ("block:32x64:0.5", "ResQ (block 32x64 0.5)"), ("2:4", "ResQ (2:4)"))
     serves_in_engines = True
     config: ResQConfig

@@ -65,6 +65,7 @@ class SmoothQuant(RolloutRecovery):
         return w if self.scales is None else w * self.scales.to(w.device, w.dtype)
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+        assert self.scales is not None  # prepare() calibrates before any activation
         return [self.quantize_act(x / self.scales.to(device=x.device, dtype=x.dtype))]
 
 

@@ -67,6 +67,7 @@ class Recovery:
             raise RecipeError(f"recovery {text!r}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
+        assert self.config is not None  # __post_init__ fills it in
         return {"method": self.method, **dataclasses.asdict(self.config)}
 
     def replace(self, **changes: Any) -> Recovery:
@@ -82,6 +83,7 @@ class Recovery:
         none."""
         if self.method == "none":
             return ""
+        assert self.config is not None  # __post_init__ fills it in
         arg = self.config.text()
         return f"{self.method}-{arg}" if arg else self.method
 
@@ -90,6 +92,7 @@ def make_recovery(recovery: Recovery, act_format: str, in_features: int,
                   seed: int, weight_format: str | None = None) -> RolloutRecovery:
     """The configured method's instance for one layer (``weight_format``: the rollout
     weight format, default ``act_format``)."""
+    assert recovery.config is not None  # Recovery.__post_init__ fills it in
     return get_recovery(recovery.method)(recovery.config, act_format, in_features, seed,
                                        weight_format=weight_format)
 

@@ -242,7 +242,7 @@ def restore_sharded_checkpoint(path: Path, model: torch.nn.Module,
 
     verify_checkpoint(path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
     load(state, checkpoint_id=str(path / SHARDS))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])

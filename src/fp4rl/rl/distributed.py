@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -199,22 +199,23 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
     if sync:
         yield
     elif hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
+        with model.no_sync():  # type: ignore[operator]  # DDP's method (hasattr above)
             yield
     else:  # FSDP2
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]  # FSDPModule's
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDPModule's
 
 
 def full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, torch.Tensor]:
     """The sharded model's full state dict, on every rank or (CPU-offloaded) on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=not everywhere))
+    # a full state dict holds plain tensors (the stubs' ValueType also allows DTensors)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=not everywhere)))
 
 
 __all__ = ["Dist", "all_gather", "full_model_state", "gradient_sync", "launched_rank",

@@ -66,12 +66,13 @@ class RolloutEngine(Protocol):
     settings: ClassVar[type[BaseModel] | None]
 
     @classmethod
-    def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
+    def check_config(cls, settings: Any, recipe: Recipe, shards: bool,
                      named: bool) -> None:
         """Refuse, in one line, a training config this engine could not serve, before
         anything loads and without importing the engine's own library: ``settings`` its
         validated section, ``shards`` whether the run shards its model (FSDP2), ``named``
-        whether the config names this engine (else ``auto`` may pick it)."""
+        whether the config names this engine (else ``auto`` may pick it). ``settings`` is
+        typed Any: each engine takes an instance of its own ``settings`` model (or None)."""
 
     @classmethod
     def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:

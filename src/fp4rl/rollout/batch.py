@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -78,7 +78,9 @@ class RolloutBatch:
     def texts(self, tokenizer: PreTrainedTokenizerBase) -> list[str]:
         """The responses as text, special tokens (EOS, padding) left out."""
         rows = zip(self.response_ids.tolist(), self.response_lengths().tolist(), strict=True)
-        return [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in rows]
+        # one sequence of ids decodes to one str (the stubs also allow a batch's list)
+        return [cast(str, tokenizer.decode(ids[:n], skip_special_tokens=True))
+                for ids, n in rows]
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

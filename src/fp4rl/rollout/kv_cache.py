@@ -22,7 +22,7 @@ from rich.progress import Progress
 
 from fp4rl.nn import fp4_layers, rollout_mode
 from fp4rl.precision import autocast
-from fp4rl.progress import progress_bar
+from fp4rl.progress import LogProgress, progress_bar
 from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
 from fp4rl.rollout.batch import (
     RolloutBatch,
@@ -35,6 +35,8 @@ from fp4rl.rollout.sampling import row_generators, sample_next
 from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from fp4rl.nn.recipe import Recipe
 
 
@@ -126,7 +128,7 @@ def _distinct(prompts: Sequence[Sequence[int]], device: torch.device
 
 
 def _progress_fn(progress: bool | ProgressFn, total_steps: int
-                 ) -> tuple[ProgressFn | None, Progress | None]:
+                 ) -> tuple[ProgressFn | None, Progress | LogProgress | None]:
     if callable(progress):
         return progress, None
     if not progress:
@@ -195,7 +197,8 @@ class KVCacheEngine:
 
     name: ClassVar[str] = "hf"
     summary: ClassVar[str] = "fp4rl's KV-cache engine on the trainer's model"
-    settings: ClassVar[None] = None
+    # typed as RolloutEngine declares it: a protocol's ClassVar is matched exactly
+    settings: ClassVar[type[BaseModel] | None] = None
 
     @classmethod
     def check_config(cls, settings: None, recipe: Recipe, shards: bool, named: bool) -> None:

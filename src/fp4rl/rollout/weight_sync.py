@@ -102,7 +102,7 @@ def _gather_packed(layer: FP4Linear, world_size: int) -> tuple[Operand, int]:
     """The whole weight's rollout operand, from every rank's packed shard; and the bytes
     this rank received."""
     fmt_name = layer.recipe.rollout.weights
-    local = layer.weight.to_local().detach().float()
+    local = layer.weight.to_local().detach().float()  # type: ignore[attr-defined]  # FSDP2 DTensor
     rows = layer.weight.shape[0]
     per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))

@@ -33,6 +33,8 @@ from fp4rl.rollout.vllm.settings import VLLMSettings
 from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from fp4rl.nn.recipe import Recipe
 
 
@@ -92,7 +94,7 @@ class EngineSpec:
         return {"max_num_batched_tokens": budget, "enable_chunked_prefill": False}
 
 
-def method_kwargs(recipe: Recipe | None, weight_storage: str = "dequantized"
+def method_kwargs(recipe: Recipe | str | None, weight_storage: str = "dequantized"
                   ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
     policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
@@ -186,7 +188,8 @@ class VLLMEngine:
 
     name: ClassVar[str] = "vllm"
     summary: ClassVar[str] = "a colocated vLLM engine with the fp4rl quantization method"
-    settings: ClassVar[type[VLLMSettings]] = VLLMSettings
+    # typed as RolloutEngine declares it: a protocol's ClassVar is matched exactly
+    settings: ClassVar[type[BaseModel] | None] = VLLMSettings
 
     @classmethod
     def check_config(cls, settings: VLLMSettings, recipe: Recipe, shards: bool,

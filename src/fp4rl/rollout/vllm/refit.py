@@ -10,7 +10,7 @@ process or in its own, and the engine installs the grid without re-quantizing.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ class RefitPayload:
         for name, g in self.grids.items():
             scaled = g.scale is not None  # the scale travels as a tensor: no host sync
             if scaled:
+                assert g.scale is not None  # what ``scaled`` says
                 tensors[f"s/{name}"] = g.scale.reshape(())
             if isinstance(g, PackedOperand):
                 grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
@@ -138,7 +139,7 @@ def refit_pieces(model: torch.nn.Module, dtype: torch.dtype, packed: bool = Fals
         yield RefitPayload(grids, tensors)
 
 
-def _units(model: torch.nn.Module, layers: dict[str, torch.nn.Module]
+def _units(model: torch.nn.Module, layers: Mapping[str, torch.nn.Linear]
            ) -> Iterator[dict[str, torch.Tensor]]:
     """What travels together, in the model's parameter order: the grid layers of one
     parent module (by layer name), or one other parameter (by parameter name)."""

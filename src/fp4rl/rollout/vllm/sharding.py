@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.model_executor.utils import set_weight_attrs
@@ -26,6 +26,9 @@ from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
 from fp4rl.rollout.vllm.config import VLLMError
+
+if TYPE_CHECKING:
+    from fp4rl.recovery.resq import ResQConfig
 
 Part = Operand | PackedOperand
 
@@ -76,8 +79,8 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
                         f"no rank of the row-parallel {where} sees: use "
                         "tensor_parallel_size=1, or block-scaled activations (hif4, mxfp4)")
     if r.recovery.method == "resq" and not isinstance(
-            parse_pattern(str(r.recovery.config.sparsity)), Dense | NM):
-        raise VLLMError(f"ResQ's {r.recovery.config.sparsity} sparsity ranks channels across "
+            parse_pattern(str(cast("ResQConfig", r.recovery.config).sparsity)), Dense | NM):
+        raise VLLMError(f"ResQ's {cast('ResQConfig', r.recovery.config).sparsity} sparsity ranks channels across "
                         f"the whole input, which no rank of the row-parallel {where} sees: "
                         "use dense or n:m sparsity with tensor parallelism")
 
