@@ -274,8 +274,8 @@ def _rows(result: Outcome, label: str) -> list[tuple[str, str, str, str]]:
     rows = []
     for key, what in SCORED_POLICIES:
         what = what.replace("FP4", label, 1)
-        b, a = result.before[key].mean, result.after[key].mean
-        rows.append((f"accuracy, {what}", f"{b:.1%}", f"{a:.1%}",
+        before, after = result.before[key].mean, result.after[key].mean
+        rows.append((f"accuracy, {what}", f"{before:.1%}", f"{after:.1%}",
                      f"{_signed(result.change(key))} pt"))
     b, a = result.before[REWARD], result.after[REWARD]
     rows.append((f"mean reward, {label} rollout policy, {a.k} samples per held-out prompt "

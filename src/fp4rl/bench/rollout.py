@@ -143,8 +143,9 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
 
     directory = model_dir(model_name)
     longest = max(map(len, prompts)) + new_tokens
-    sizes = {"max_model_len": max(longest, 256),
-             "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
+    sizes: dict[str, Any] = {"max_model_len": max(longest, 256),
+                             "kv_cache_bytes": _kv_cache_bytes(directory,
+                                                               len(prompts) * longest)}
     specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
              **{p: EngineSpec(directory, get_recipe(p), dtype=torch.bfloat16, **sizes)
                 for p in BENCH_RECIPES}}

@@ -40,7 +40,7 @@ SMALL = {"mixed_precision": "bf16", "data.train_size": 64, "grpo.num_generations
          "grpo.temperature": 0.8, "grpo.learning_rate": 1e-6, "run.save_steps": 1000}
 
 
-def _coin_flips(seed: int) -> Callable[[str, str], float]:
+def _coin_flips(seed: int) -> Callable[[str | None, str], float]:
     """A reward that ignores the completion: a reproducible stream of 0/1 values."""
     rng = random.Random(seed)
     return lambda completion, reference: float(rng.random() < 0.5)

@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, cast
 
 import matplotlib
 import numpy as np
@@ -130,7 +130,8 @@ def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
     diff = gap(runs, base, policy, bench)
     if isinstance(diff, str):
         return text + f" ({value - base_value:+.1f})", second
-    boot_diff = gap(runs, base, policy, bench, stats.bootstrap)
+    # the same cells as ``diff``, which has an estimate: so has the bootstrap
+    boot_diff = cast(stats.Estimate, gap(runs, base, policy, bench, stats.bootstrap))
     return text + f" ({_fmt(diff, '+')})", f"{second} ({_bounds(boot_diff, '+')})"
 
 
@@ -187,7 +188,8 @@ def claim_rows(results: Results, claims: list[Comparison],
                    "paper": c.paper_figures}
             means = accuracy(a, CLAIM_POLICY, bench), accuracy(b, CLAIM_POLICY, bench)
             if isinstance(diff, stats.Estimate):
-                boot = gap(a, b, CLAIM_POLICY, bench, stats.bootstrap)
+                # the same cells as ``diff``, which has an estimate: so has the bootstrap
+                boot = cast(stats.Estimate, gap(a, b, CLAIM_POLICY, bench, stats.bootstrap))
                 row |= {"gap": diff.mean, "lo": diff.lo, "hi": diff.hi, "seeds": diff.seeds,
                         "prompts": diff.prompts, "verdict": stats.verdict(diff),
                         "bootstrap_lo": boot.lo, "bootstrap_hi": boot.hi}
@@ -365,7 +367,8 @@ def _summary(runs: Runs | None, benches: list[str]) -> dict[str, Any]:
         for bench in benches:
             value = accuracy(runs, policy, bench)
             est = interval(runs, policy, bench)
-            boot = interval(runs, policy, bench, stats.bootstrap)
+            # read only where ``est`` is an estimate, and then so is ``boot`` (same cells)
+            boot = cast(stats.Estimate, interval(runs, policy, bench, stats.bootstrap))
             out.setdefault(policy, {})[bench] = (
                 None if value is None else {"mean": value} if isinstance(est, str)
                 else {"mean": est.mean, "lo": est.lo, "hi": est.hi, "seeds": est.seeds,

@@ -267,7 +267,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     unquantized = _score(trainer.model, trainer.tok, cfg, sets)
     eval_seconds = time.perf_counter() - start
     history = RunDir(run_dir).read_metrics()
-    initial = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
+    initial: dict[str, Any] = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
                else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
     result = {
         "cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,

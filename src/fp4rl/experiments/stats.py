@@ -210,7 +210,7 @@ def seed_t(outcomes: np.ndarray | Sequence[Sequence[float]], crossed: bool = Tru
                     crossed)
 
 
-def _matrix(outcomes: np.ndarray | Sequence[Sequence[float]]) -> np.ndarray:
+def _matrix(outcomes: np.ndarray | Sequence[Sequence[float] | np.ndarray]) -> np.ndarray:
     values = np.asarray(outcomes, dtype=np.float64)
     if values.ndim != 2 or 0 in values.shape:
         raise ValueError(f"outcomes must be a non-empty seeds x prompts matrix, got shape "
@@ -256,7 +256,7 @@ def _resampled_means(outcomes: np.ndarray, crossed: bool, resamples: int,
     return means
 
 
-def bootstrap(outcomes: np.ndarray | Sequence[Sequence[float]], crossed: bool = True,
+def bootstrap(outcomes: np.ndarray | Sequence[Sequence[float] | np.ndarray], crossed: bool = True,
               resamples: int = RESAMPLES, seed: int = RNG_SEED,
               level: float = LEVEL) -> Estimate:
     """The mean of a seeds x prompts matrix and its two-way bootstrap interval (the

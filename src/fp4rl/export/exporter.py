@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -75,7 +76,9 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
         recipe = vllm_recipe(trained.recipe if recipe == "run" else
                              recipe or DEFAULT_VLLM_RECIPE, run_ignore=trained.recipe.ignore)
     ignores = trained.recipe.ignores_in(n for n, _ in trained.model.named_modules())
-    return export_model(trained.model, trained.tokenizer, name, output, ignores, recipe=recipe)
+    # a checkpoint's policy is a transformers model (TrainedPolicy types it as a Module)
+    return export_model(cast(PreTrainedModel, trained.model), trained.tokenizer, name, output,
+                        ignores, recipe=recipe)
 
 
 def export_pretrained(model: str, fmt: str, output: str | Path,

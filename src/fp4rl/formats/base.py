@@ -203,7 +203,8 @@ class BlockFormat(NumberFormat):
         scale = self._tensor_scale(rows, opts)
         if scale is not None:
             rows = rows / scale
-        blocks, noise = self._to_blocks(rows, self._noise(rows.shape[0], rows.shape[1], rows.device, opts))
+        blocks, noise = self._to_blocks(
+            rows, self._noise(rows.shape[0], rows.shape[1], rows.device, opts))
         nan = nonfinite_blocks(blocks)
         fields = self.fields(torch.where(nan, 0.0, blocks), noise)
         buffers = self.pack(fields, nan.squeeze(-1))

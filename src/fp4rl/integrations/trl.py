@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 from packaging.requirements import Requirement
@@ -258,7 +258,8 @@ def sample_with_transformers(model: PreTrainedModel, prompt_ids: Sequence[Sequen
     rows = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
     ids = pad(rows, padding_value=pad_token_id, padding_side="left").to(device)
     mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left")
-    out = model.generate(input_ids=ids, attention_mask=mask.to(device),
+    out = model.generate(  # type: ignore[operator]  # GenerationMixin's, on causal LMs
+                         input_ids=ids, attention_mask=mask.to(device),
                          generation_config=generation_config, output_scores=True,
                          return_dict_in_generate=True)
     tokens = out.sequences[:, ids.shape[1]:]
@@ -287,6 +288,8 @@ class FP4GRPOTrainer(GRPOTrainer):
     model gets the same recipe, so the KL compares two training policies.
     """
 
+    args: GRPOConfig  # GRPOTrainer's arguments (its stubs say TrainingArguments)
+
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any = None,
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
                  fp4_rollout_engine: TRLEngine = "hf", **kwargs: Any) -> None:
@@ -301,7 +304,8 @@ class FP4GRPOTrainer(GRPOTrainer):
 
             rollout_recipe(recipe)  # one line if vLLM cannot run its recovery method
         _check_arguments(kwargs)
-        with _engine_with_fp4rl_method(recipe, args) if on_vllm else contextlib.nullcontext():
+        with _engine_with_fp4rl_method(recipe, cast("GRPOConfig", args)) if on_vllm else \
+                contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
         self.fp4_recipe = recipe
         self.fp4_rollout_engine = "vllm" if on_vllm else engine
@@ -327,7 +331,9 @@ class FP4GRPOTrainer(GRPOTrainer):
         with (unwrap_model_for_generation(
                   self.model_wrapped, self.accelerator,
                   gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                  gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+                  # a str (JSON) only until TrainingArguments.__post_init__ parses it
+                  gradient_checkpointing_kwargs=cast(
+                      "dict[str, Any] | None", self.args.gradient_checkpointing_kwargs))
               as policy, torch.no_grad(), rollout_mode(policy), self.accelerator.autocast()):
             begin_step(policy)  # one generation round is one RL step: recalibrate recovery
             yield policy
@@ -341,6 +347,7 @@ class FP4GRPOTrainer(GRPOTrainer):
             return output
         diff = (old - sampled)[output["completion_mask"].bool()]
         diff = diff[~torch.isnan(diff)]  # tokens a sampler could not score, as TRL skips them
+        assert self.model is not None  # set by the trainer's constructor
         mode = "train" if self.model.training else "eval"
         for key, value in nemo_rl_mismatch(diff).items():  # NaN where no token: every
             gathered = self.accelerator.gather(value.reshape(1))  # process gathers alike
@@ -364,8 +371,9 @@ class FP4GRPOTrainer(GRPOTrainer):
         pad_token_id = self.generation_config.pad_token_id
         with self._rollout_policy() as policy:
             if self.fp4_rollout_engine == "transformers":
-                return sample_with_transformers(policy, prompt_ids, self.generation_config,
-                                                pad_token_id, self.eos_token_ids)
+                return sample_with_transformers(cast("PreTrainedModel", policy), prompt_ids,
+                                                self.generation_config, pad_token_id,
+                                                self.eos_token_ids)
             return sample_with_fp4rl(policy, prompt_ids, self._sampling_config(),
                                      pad_token_id, self.eos_token_ids)
 
@@ -382,13 +390,16 @@ class FP4GRPOTrainer(GRPOTrainer):
                             self.eos_token_ids, refit_wire="bf16")
         metrics = engine.sync(self.accelerator.unwrap_model(self.model))
         self._last_loaded_step = self.state.global_step
+        assert self.model is not None  # set by the trainer's constructor
         mode = "train" if self.model.training else "eval"
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
 
     def _sampling_config(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k or 0, max_new_tokens=self.max_completion_length)
+                              top_k=self.top_k or 0,
+                              # GRPOTrainer sets it from GRPOConfig's (default 256)
+                              max_new_tokens=cast(int, self.max_completion_length))
 
 
 __all__ = ["INSTALL", "TRL_ENGINES", "TRL_REQUIREMENT", "FP4GRPOTrainer", "TRLEngine",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from fp4rl.errors import RecipeError
 

@@ -100,8 +100,9 @@ class ResQConfig(RecoveryConfig):
 
 class ResQ(RolloutRecovery):
     config_cls = ResQConfig
-    variants: ClassVar[tuple[tuple[str, str], ...]] = (("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
-                ("block:32x64:0.5", "ResQ (block 32x64 0.5)"), ("2:4", "ResQ (2:4)"))
+    variants: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("dense", "ResQ (dense)"), ("channel:0.5", "ResQ (channel 0.5)"),
+        ("block:32x64:0.5", "ResQ (block 32x64 0.5)"), ("2:4", "ResQ (2:4)"))
     serves_in_engines = True
     config: ResQConfig
 

@@ -75,6 +75,7 @@ def evaluate(model: torch.nn.Module | None, tokenizer: Any, examples: list[Examp
     as its rollout policy if it is patched; ``model`` may be None when ``engine`` is
     given)."""
     if engine is None:
+        assert model is not None  # may be None only when ``engine`` is given
         device = next(model.parameters()).device
         engine = KVCacheEngine(model, tokenizer.pad_token_id,
                                eos_token_ids or stop_token_ids(tokenizer),

@@ -211,7 +211,7 @@ class Trainer:
 
     def next_batch(self) -> list[int]:
         """Indices of the next ``batch_size`` prompts, cycling through shuffled epochs."""
-        chosen = []
+        chosen: list[int] = []
         order = self._order(self.cursor.epoch)
         while len(chosen) < self.cfg.grpo.batch_size:
             if self.cursor.index >= len(order):
@@ -283,10 +283,10 @@ class Trainer:
         with _stopwatch(timings, "rollout"):
             mine = self.rollout(rows)
         with _stopwatch(timings, "reward"):
-            rewards = {c: self.rewards([self.train_examples[i] for i, _, _ in rows[c]], b)
-                       for c, b in mine.items()}
+            chunk_rewards = {c: self.rewards([self.train_examples[i] for i, _, _ in rows[c]], b)
+                             for c, b in mine.items()}
         timings.rollout_tokens = sum(int(b.response_mask.sum()) for b in mine.values())
-        batch, rewards = self._gather(mine, rewards)  # the whole step, in order, on device
+        batch, rewards = self._gather(mine, chunk_rewards)  # the whole step, in order, on device
         advantages = group_advantages(rewards, g.num_generations)  # on the CPU, as rewards
         update = self.update(batch, advantages)
         timings.old_logprob, timings.update = update.logprob_seconds, update.update_seconds
@@ -432,6 +432,7 @@ class Trainer:
             with gradient_sync(self.train_model, sync):
                 logp, entropy = self._logprobs(self.train_model, seqs, micro,
                                                with_entropy=True)
+                assert entropy is not None  # with_entropy=True
                 m = mask[micro]
                 loss, st = grpo_loss(logp, data.old.take(micro, logp), batch.logprobs[micro],
                                      advantages[micro].to(logp.device), m, loss_cfg,

@@ -55,7 +55,7 @@ class FP4RLLinearMethod(LinearMethodBase):
                            params_dtype, r.weights, self.storage, recovery,
                            TracedActivation(recovery), prepack=engine_is_eager(),
                            partition=partition if partition.split else None)
-        layer.fp4rl = state
+        layer.fp4rl = state  # type: ignore[assignment]  # fp4rl's state on vLLM's layer
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),
                                       input_dim=1, output_dim=0,
@@ -81,7 +81,7 @@ class FP4RLLinearMethod(LinearMethodBase):
         there is one. Capturable: it reads what processing fixed and changes nothing, and
         the quantizers run as one custom operator, so ``torch.compile`` and CUDA graphs
         trace it whole (``enforce_eager=False``)."""
-        state: LayerState = layer.fp4rl
+        state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
         if state.store is None:
             raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before vLLM "
                             "processed its weights")

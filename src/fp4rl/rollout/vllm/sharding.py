@@ -80,7 +80,8 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
                         "tensor_parallel_size=1, or block-scaled activations (hif4, mxfp4)")
     if r.recovery.method == "resq" and not isinstance(
             parse_pattern(str(cast("ResQConfig", r.recovery.config).sparsity)), Dense | NM):
-        raise VLLMError(f"ResQ's {cast('ResQConfig', r.recovery.config).sparsity} sparsity ranks channels across "
+        sparsity = cast("ResQConfig", r.recovery.config).sparsity
+        raise VLLMError(f"ResQ's {sparsity} sparsity ranks channels across "
                         f"the whole input, which no rank of the row-parallel {where} sees: "
                         "use dense or n:m sparsity with tensor parallelism")
 
