@@ -87,15 +87,15 @@ def greedy_completions(model: torch.nn.Module, tokenizer: object, prompts: list[
                        max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (token ids, EOS included), from the KV-cache rollout engine."""
     batch = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, greedy=True),
-                     pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-                     eos_token_ids=tokenizer.eos_token_id)  # type: ignore[attr-defined]
+                     pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]  # a transformers tokenizer
+                     eos_token_ids=tokenizer.eos_token_id)  # type: ignore[attr-defined]  # a transformers tokenizer
     return [ids[:n] for ids, n in zip(batch.response_ids.tolist(),
                                       batch.response_lengths().tolist(), strict=True)]
 
 
 def accuracy(tokenizer: object, completions: list[list[int]], answers: Sequence[str],
              reward: Callable[[str, str], float]) -> float:
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]  # a transformers tokenizer
     return sum(reward(t, a) for t, a in zip(texts, answers, strict=True)) / len(texts)
 
 
@@ -106,7 +106,7 @@ def run_fidelity(model: torch.nn.Module, tokenizer: object, prompts: list[list[i
     """Score every method on the same sequences; ``model`` is patched in place."""
     reward_fn = get_reward(reward)
     completions = greedy_completions(model, tokenizer, prompts, max_new_tokens)
-    batch = make_batch(prompts, completions, tokenizer.pad_token_id)  # type: ignore[attr-defined]
+    batch = make_batch(prompts, completions, tokenizer.pad_token_id)  # type: ignore[attr-defined]  # a transformers tokenizer
     tokens = batch.input_ids[:, 1:][batch.scored[:, 1:]]
     reference = token_logprobs(model, batch)
     rows = []

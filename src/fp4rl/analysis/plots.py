@@ -140,13 +140,13 @@ def plot_heatmaps(x: torch.Tensor, fmt: str, name: str, path: Path, tokens: int 
 
 def plot_fidelity(rows: Sequence[object], path: Path) -> None:
     """KL to the unquantized policy and greedy accuracy, one bar per method."""
-    names = [r.method for r in rows]  # type: ignore[attr-defined]
+    names = [r.method for r in rows]  # type: ignore[attr-defined]  # rows are FidelityRows
     colors = [COLORS.get(n.split("+")[0], "#777777") for n in names]
     fig, (ax_kl, ax_acc) = plt.subplots(2, 1, figsize=(max(6, 0.55 * len(rows)), 6),
                                         sharex=True)
-    ax_kl.bar(names, [r.kl for r in rows], color=colors)  # type: ignore[attr-defined]
+    ax_kl.bar(names, [r.kl for r in rows], color=colors)  # type: ignore[attr-defined]  # rows are FidelityRows
     ax_kl.set_ylabel("per-token KL to unquantized")
-    ax_acc.bar(names, [100 * r.accuracy for r in rows], color=colors)  # type: ignore[attr-defined]
+    ax_acc.bar(names, [100 * r.accuracy for r in rows], color=colors)  # type: ignore[attr-defined]  # rows are FidelityRows
     ax_acc.set_ylabel("greedy accuracy %")
     ax_acc.tick_params(axis="x", rotation=60, labelsize=8)
     for ax in (ax_kl, ax_acc):
@@ -157,5 +157,5 @@ def plot_fidelity(rows: Sequence[object], path: Path) -> None:
 
 
 def _mean(values: object) -> float:
-    vals = list(values)  # type: ignore[call-overload]
+    vals = list(values)  # type: ignore[call-overload]  # an iterable of floats
     return sum(vals) / len(vals) if vals else float("nan")

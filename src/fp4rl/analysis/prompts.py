@@ -65,10 +65,10 @@ def encode_prompts(tokenizer: object, prompts: Sequence[str]) -> list[torch.Tens
     out = []
     for text in prompts:
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]  # a transformers tokenizer
                 [{"role": "user", "content": text}], add_generation_prompt=True,
                 return_tensors="pt", return_dict=True)["input_ids"]
         else:
-            ids = tokenizer(text, return_tensors="pt")["input_ids"]  # type: ignore[operator]
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]  # type: ignore[operator]  # a transformers tokenizer
         out.append(ids)
     return out

@@ -47,7 +47,7 @@ class _HelpConfig(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help=kwargs.get("help"))  # type: ignore[arg-type]
+                         help=kwargs.get("help"))  # type: ignore[arg-type]  # argparse's help: str | None
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         print(config_help())

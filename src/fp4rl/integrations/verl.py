@@ -151,7 +151,7 @@ def wrap_build(build: Callable[[Any], torch.nn.Module],
         module = build(engine)
         return fp4_actor(module, recipe()) if actor else module
 
-    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]
+    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]  # a marker on the function
     return build_fp4
 
 
@@ -176,7 +176,7 @@ def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torc
             engine._autocast_dtype = COMPUTE_DTYPE
         return module
 
-    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]
+    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]  # a marker on the function
     return build_fp4
 
 
@@ -207,7 +207,7 @@ def _wrap_new(registry: Any, around: Callable[..., Any]) -> None:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         return around(new, *args, **kwargs)
 
-    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]
+    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]  # a marker on the function
     registry.new = staticmethod(guarded)
 
 
@@ -251,7 +251,7 @@ def install(engine_cls: type | None = None) -> bool:
         engine_cls = _verl_class(ENGINE_CLASS)
         if engine_cls is None:
             return False
-        guard_registry(_verl_class(REGISTRY_CLASS))  # type: ignore[arg-type]
+        guard_registry(_verl_class(REGISTRY_CLASS))  # type: ignore[arg-type]  # not None: verl is installed
         sync = _sync_registry()
         if sync is not None:
             guard_sync_registry(sync)

@@ -185,7 +185,7 @@ class FP4Linear(nn.Linear):
         if self._received is not None and self._received[0] == self._weight_key():
             return self._received[1]
         with torch.no_grad():
-            return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]
+            return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]  # unpacked: an Operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)

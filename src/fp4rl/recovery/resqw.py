@@ -55,7 +55,7 @@ class ResQW(ResQ):
     serves_in_engines = False  # its weight residual is a second GEMM operand vLLM lacks
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # RolloutRecovery's arguments
         self._residual: tuple[tuple[int, int, torch.dtype], Operand] | None = None
 
     @cached_property

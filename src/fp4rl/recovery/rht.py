@@ -51,7 +51,7 @@ class RHT(RolloutRecovery):
     reads_weight = True  # its weight is rotated before quantization
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # RolloutRecovery's arguments
         self.block = hadamard_block(self.in_features, self.config.block_size)
         self._generator = torch.Generator().manual_seed(self.seed)
         self.signs = make_signs(self.in_features, self._generator)
@@ -66,8 +66,8 @@ class RHT(RolloutRecovery):
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         if state:
-            self._generator.set_state(state["generator"])  # type: ignore[arg-type]
-            self.signs = state["signs"]  # type: ignore[assignment]
+            self._generator.set_state(state["generator"])  # type: ignore[arg-type]  # a ByteTensor from state_dict
+            self.signs = state["signs"]  # type: ignore[assignment]  # a Tensor from state_dict
             self.version += 1
 
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ class SmoothQuant(RolloutRecovery):
     reads_weight = True  # calibration reads it and its weight is rescaled
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # RolloutRecovery's arguments
         self.scales: torch.Tensor | None = None
         self._stale = True
 

@@ -85,7 +85,7 @@ def weak_loader(loader: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     the collector's objects (``gc.freeze``) once an engine is built, and every engine
     built in a process would then stay in memory."""
     if hasattr(loader, "__self__"):
-        return weakref.WeakMethod(loader)  # type: ignore[return-value]
+        return weakref.WeakMethod(loader)  # type: ignore[return-value]  # a WeakMethod is a Callable[[], ...]
     return lambda: loader
 
 
