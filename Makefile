@@ -64,6 +64,7 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/mypy
 
 # Tests marked `long` (several minutes each: multi-process training with an engine per
 # process, a compiled engine, a resumed run) are left to `make test-long`.
