@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator
 
 from torch import nn
@@ -11,10 +10,7 @@ from torch import nn
 from fp4rl.errors import UserError
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.recipe import Recipe, get_recipe
-
-#: a linear inside a transformer block: ``...layers.<i>.`` (Llama, Qwen2, Mistral, ...),
-#: ``...h.<i>.`` (GPT-style) or ``...blocks.<i>.``
-BLOCK_PREFIX = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
+from fp4rl.nn.select import BLOCK_INDEX
 
 
 class PatchError(UserError):
@@ -33,7 +29,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 def in_transformer_block(module: nn.Module, name: str) -> bool:
     """The default target: a linear layer inside a transformer block (so neither the
     embeddings nor ``lm_head``)."""
-    return isinstance(module, nn.Linear) and BLOCK_PREFIX.search(name) is not None
+    return isinstance(module, nn.Linear) and BLOCK_INDEX.search(name) is not None
 
 
 def quantize_model(model: nn.Module, recipe: Recipe | str,

@@ -25,7 +25,8 @@ from typing import Any
 
 from fp4rl.errors import RecipeError
 
-#: the block index in a module name: ``...layers.<i>.`` (Llama, Qwen2), ``h.<i>.``, ``blocks.<i>.``
+#: a transformer block in a module name, its index captured: ``...layers.<i>.`` (Llama, Qwen2,
+#: Mistral, ...), ``...h.<i>.`` (GPT-style) or ``...blocks.<i>.``; what patching targets too
 BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 #: the module names of each kind of block linear, as the common architectures name them
 KINDS = {"attention": re.compile(r"\.(?:self_attn|attn|attention)\."),

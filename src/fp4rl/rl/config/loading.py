@@ -4,6 +4,7 @@ one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from fp4rl.errors import ConfigError, RecipeError
-from fp4rl.nn.recipe import get_recipe
+from fp4rl.nn.recipe import RolloutPrecision, get_recipe
 from fp4rl.presets import preset_path
 from fp4rl.rl.config.overrides import apply_override, set_path
 from fp4rl.rl.config.schema import TrainConfig
@@ -64,14 +65,17 @@ def _suggestion(error: Any) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+#: the keys of ``rollout`` that are the recipe's rollout policy (the rest say where it runs)
+ROLLOUT_POLICY = tuple(f.name for f in dataclasses.fields(RolloutPrecision))
+
+
 def _without_recipe(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` less its recipe (``recipe``, ``train``, ``ignore``, the rollout policy),
     keeping where and how the rollout runs (``rollout.engine``, an engine's settings)."""
     rollout = data.get("rollout")
     kept = {k: v for k, v in data.items() if k not in ("recipe", "train", "ignore", "rollout")}
     if isinstance(rollout, dict):
-        kept["rollout"] = {k: v for k, v in rollout.items()
-                           if k not in ("weights", "activations", "recovery")}
+        kept["rollout"] = {k: v for k, v in rollout.items() if k not in ROLLOUT_POLICY}
     return kept
 
 
@@ -83,8 +87,7 @@ def expand_recipe_name(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
     name = data.pop("recipe")
     rollout = data.get("rollout") or {}
-    policy = [f"rollout.{k}" for k in ("weights", "activations", "recovery")
-              if isinstance(rollout, dict) and k in rollout]
+    policy = [f"rollout.{k}" for k in ROLLOUT_POLICY if isinstance(rollout, dict) and k in rollout]
     clash = [k for k in ("train", "ignore") if data.get(k)] + policy
     if clash:
         raise ConfigError(f"recipe={name} sets train, rollout's policy and ignore at once: "

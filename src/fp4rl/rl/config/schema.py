@@ -121,6 +121,11 @@ class DistributedConfig(_Section):
     timeout_s: float = Field(600.0, gt=0, description="seconds a collective waits before "
                              "failing (a dead rank ends the run, not hangs it)")
 
+    @property
+    def shards(self) -> bool:
+        """Whether the run shards its model (FSDP2), as ``Dist.shards`` says once launched."""
+        return self.strategy == "fsdp"
+
 
 class EvalConfig(_Section):
     steps: int = Field(0, ge=0, description="evaluate every N steps during training; 0: "
@@ -198,7 +203,7 @@ class TrainConfig(_Section):
                 settings = self.engine_settings(name)
                 try:
                     get_engine(name).check_config(settings, recipe,
-                                                  self.distributed.strategy == "fsdp",
+                                                  self.distributed.shards,
                                                   named=chosen == name)
                 except UserError as err:
                     raise ValueError(str(err)) from None

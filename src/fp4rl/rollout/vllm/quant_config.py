@@ -13,8 +13,8 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from fp4rl.nn.patch import BLOCK_PREFIX
 from fp4rl.nn.recipe import Recipe
+from fp4rl.nn.select import BLOCK_INDEX
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     VLLMError,
@@ -60,7 +60,7 @@ class FP4RLConfig(QuantizationConfig):
         names = hf_layer_names(prefix)
         ignored = [self.recipe.ignores(n, _block_count()) for n in names]
         self._layers += 1
-        if BLOCK_PREFIX.search(prefix) is None or all(ignored):
+        if BLOCK_INDEX.search(prefix) is None or all(ignored):
             # unquantized, but through this method: vLLM's own CPU method repacks the
             # weight and drops it, which a refit could not load into
             return FP4RLLinearMethod(Recipe(), self._layers - 1, self.weight_storage)
