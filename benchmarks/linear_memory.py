@@ -48,7 +48,8 @@ def main() -> None:
     for precision in ("bf16", "no"):
         layers = {"nn.Linear": nn.Linear(args.d, args.n, bias=False)}
         for scheme in ("requantize", "reuse_forward"):
-            train = TrainPrecision("hif4", "hif4", "hif4", backward_operands=scheme)
+            train = TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                                   backward_operands=scheme)
             layers[f"HiF4 FP4Linear ({scheme})"] = FP4Linear.from_linear(
                 nn.Linear(args.d, args.n, bias=False), Recipe(train=train))
         for name, layer in layers.items():

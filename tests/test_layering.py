@@ -18,7 +18,7 @@ PACKAGE = ROOT / "src" / "fp4rl"
 #: bottom up; a room imports only rooms of lower floors (siblings stay independent)
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "progress", "version"),
-    ("hub", "presets", "paths", "registry", "rundir_lock", "precision"),
+    ("hub", "presets", "paths", "registry", "rundir_lock", "precision", "settings"),
     ("data", "kernels"),
     ("formats",),
     ("models", "gemm", "env"),

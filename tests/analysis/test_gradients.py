@@ -47,7 +47,8 @@ def test_sqnr_and_cosine_match_independent_formulas():
 def test_gemm_stats_match_independent_products(scheme):
     x, w, dy = _randn(96, 128, seed=2), _randn(64, 128, seed=3), _randn(96, 64, seed=4)
     dy[:10] = 0.0  # rows reaching no loss term
-    p = TrainPrecision("hif4", "hif4", "hif4", backward_operands=scheme)
+    p = TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                       backward_operands=scheme)
     q = lambda t, d: fp4rl.quantize(t, "hif4", dim=d)  # noqa: E731
     w_axis, x_axis = (0, 0) if scheme == "requantize" else (-1, -1)
     assert G.forward_sqnr(x, w, p) == pytest.approx(_np_sqnr(q(x, -1) @ q(w, -1).t(), x @ w.t()))
@@ -77,7 +78,8 @@ def test_unquantized_gemms_have_infinite_sqnr():
 def test_probe_measures_the_gemms_the_layer_computed(scheme):
     """The probe's dX and dW SQNRs are those of the gradients the layer itself produced."""
     torch.manual_seed(0)
-    train = TrainPrecision("mxfp4", "mxfp4", "mxfp4", backward_operands=scheme)
+    train = TrainPrecision(weights="mxfp4", activations="mxfp4", gradients="mxfp4",
+                           backward_operands=scheme)
     layer = FP4Linear.from_linear(nn.Linear(128, 64, bias=False), Recipe(train=train))
     x, dy = _randn(2, 48, 128, seed=8).requires_grad_(), _randn(2, 48, 64, seed=9)
     with G.GemmProbe(layer) as probe:

@@ -186,7 +186,7 @@ def test_a_run_without_checkpoint_resumes_from_step_0(tmp_path, tiny_llama_dir, 
     run.mkdir()
     overrides = [f"model={tiny_llama_dir}", *RUN_OVERRIDES]
     cfg = load_config("smoke", overrides, {"run.steps": 1})
-    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert main(["train", "--output", str(run), "--resume"]) == 0
     assert "has no checkpoint yet" in capsys.readouterr().out
     assert ckpt.latest_checkpoint(run).name == "step-000001"

@@ -188,7 +188,7 @@ def test_the_engines_byte_sizes_are_positive_numbers_of_bytes(key, value):
     with pytest.raises(ConfigError, match=rf"rollout\.vllm\.{key} must be a positive"):
         load_config(None, [VLLM, f"rollout.vllm.{key}={value}"])
     cfg = load_config(None, [VLLM, f"rollout.vllm.{key}=268435456"])
-    assert getattr(cfg.engine_settings("vllm"), key) == 1 << 28
+    assert getattr(cfg.rollout.settings_of("vllm"), key) == 1 << 28
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "most"])
@@ -196,7 +196,7 @@ def test_the_engines_gpu_share_lies_in_zero_one(value):
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be a share"):
         load_config(None, [VLLM, f"rollout.vllm.gpu_memory_utilization={value}"])
     cfg = load_config(None, [VLLM, "rollout.vllm.gpu_memory_utilization=0.5"])
-    assert cfg.engine_settings("vllm").gpu_memory_utilization == 0.5
+    assert cfg.rollout.settings_of("vllm").gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize("overrides, says", [

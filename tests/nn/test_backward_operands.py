@@ -55,7 +55,7 @@ def _run(layer: FP4Linear, x: torch.Tensor, g: torch.Tensor, autocast: bool = Fa
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scheme", ["requantize", "reuse_forward"])
 def test_fp32_gemms_match_slow_path(fmt, scheme):
-    train = TrainPrecision(fmt, fmt, fmt, backward_operands=scheme)
+    train = TrainPrecision(weights=fmt, activations=fmt, gradients=fmt, backward_operands=scheme)
     layer = _layer(train)
     x, g = _heavy_tailed(96, 128, seed=1), _heavy_tailed(96, 64, seed=2)
     got = _run(layer, x, g)
@@ -69,7 +69,8 @@ def test_fp32_gemms_match_slow_path(fmt, scheme):
 def test_bf16_compute_reuse_forward_matches_fp64_slow_path(fmt):
     """Under bf16 autocast the GEMMs keep the exact FP4 operands: within two bf16
     roundings of the fp64 product (the weight gradient in FP32, for the master)."""
-    train = TrainPrecision(fmt, fmt, fmt, backward_operands="reuse_forward")
+    train = TrainPrecision(weights=fmt, activations=fmt, gradients=fmt,
+                           backward_operands="reuse_forward")
     layer = _layer(train)
     x, g = _heavy_tailed(80, 128, seed=3), _heavy_tailed(80, 64, seed=4)
     g = g.to(torch.bfloat16).float()  # the incoming gradient is bf16 under autocast
@@ -87,7 +88,8 @@ def test_bf16_compute_reuse_forward_matches_fp64_slow_path(fmt):
 
 def test_schemes_share_the_forward_and_differ_in_backward():
     x, g = _heavy_tailed(64, 128, seed=5), _heavy_tailed(64, 64, seed=6)
-    runs = {s: _run(_layer(TrainPrecision("hif4", "hif4", "hif4", backward_operands=s)),
+    runs = {s: _run(_layer(TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                                          backward_operands=s)),
                     x, g) for s in AXES}
     req, reuse = runs["requantize"], runs["reuse_forward"]
     assert torch.equal(req[0], reuse[0])
@@ -97,7 +99,8 @@ def test_schemes_share_the_forward_and_differ_in_backward():
 def test_reuse_forward_with_bf16_gradients_is_the_straight_through_gradient():
     """No gradient quantization: the exact gradient of Y = Q(X) Q(W)^T + b, with the
     quantizers passed straight through (autograd of the dense product)."""
-    layer = _layer(TrainPrecision("mxfp4", "mxfp4", "bf16", backward_operands="reuse_forward"))
+    layer = _layer(TrainPrecision(weights="mxfp4", activations="mxfp4", gradients="bf16",
+                                  backward_operands="reuse_forward"))
     x, g = _heavy_tailed(64, 128, seed=7), _heavy_tailed(64, 64, seed=8)
     _, dx, dw = _run(layer, x, g)
     w = layer.weight.detach().clone().requires_grad_()
@@ -113,7 +116,8 @@ def test_reuse_forward_with_bf16_gradients_is_the_straight_through_gradient():
 def test_saved_activation_is_one_quantized_copy(scheme):
     """Backward keeps one Q(X) per token in the compute dtype (blocked along tokens or,
     reusing the forward's, along in_features) and no copy of the weight."""
-    layer = _layer(TrainPrecision("hif4", "hif4", "hif4", backward_operands=scheme))
+    layer = _layer(TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                                  backward_operands=scheme))
     x = _heavy_tailed(128, 128, seed=9).requires_grad_()
     saved: list[torch.Tensor] = []
 
@@ -157,7 +161,8 @@ def test_dequantized_backward_is_bf16_gemms_on_the_forwards_dequantized_operands
     """NeMo-RL's and Miles's backward: dX = dY Q(W) and dW = dY^T Q(X) with the forward's
     operands (blocked along in_features) dequantized, rounded to bf16 once, and dY as it
     is; per-token activation scales included, which reuse_forward refuses."""
-    train = TrainPrecision(fmt if fmt != "nvfp4_per_token" else "nvfp4", fmt, "bf16",
+    train = TrainPrecision(weights=fmt if fmt != "nvfp4_per_token" else "nvfp4",
+                           activations=fmt,
                            backward_operands="dequantized")
     layer = _layer(train)
     x, g = _heavy_tailed(96, 128, seed=11), _heavy_tailed(96, 64, seed=12)
@@ -174,7 +179,8 @@ def test_dequantized_backward_is_bf16_gemms_on_the_forwards_dequantized_operands
         assert (err <= 2**-8 * exact.abs() + 1e-6 * exact.abs().max()).all()
     assert dx.dtype == torch.float32 and dw.dtype == torch.float32
     if fmt == "nvfp4":  # the scale kept outside (reuse_forward) instead of rounded in
-        reuse = TrainPrecision(fmt, fmt, "bf16", backward_operands="reuse_forward")
+        reuse = TrainPrecision(weights=fmt, activations=fmt, gradients="bf16",
+                               backward_operands="reuse_forward")
         _, dx_reuse, dw_reuse = _run(_layer(reuse), x, g, autocast=True)
         for a, b in ((dx, dx_reuse), (dw, dw_reuse)):
             assert not torch.equal(a, b)  # NVFP4's values times g are not all bf16 numbers
@@ -184,7 +190,8 @@ def test_dequantized_backward_is_bf16_gemms_on_the_forwards_dequantized_operands
 def test_dequantized_backward_takes_unquantized_gradients_only():
     with pytest.raises(RecipeError, match=r"train\.gradients: hif4 with backward_operands: "
                                           r"dequantized.*set gradients: bf16"):
-        TrainPrecision("hif4", "hif4", "hif4", backward_operands="dequantized")
+        TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                       backward_operands="dequantized")
     recipe = Recipe.from_dict({"train": {"weights": "nvfp4", "activations": "nvfp4_per_token",
                                          "backward_operands": "dequantized"}})
     assert Recipe.from_dict(recipe.to_dict()) == recipe

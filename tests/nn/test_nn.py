@@ -67,7 +67,8 @@ def test_fp4_gradients_stay_close_to_exact():
 
 
 def test_stochastic_gradients_follow_torch_seed():
-    recipe = Recipe(train=TrainPrecision("hif4", "hif4", "hif4", stochastic_gradients=True))
+    recipe = Recipe(train=TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
+                                         stochastic_gradients=True))
     grads = []
     for seed in (1, 1, 2):
         layer = _layer(recipe)

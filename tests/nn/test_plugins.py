@@ -70,7 +70,7 @@ def test_registered_format_is_exact_against_its_reference(plugins):
 def test_registered_method_is_a_recipe(clip_method):
     recipe = get_recipe("hif4+clip-0.25")
     assert recipe.rollout.recovery.method == "clip"
-    assert recipe.rollout.recovery.config == clip_method.config_cls(0.25)
+    assert recipe.rollout.recovery.config == clip_method.config_cls(ratio=0.25)
     assert recipe.rollout.recovery.label == "clip-0.25"
     yaml_form = fp4rl.Recipe.from_dict(recipe.to_dict())
     assert yaml_form == recipe

@@ -109,7 +109,8 @@ def test_bf16_resq_rollout_keeps_both_terms_exact(fmt, sparsity):
     torch.manual_seed(0)
     rec = Recovery.make("resq", sparsity=sparsity)
     layer = FP4Linear.from_linear(nn.Linear(128, 64, bias=False),
-                                  Recipe(rollout=RolloutPrecision(fmt, fmt, rec)))
+                                  Recipe(rollout=RolloutPrecision(weights=fmt, activations=fmt,
+                                                                  recovery=rec)))
     x = heavy_tailed(40, 128, seed=2)
     with fp4rl.rollout_mode(layer), torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from fp4rl.nn.recipe import Recipe, RecipeError, TrainPrecision, get_recipe, table1_recipes
@@ -69,8 +67,8 @@ def test_table1_recipes(fmt):
     assert {r.train.backward_operands for r in cells.values()} == {"requantize"}
     # beyond Table 1: FP4 training with the HiFloat4 authors' simulated backward
     reuse = get_recipe(f"{fmt}:fp4-reuse/bf16+resq-2:4")
-    assert reuse.train == dataclasses.replace(cells[f"{fmt}:fp4/bf16"].train,
-                                              backward_operands="reuse_forward")
+    assert reuse.train == cells[f"{fmt}:fp4/bf16"].train.replace(
+        backward_operands="reuse_forward")
     assert reuse.rollout.weights == "bf16" and reuse.rollout.recovery.method == "resq"
     with pytest.raises(RecipeError, match="fp4-reuse"):
         get_recipe(f"{fmt}:fp4-reused/bf16")
@@ -106,6 +104,7 @@ def test_a_per_token_format_scales_activations_and_gradients_never_weights():
     with pytest.raises(RecipeError, match=r"rollout\.weights: nvfp4_per_token .* use nvfp4"):
         Recipe.from_dict({"rollout": {"weights": "nvfp4_per_token"}})
     with pytest.raises(RecipeError, match=r"train\.weights"):
-        TrainPrecision("nvfp4_per_token", "nvfp4_per_token", "nvfp4_per_token")
+        TrainPrecision(weights="nvfp4_per_token", activations="nvfp4_per_token",
+                       gradients="nvfp4_per_token")
     with pytest.raises(RecipeError, match="requantize"):
         get_recipe("nvfp4_per_token:fp4-reuse/fp4")

@@ -4,7 +4,6 @@ the field's recipes by name, wherever a recipe name is taken."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -38,7 +37,7 @@ def _names(blocks: int) -> list[str]:
     (r"re:.*layers\.1\..*", 4, lambda i, leaf: i != 1),
 ])
 def test_each_entry_leaves_out_the_linears_it_names(entry, blocks, kept):
-    recipe = dataclasses.replace(get_recipe("hif4"), ignore=(entry,))
+    recipe = get_recipe("hif4").replace(ignore=(entry,))
     for name in _names(blocks):
         index, leaf = int(name.split(".")[2]), name.rsplit(".", 1)[1]
         assert recipe.ignores(name, blocks) == (not kept(index, leaf)), name
@@ -48,7 +47,7 @@ def test_each_entry_leaves_out_the_linears_it_names(entry, blocks, kept):
 def test_the_patched_model_counts_its_own_blocks():
     model, _ = tiny_model("llama")
     blocks = model.config.num_hidden_layers
-    recipe = dataclasses.replace(get_recipe("hif4"), ignore=("last:1", "kind:attention"))
+    recipe = get_recipe("hif4").replace(ignore=("last:1", "kind:attention"))
     fp4rl.quantize_model(model, recipe)
     assert sorted(fp4_layers(model)) == sorted(
         n for n in _names(blocks) if not n.startswith(f"model.layers.{blocks - 1}.")
@@ -64,11 +63,11 @@ def test_the_patched_model_counts_its_own_blocks():
 ])
 def test_malformed_entries_are_one_line(entry, says):
     with pytest.raises(RecipeError, match=says):
-        dataclasses.replace(get_recipe("hif4"), ignore=(entry,))
+        get_recipe("hif4").replace(ignore=(entry,))
 
 
 def test_counting_from_the_end_needs_the_block_count():
-    recipe = dataclasses.replace(get_recipe("hif4"), ignore=("last:2",))
+    recipe = get_recipe("hif4").replace(ignore=("last:2",))
     with pytest.raises(RecipeError, match="block count is not known"):
         recipe.ignores("model.layers.3.mlp.up_proj")
 

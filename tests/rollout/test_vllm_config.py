@@ -115,7 +115,7 @@ def test_enforce_eager_is_auto_or_a_boolean(value):
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.enforce_eager must be auto"):
         load_config(None, ["rollout.engine=vllm", f"rollout.vllm.enforce_eager={value}"])
     assert load_config(None, ["rollout.engine=vllm", "rollout.vllm.enforce_eager=false"]
-                       ).engine_settings("vllm").enforce_eager is False
+                       ).rollout.settings_of("vllm").enforce_eager is False
 
 
 def test_engines_compile_on_gpus_for_every_format(monkeypatch):

@@ -288,13 +288,15 @@ def surrogate_loss(model: nn.Module, batch: GradientBatch) -> torch.Tensor:
 # ----- variants and their comparison -------------------------------------------------------
 def variants(fmt: str) -> dict[str, TrainPrecision]:
     """The training-policy variants diagnosed for ``fmt`` (see the module docstring)."""
-    reuse = "reuse_forward"
+    def precision(w: str, a: str, g: str, scheme: str = "reuse_forward") -> TrainPrecision:
+        return TrainPrecision(weights=w, activations=a, gradients=g, backward_operands=scheme)
+
     return {
-        "fp4_forward": TrainPrecision(fmt, fmt, "bf16", backward_operands=reuse),
-        "requantize": TrainPrecision(fmt, fmt, fmt, backward_operands="requantize"),
-        "reuse_forward": TrainPrecision(fmt, fmt, fmt, backward_operands=reuse),
-        "weights_only": TrainPrecision(fmt, "bf16", "bf16", backward_operands=reuse),
-        "activations_only": TrainPrecision("bf16", fmt, "bf16", backward_operands=reuse),
+        "fp4_forward": precision(fmt, fmt, "bf16"),
+        "requantize": precision(fmt, fmt, fmt, "requantize"),
+        "reuse_forward": precision(fmt, fmt, fmt),
+        "weights_only": precision(fmt, "bf16", "bf16"),
+        "activations_only": precision("bf16", fmt, "bf16"),
     }
 
 

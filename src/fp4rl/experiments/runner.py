@@ -271,7 +271,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
                else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
     result = {
         "cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,
-        "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
+        "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(mode="json"),
         "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
         "rewards": [r["reward_mean"] for r in history],
         "train_seconds": sum(r["time/rollout"] + r["time/reward"] + r["time/update"]

@@ -16,7 +16,6 @@ Every other tensor is bf16.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 from transformers import PreTrainedModel
@@ -54,7 +53,7 @@ def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
     own (the layers the run left unquantized stay so when vLLM serves it)."""
     recipe = rollout_recipe(recipe)
     ignore = tuple(dict.fromkeys((*recipe.ignore, *run_ignore)))
-    return dataclasses.replace(recipe, ignore=ignore) if ignore != recipe.ignore else recipe
+    return recipe.replace(ignore=ignore) if ignore != recipe.ignore else recipe
 
 
 def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:

@@ -1,6 +1,6 @@
 """Recipes: which format each operand uses, in the training and in the rollout policy.
 
-A recipe is plain data (frozen dataclasses), loadable from YAML or a dict and
+A recipe is plain data (frozen pydantic models), loadable from YAML or a dict and
 validated against the format and recovery-method registries, with messages that name
 the allowed values::
 
@@ -17,20 +17,20 @@ registered rollout recovery method.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import get_format, list_formats
 from fp4rl.gemm import UNQUANTIZED
 from fp4rl.nn.select import Selector, block_count
 from fp4rl.recovery import Recovery
+from fp4rl.settings import Choices, Settings
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
 ROLLOUT_PRECISIONS = {
@@ -66,7 +66,7 @@ def quantized_formats() -> list[str]:
     return [f for f in list_formats() if f != "bf16"]
 
 
-def _check_format(value: Any, where: str) -> str:
+def _format_name(value: Any, where: str) -> str:
     if not isinstance(value, str) or value.lower() not in list_formats():
         hint = did_you_mean(value, list_formats())
         raise RecipeError(f"{where}: {value!r} is not a format{hint}; choose one of "
@@ -74,10 +74,10 @@ def _check_format(value: Any, where: str) -> str:
     return value.lower()
 
 
-def _check_weight_format(value: Any, where: str) -> str:
+def _weight_format_name(value: Any, where: str) -> str:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
-    name = _check_format(value, where)
+    name = _format_name(value, where)
     fmt = get_format(name)
     if fmt.vector_scales:
         raise RecipeError(f"{where}: {name} scales each token's vector, which a weight "
@@ -86,13 +86,23 @@ def _check_weight_format(value: Any, where: str) -> str:
     return name
 
 
+def _format_field(section: str, weights: bool = False) -> Any:
+    """A validator of a format-name field of ``section`` (``train``, ``rollout``) that
+    names the field in its refusal."""
+    check = _weight_format_name if weights else _format_name
+    return lambda value, info: check(value, f"{section}.{info.field_name}")
+
+
+#: a format's registered name (case-insensitive in configs)
+FormatName = Annotated[str, Choices(list_formats)]
+
+
 def _weight_format(fmt: str) -> str:
     """What a weight takes in a recipe named after ``fmt`` (NVFP4 for ``nvfp4_per_token``)."""
     return get_format(fmt).weight_format or fmt
 
 
-@dataclass(frozen=True)
-class TrainPrecision:
+class TrainPrecision(Settings):
     """Formats of the training policy's three GEMM operands, and where the backward GEMMs
     take W and X from.
 
@@ -109,33 +119,38 @@ class TrainPrecision:
     too, which ``reuse_forward`` cannot keep outside its weight-gradient GEMM).
     """
 
-    weights: str = field(default="bf16", metadata={
-        "choices": list_formats,
-        "help": "the weights' format in the three training GEMMs (bf16: not quantized)"})
-    activations: str = field(default="bf16", metadata={
-        "choices": list_formats,
-        "help": "the layer inputs' format in the forward and weight-gradient GEMMs"})
-    gradients: str = field(default="bf16", metadata={
-        "choices": list_formats,
-        "help": "the output gradients' format in the two backward GEMMs"})
-    stochastic_gradients: bool = field(default=False, metadata={
-        "help": "round the output gradients stochastically (unbiased)"})
-    backward_operands: str = field(default="requantize", metadata={
-        "choices": lambda: BACKWARD_OPERANDS,
-        "help": "requantize: W and X quantized afresh along each backward GEMM's own "
-        "reduction axis; reuse_forward: the forward's Q(W) and Q(X); dequantized: the "
-        "forward's Q(W) and Q(X) dequantized into the compute dtype, gradients unquantized"})
+    section = "train"
+    error = RecipeError
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "weights", _check_weight_format(self.weights, "train.weights"))
-        for name in ("activations", "gradients"):
-            object.__setattr__(self, name, _check_format(getattr(self, name), f"train.{name}"))
-        if self.backward_operands not in BACKWARD_OPERANDS:
-            hint = did_you_mean(self.backward_operands, BACKWARD_OPERANDS)
-            raise RecipeError(f"train.backward_operands: {self.backward_operands!r} is not a "
-                              f"backward scheme{hint}; choose one of "
-                              f"{', '.join(BACKWARD_OPERANDS)}")
-        object.__setattr__(self, "backward_operands", BackwardOperands(self.backward_operands))
+    weights: FormatName = Field("bf16", description="the weights' format in the three "
+                                "training GEMMs (bf16: not quantized)")
+    activations: FormatName = Field("bf16", description="the layer inputs' format in the "
+                                    "forward and weight-gradient GEMMs")
+    gradients: FormatName = Field("bf16", description="the output gradients' format in the "
+                                  "two backward GEMMs")
+    stochastic_gradients: StrictBool = Field(False, description="round the output gradients "
+                                             "stochastically (unbiased)")
+    backward_operands: BackwardOperands = Field(
+        BackwardOperands.REQUANTIZE, description="requantize: W and X quantized afresh along "
+        "each backward GEMM's own reduction axis; reuse_forward: the forward's Q(W) and "
+        "Q(X); dequantized: the forward's Q(W) and Q(X) dequantized into the compute dtype, "
+        "gradients unquantized")
+
+    _weights = field_validator("weights", mode="before")(_format_field("train", weights=True))
+    _others = field_validator("activations", "gradients", mode="before")(
+        _format_field("train"))
+
+    @field_validator("backward_operands", mode="before")
+    @classmethod
+    def _a_scheme(cls, value: Any) -> Any:
+        if value not in BACKWARD_OPERANDS:
+            hint = did_you_mean(value, BACKWARD_OPERANDS)
+            raise RecipeError(f"train.backward_operands: {value!r} is not a backward "
+                              f"scheme{hint}; choose one of {', '.join(BACKWARD_OPERANDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _operands_fit_the_scheme(self) -> TrainPrecision:
         if self.backward_operands is BackwardOperands.REUSE_FORWARD and \
                 get_format(self.activations).vector_scales:
             raise RecipeError(f"train.activations: {self.activations} scales each token, and "
@@ -148,52 +163,58 @@ class TrainPrecision:
                               "dequantized, whose backward GEMMs run in the compute dtype on "
                               f"unquantized gradients; set gradients: {UNQUANTIZED} "
                               "(or backward_operands: reuse_forward)")
+        return self
 
 
-@dataclass(frozen=True)
-class RolloutPrecision:
+class RolloutPrecision(Settings):
     """Formats of the rollout policy (forward only) and its activation recovery."""
 
-    weights: str = field(default="bf16", metadata={
-        "choices": list_formats, "help": "the rollout weights' format (bf16: not quantized)"})
-    activations: str = field(default="bf16", metadata={
-        "choices": list_formats, "help": "the rollout activations' format"})
-    recovery: Recovery = field(default_factory=Recovery, metadata={
-        "help": "the method that repairs the rollout activations' quantization (a "
-        "registered method's name), with its parameters beside it"})
+    section = "rollout"
+    error = RecipeError
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "weights",
-                           _check_weight_format(self.weights, "rollout.weights"))
-        object.__setattr__(self, "activations",
-                           _check_format(self.activations, "rollout.activations"))
+    weights: FormatName = Field("bf16", description="the rollout weights' format (bf16: not "
+                                "quantized)")
+    activations: FormatName = Field("bf16", description="the rollout activations' format")
+    recovery: Recovery = Field(default_factory=Recovery, description="the method that "
+                               "repairs the rollout activations' quantization (a registered "
+                               "method's name), with its parameters beside it")
+
+    _weights = field_validator("weights", mode="before")(_format_field("rollout", weights=True))
+    _activations = field_validator("activations", mode="before")(_format_field("rollout"))
 
 
-@dataclass(frozen=True)
-class Recipe:
+class Recipe(Settings):
     """Training-side and rollout-side precision of every patched linear layer."""
 
-    train: TrainPrecision = field(default_factory=TrainPrecision)
-    rollout: RolloutPrecision = field(default_factory=RolloutPrecision)
+    section = "recipe"
+    error = RecipeError
+
+    train: TrainPrecision = Field(default_factory=TrainPrecision)
+    rollout: RolloutPrecision = Field(default_factory=RolloutPrecision)
     #: modules left unquantized: regexes matched against the whole module name (a
     #: compressed-tensors style ``re:`` prefix is accepted), or selectors of blocks by
     #: position (``first:N``, ``last:N``, ``last:<fraction>``) or of linears by kind
     #: (``kind:attention``, ``kind:mlp``): :mod:`fp4rl.nn.select`
     ignore: tuple[str, ...] = ()
+    _selectors: tuple[Selector, ...] = PrivateAttr(default=())
 
-    def __post_init__(self) -> None:
-        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
-            raise RecipeError(f"ignore must be a list of regexes or selectors, got "
-                              f"{self.ignore!r}")
-        selectors = tuple(Selector.parse(p) for p in self.ignore)
-        object.__setattr__(self, "ignore", tuple(s.text for s in selectors))
-        object.__setattr__(self, "_selectors", selectors)
+    @field_validator("ignore", mode="before")
+    @classmethod
+    def _selectors_parse(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str) or not isinstance(value, list | tuple) or \
+                not all(isinstance(p, str) for p in value):
+            raise RecipeError(f"ignore must be a list of regexes or selectors, got {value!r}")
+        return tuple(Selector.parse(p).text for p in value)
+
+    def model_post_init(self, context: Any) -> None:
+        self._selectors = tuple(Selector.parse(p) for p in self.ignore)
 
     def ignores(self, module_name: str, blocks: int | None = None) -> bool:
         """Whether ``ignore`` leaves the module called ``module_name`` unquantized, in a
         model of ``blocks`` transformer blocks (needed by ``last:`` only)."""
-        return any(s.matches(module_name, blocks)
-                   for s in self._selectors)  # type: ignore[attr-defined]  # set by __post_init__
+        return any(s.matches(module_name, blocks) for s in self._selectors)
 
     def ignores_in(self, names: Iterable[str]) -> Callable[[str], bool]:
         """:meth:`ignores` for the modules of one model, whose module ``names`` give its
@@ -212,13 +233,12 @@ class Recipe:
         _reject_unknown(data, {"train", "rollout", "model", "ignore"}, "recipe")
         train = data.get("train") or {}
         rollout = dict(data.get("rollout") or {})
-        _reject_unknown(train, {f.name for f in dataclasses.fields(TrainPrecision)}, "train")
-        _reject_unknown(rollout, {f.name for f in dataclasses.fields(RolloutPrecision)},
-                        "rollout")
+        _reject_unknown(train, set(TrainPrecision.model_fields), "train")
+        _reject_unknown(rollout, set(RolloutPrecision.model_fields), "rollout")
         recovery = Recovery.from_dict(rollout.pop("recovery", None) or {}, strict)
-        ignore = data.get("ignore") or ()
-        return cls(TrainPrecision(**train), RolloutPrecision(**rollout, recovery=recovery),
-                   tuple(ignore) if isinstance(ignore, list) else ignore)
+        return cls(train=TrainPrecision(**train),
+                   rollout=RolloutPrecision(**rollout, recovery=recovery),
+                   ignore=data.get("ignore") or ())
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Recipe:
@@ -227,14 +247,9 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping :meth:`from_dict` reads back (``ignore`` only when set)."""
-        data: dict[str, Any] = {
-            "train": {k: str(v) if isinstance(v, StrEnum) else v
-                      for k, v in dataclasses.asdict(self.train).items()},
-            "rollout": {"weights": self.rollout.weights,
-                        "activations": self.rollout.activations,
-                        "recovery": self.rollout.recovery.to_dict()}}
-        if self.ignore:
-            data["ignore"] = list(self.ignore)
+        data = self.model_dump(mode="json")
+        if not self.ignore:
+            del data["ignore"]
         return data
 
 
@@ -251,18 +266,22 @@ def _reject_unknown(data: dict[str, Any], allowed: set[str], where: str) -> None
 def _field_recipes() -> dict[str, Recipe]:
     """The field's FP4 RL recipes, dense analogues of what their sources run
     (docs/layers.md, "The field's recipes", says where each differs)."""
-    nvfp4 = TrainPrecision("nvfp4", "nvfp4", "bf16", backward_operands="dequantized")
-    per_token = TrainPrecision("nvfp4", "nvfp4_per_token", "bf16",
+    nvfp4 = TrainPrecision(weights="nvfp4", activations="nvfp4",
+                           backward_operands="dequantized")
+    per_token = TrainPrecision(weights="nvfp4", activations="nvfp4_per_token",
                                backward_operands="dequantized")
     return {
         # NeMo-RL (PR 3566): NVFP4 W4A4 in training and rollout, attention in BF16,
         # the backward dequantized
-        "nemo-rl-nvfp4": Recipe(nvfp4, RolloutPrecision("nvfp4", "nvfp4"),
-                                ("kind:attention",)),
+        "nemo-rl-nvfp4": Recipe(train=nvfp4,
+                                rollout=RolloutPrecision(weights="nvfp4", activations="nvfp4"),
+                                ignore=("kind:attention",)),
         # Miles (PR 1261): per-token NVFP4 activation scales, the backward dequantized,
         # the last 15% of the blocks in BF16 (its 4-over-6 block scales are not in fp4rl)
-        "miles-nvfp4": Recipe(per_token, RolloutPrecision("nvfp4", "nvfp4_per_token"),
-                              ("last:0.15",)),
+        "miles-nvfp4": Recipe(train=per_token,
+                              rollout=RolloutPrecision(weights="nvfp4",
+                                                       activations="nvfp4_per_token"),
+                              ignore=("last:0.15",)),
     }
 
 
@@ -288,8 +307,7 @@ def get_recipe(name: str) -> Recipe:
     field_recipes = _field_recipes()
     if base in field_recipes:
         recipe = field_recipes[base]
-        precision = dataclasses.replace(recipe.rollout, recovery=Recovery.parse(recovery))
-        return dataclasses.replace(recipe, rollout=precision)
+        return recipe.replace(rollout=recipe.rollout.replace(recovery=Recovery.parse(recovery)))
     if base == "bf16":
         fmt, train, rollout = "hif4", "bf16", "bf16"
     else:
@@ -306,9 +324,10 @@ def get_recipe(name: str) -> Recipe:
                 f"(e.g. '+resq-2:4')")
     t = "bf16" if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])
-    return Recipe(TrainPrecision(_weight_format(t), t, t,
-                                 backward_operands=TRAIN_PRECISIONS[train]),
-                  RolloutPrecision(_weight_format(w), a, Recovery.parse(recovery)))
+    return Recipe(train=TrainPrecision(weights=_weight_format(t), activations=t, gradients=t,
+                                       backward_operands=TRAIN_PRECISIONS[train]),
+                  rollout=RolloutPrecision(weights=_weight_format(w), activations=a,
+                                           recovery=Recovery.parse(recovery)))
 
 
 def table1_recipes(fmt: str) -> list[str]:

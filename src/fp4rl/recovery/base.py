@@ -3,8 +3,8 @@
 A recovery method decides how one patched linear layer computes its rollout output
 from the high-precision input ``x`` (tokens x in_features), given the layer's
 quantized weight. Each layer owns one method instance, so per-layer state
-(SmoothQuant scales, Hadamard signs) lives there. A method is one module: a frozen
-:class:`RecoveryConfig` subclass with its parameters, a :class:`RolloutRecovery`
+(SmoothQuant scales, Hadamard signs) lives there. A method is one module: a
+:class:`RecoveryConfig` model with its parameters, a :class:`RolloutRecovery`
 subclass naming it as ``config_cls``, and one call ``register(name, method_cls)``.
 Nothing else in the package lists methods: recipes, experiment grids and fidelity
 tables all read this registry, so a method registered from outside the package is a
@@ -13,12 +13,11 @@ first-class citizen as soon as its module is imported.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from pydantic import ConfigDict
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import get_format
@@ -31,27 +30,17 @@ from fp4rl.gemm import (
     quantize_operand,
 )
 from fp4rl.registry import Registry
-
-_SCALARS: dict[str, tuple[type, ...]] = {"float": (float, int), "int": (int,), "bool": (bool,),
-                                         "str": (str,)}
+from fp4rl.settings import Settings
 
 
-@dataclass(frozen=True)
-class RecoveryConfig:
-    """A method's parameters (none here). Subclasses add frozen fields with defaults and
-    validate them in ``__post_init__`` (call ``super().__post_init__()`` first, which
-    checks every scalar field's type so a bad value is one line, not a TypeError)."""
+class RecoveryConfig(Settings):
+    """A method's parameters (none here). Subclasses add fields with defaults and
+    descriptions (``Field(0.5, description=...)``) and check them with pydantic
+    validators; a value of the wrong type or out of range is one line naming it."""
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-            value, allowed = getattr(self, f.name), _SCALARS.get(kind)
-            if allowed and (not isinstance(value, allowed) or
-                            (isinstance(value, bool) and bool not in allowed)):
-                raise RecipeError(f"rollout.recovery.{f.name}: expected {kind}, "
-                                  f"got {value!r}")
-            if allowed == (float, int):
-                object.__setattr__(self, f.name, float(value))
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    section = "rollout.recovery"
+    error = RecipeError
 
     @classmethod
     def from_text(cls, arg: str) -> RecoveryConfig:
@@ -210,11 +199,10 @@ def recovery_variants() -> list[tuple[str, str]]:
 def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
     """Build ``method``'s config from a mapping, refusing keys it does not have."""
     cls = get_recovery(method).config_cls
-    allowed = [f.name for f in dataclasses.fields(cls)]
+    allowed = list(cls.model_fields)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        owners = {k: [m for m, c in _METHODS.items()
-                      if k in {f.name for f in dataclasses.fields(c.config_cls)}]
+        owners = {k: [m for m, c in _METHODS.items() if k in c.config_cls.model_fields]
                   for k in unknown}
         hints = "; ".join(f"{k!r} belongs to {', '.join(o)} (unset it: "
                           f"rollout.recovery.{k}=)" if o else

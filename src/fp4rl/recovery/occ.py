@@ -8,9 +8,8 @@ unquantized weight. The global quantile is what makes OCC slow at scale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand, mm
@@ -18,19 +17,20 @@ from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recove
 from fp4rl.recovery.outliers import clamp_outliers, residual_matmul
 
 
-@dataclass(frozen=True)
 class OCCConfig(RecoveryConfig):
     """quantile: the clamping quantile of ``|X|``; the clipped excess takes the sparse
     high-precision GEMM."""
 
-    quantile: float = field(default=0.99, metadata={
-        "help": "the quantile of |X| (over the whole tensor) it clamps at; the clipped "
-        "excess takes a sparse high-precision GEMM"})
+    quantile: float = Field(0.99, description="the quantile of |X| (over the whole "
+                            "tensor) it clamps at; the clipped excess takes a sparse "
+                            "high-precision GEMM")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.quantile < 1.0:
-            raise RecipeError(f"rollout.recovery.quantile must be in (0, 1), got {self.quantile}")
+    @field_validator("quantile")
+    @classmethod
+    def _inside(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise RecipeError(f"rollout.recovery.quantile must be in (0, 1), got {value}")
+        return value
 
 
 class OCC(RolloutRecovery):

@@ -9,11 +9,11 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
 import torch
+from pydantic import Field, field_validator
 
 from fp4rl.formats import BlockFormat, get_format, quantize
 from fp4rl.gemm import Operand, quantize_operand
@@ -77,22 +77,22 @@ def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4"
     return qx @ qw.t() + sparsify(quantize(x - qx, fmt), pattern) @ qw.t()
 
 
-@dataclass(frozen=True)
 class ResQConfig(RecoveryConfig):
     """sparsity: the pattern ``S`` keeps of the residual: "dense", any "n:m" ("2:4"),
     "channel:<fraction>" or "block:<rows>x<cols>:<fraction>"."""
 
-    sparsity: str = field(default="2:4", metadata={
-        "help": "the pattern the residual keeps: dense, n:m (2:4), channel:<fraction> or "
-        "block:<rows>x<cols>:<fraction>"})
+    sparsity: str = Field("2:4", description="the pattern the residual keeps: dense, n:m "
+                          "(2:4), channel:<fraction> or block:<rows>x<cols>:<fraction>")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        parse_pattern(self.sparsity)  # raises with the accepted forms
+    @field_validator("sparsity", "weight_sparsity", check_fields=False)
+    @classmethod
+    def _a_pattern(cls, value: str) -> str:
+        parse_pattern(value)  # raises with the accepted forms
+        return value
 
     @classmethod
     def from_text(cls, arg: str) -> ResQConfig:
-        return cls(arg or "dense")
+        return cls(sparsity=arg or "dense")
 
     def text(self) -> str:
         return self.sparsity

@@ -18,10 +18,10 @@ besides ``Q(W)``, so the method reads the high-precision weight (``reads_weight`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from pydantic import Field
 
 from fp4rl.gemm import Operand, mm, quantize_operand
 from fp4rl.recovery.base import register_recovery
@@ -29,22 +29,17 @@ from fp4rl.recovery.resq import ResQ, ResQConfig
 from fp4rl.recovery.sparsity import SparsityPattern, parse_pattern, sparsify
 
 
-@dataclass(frozen=True)
 class ResQWConfig(ResQConfig):
     """sparsity: the activation residual's pattern (as ResQ); weight_sparsity: the weight
     residual's pattern, along in_features ("dense", "n:m", ...)."""
 
-    weight_sparsity: str = field(default="2:4", metadata={
-        "help": "the weight residual's pattern along in_features, as sparsity"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        parse_pattern(self.weight_sparsity)
+    weight_sparsity: str = Field("2:4", description="the weight residual's pattern along "
+                                 "in_features, as sparsity")
 
     @classmethod
     def from_text(cls, arg: str) -> ResQWConfig:
         """``resqw-2:4``: the same pattern for both residuals."""
-        return cls(arg or "dense", arg or "dense")
+        return cls(sparsity=arg or "dense", weight_sparsity=arg or "dense")
 
 
 class ResQW(ResQ):

@@ -8,9 +8,8 @@ at every RL step with ``fresh_signs``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand
@@ -26,22 +25,22 @@ def hadamard_block(in_features: int, requested: int) -> int:
     return min(requested, in_features & -in_features)
 
 
-@dataclass(frozen=True)
 class RHTConfig(RecoveryConfig):
     """block_size: Hadamard block along the reduction axis (a power of two; shrunk to the
     largest power of two dividing in_features); fresh_signs: redraw the signs every RL
     step instead of fixing them per layer."""
 
-    block_size: int = field(default=128, metadata={
-        "help": "the Hadamard transform's block along in_features"})
-    fresh_signs: bool = field(default=False, metadata={
-        "help": "draw new random signs at every step"})
+    block_size: int = Field(128, description="the Hadamard transform's block along "
+                            "in_features")
+    fresh_signs: bool = Field(False, description="draw new random signs at every step")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value <= 0 or value & (value - 1):
             raise RecipeError(f"rollout.recovery.block_size must be a power of two, "
-                              f"got {self.block_size}")
+                              f"got {value}")
+        return value
 
 
 class RHT(RolloutRecovery):

@@ -9,9 +9,8 @@ activation statistics is what the paper reports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
 from fp4rl.gemm import Operand
@@ -20,18 +19,18 @@ from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recove
 MIN_SCALE = 1e-5
 
 
-@dataclass(frozen=True)
 class SmoothQuantConfig(RecoveryConfig):
     """alpha: migration strength, ``s = max|X|^alpha / max|W|^(1-alpha)``."""
 
-    alpha: float = field(default=0.5, metadata={
-        "help": "migration strength: the share of the activations' range moved into the "
-        "weights"})
+    alpha: float = Field(0.5, description="migration strength: the share of the "
+                         "activations' range moved into the weights")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.alpha <= 1.0:
-            raise RecipeError(f"rollout.recovery.alpha must be in [0, 1], got {self.alpha}")
+    @field_validator("alpha")
+    @classmethod
+    def _a_share(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise RecipeError(f"rollout.recovery.alpha must be in [0, 1], got {value}")
+        return value
 
 
 class SmoothQuant(RolloutRecovery):

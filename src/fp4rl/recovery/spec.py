@@ -10,32 +10,80 @@ and in a recipe string the suffix after ``+``: ``"hif4+resq-2:4"``, ``"hif4+smoo
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    model_serializer,
+    model_validator,
+)
 
 from fp4rl.errors import RecipeError
-from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, get_recovery, method_config
+from fp4rl.recovery.base import (
+    RecoveryConfig,
+    RolloutRecovery,
+    get_recovery,
+    list_recoveries,
+    method_config,
+)
+from fp4rl.settings import Choices, Variants
 
 
-@dataclass(frozen=True)
-class Recovery:
-    """Which recovery method the rollout policy uses, with its parameters.
+def _configs() -> dict[str, type[RecoveryConfig]]:
+    """Each registered method's parameters model."""
+    return {name: get_recovery(name).config_cls for name in list_recoveries()}
 
-    ``config`` defaults to the method's own defaults; :meth:`make` builds one from
-    keyword parameters (``Recovery.make("resq", sparsity="2:4")``).
+
+class Recovery(BaseModel):
+    """Which recovery method the rollout policy uses, with its parameters: the method's
+    own :class:`~fp4rl.recovery.base.RecoveryConfig` model.
+
+    Built from the flat mapping a config holds (``Recovery.model_validate({"method":
+    "resq", "sparsity": "2:4"})``, strict: a parameter of another method is an error),
+    or with :meth:`make` (``Recovery.make("resq", sparsity="2:4")``); ``Recovery()`` is
+    no recovery. It dumps back to the flat mapping.
     """
 
-    method: str = "none"
-    config: RecoveryConfig | None = None
+    model_config = ConfigDict(frozen=True)
 
-    def __post_init__(self) -> None:
-        cls = get_recovery(self.method)
-        config = cls.config_cls() if self.config is None else self.config
-        if not isinstance(config, cls.config_cls):
-            raise RecipeError(f"rollout.recovery: method {self.method!r} takes a "
-                              f"{cls.config_cls.__name__}, got {type(config).__name__}")
-        object.__setattr__(self, "config", config)
+    method: Annotated[str, Choices(list_recoveries)] = Field(
+        "none", description="the method, by its registered name (its parameters: below)")
+    config: Annotated[SerializeAsAny[RecoveryConfig], Variants(_configs)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_mapping(cls, data: Any) -> Any:
+        """The flat ``{method, <its parameters>}`` as the method and its config model."""
+        if isinstance(data, Recovery):
+            return data
+        if not isinstance(data, dict):
+            raise RecipeError(f"rollout.recovery must be a mapping, got {type(data).__name__}")
+        if isinstance(data.get("config"), RecoveryConfig):
+            method, config = data.get("method", "none"), data["config"]
+            expected = get_recovery(method).config_cls
+            if type(config) is not expected:
+                raise RecipeError(f"rollout.recovery: method {method!r} takes a "
+                                  f"{expected.__name__}, got {type(config).__name__}")
+            return {"method": method, "config": config}
+        params = {k: v for k, v in data.items() if v is not None}  # None: unset
+        method = params.pop("method", "none")
+        return {"method": method, "config": method_config(method, params)}
+
+    @model_serializer
+    def _flat(self) -> dict[str, Any]:
+        return {"method": self.method, **self.config.model_dump()}
+
+    def __init__(self, method: str = "none", config: RecoveryConfig | None = None,
+                 **params: Any) -> None:
+        data = {"method": method, "config": config} if config is not None else \
+            {"method": method, **params}
+        try:
+            super().__init__(**data)
+        except ValueError as err:  # a RecipeError from the validator, as pydantic wraps it
+            raise RecipeError(_first_problem(err)) from None
 
     @classmethod
     def make(cls, method: str = "none", **params: Any) -> Recovery:
@@ -46,14 +94,12 @@ class Recovery:
         """From ``{method: ..., <its parameters>}``. ``strict=False`` drops parameters the
         method does not have (records written when every method's parameters were saved
         together); a user's mapping is strict, so a misplaced parameter is an error."""
+        if isinstance(data, dict) and not strict:
+            fields = get_recovery(data.get("method") or "none").config_cls.model_fields
+            data = {k: v for k, v in data.items() if k == "method" or k in fields}
         if not isinstance(data, dict):
             raise RecipeError(f"rollout.recovery must be a mapping, got {type(data).__name__}")
-        params = {k: v for k, v in data.items() if v is not None}  # None: unset
-        method = params.pop("method", "none")
-        if not strict:
-            fields = {f.name for f in dataclasses.fields(get_recovery(method).config_cls)}
-            params = {k: v for k, v in params.items() if k in fields}
-        return cls(method, method_config(method, params))
+        return cls(**data)
 
     @classmethod
     def parse(cls, text: str) -> Recovery:
@@ -67,14 +113,12 @@ class Recovery:
             raise RecipeError(f"recovery {text!r}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        assert self.config is not None  # __post_init__ fills it in
-        return {"method": self.method, **dataclasses.asdict(self.config)}
+        return self.model_dump()
 
     def replace(self, **changes: Any) -> Recovery:
         """A copy with ``changes``; a new ``method`` starts from that method's defaults."""
         method = changes.pop("method", self.method)
-        params = self.to_dict() if method == self.method else {}
-        params.pop("method", None)
+        params = self.config.model_dump() if method == self.method else {}
         return Recovery.make(method, **{**params, **changes})
 
     @property
@@ -83,16 +127,23 @@ class Recovery:
         none."""
         if self.method == "none":
             return ""
-        assert self.config is not None  # __post_init__ fills it in
         arg = self.config.text()
         return f"{self.method}-{arg}" if arg else self.method
+
+
+def _first_problem(err: ValueError) -> str:
+    """A validator's own words from pydantic's wrapping of them."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return str(first.get("ctx", {}).get("error") or first["msg"])
+    return str(err)
 
 
 def make_recovery(recovery: Recovery, act_format: str, in_features: int,
                   seed: int, weight_format: str | None = None) -> RolloutRecovery:
     """The configured method's instance for one layer (``weight_format``: the rollout
     weight format, default ``act_format``)."""
-    assert recovery.config is not None  # Recovery.__post_init__ fills it in
     return get_recovery(recovery.method)(recovery.config, act_format, in_features, seed,
                                        weight_format=weight_format)
 

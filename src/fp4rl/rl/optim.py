@@ -7,6 +7,7 @@ it always steps the FP32 master weights, so its state is FP32 too.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter],
         names = sorted(c.__name__ for c in classes.values())
         raise ConfigError(f"optimizer.name: {name!r} is not a torch.optim optimizer"
                           f"{did_you_mean(name, names)}; choose one of {', '.join(names)}")
-    kwargs = {"lr": config.grpo.learning_rate, "weight_decay": config.grpo.weight_decay,
+    kwargs: dict[str, Any] = {"lr": config.grpo.learning_rate,
+                              "weight_decay": config.grpo.weight_decay,
               **config.optimizer.kwargs}
     try:
         return cls(list(params), **kwargs)

@@ -75,7 +75,8 @@ class RunDir:
         """The settings as run: the contract of ``--resume``."""
         import yaml
 
-        write_text_atomic(self.config_file, yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+        write_text_atomic(self.config_file, text)
 
     def resumable_config(self, requested: TrainConfig, say: Callable[[str], None]
                          ) -> TrainConfig:

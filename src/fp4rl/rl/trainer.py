@@ -486,7 +486,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "numpy_rng": np.random.get_state(),
             "recovery": rollout_states(self.policy),
-            "config": self.cfg.model_dump(),
+            "config": self.cfg.model_dump(mode="json"),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from fp4rl.rl.config.schema import (
     EvalConfig,
     GRPOConfig,
     OptimizerConfig,
+    RolloutConfig,
     RunConfig,
     TrainConfig,
     recipe_of,
@@ -32,6 +33,6 @@ from fp4rl.rl.config.schema import (
 from fp4rl.rl.grpo import LOSS_AGG_MODES
 
 __all__ = ["LOSS_AGG_MODES", "RESUMABLE", "ConfigError", "ConfigField", "DataConfig",
-           "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig", "RunConfig",
-           "TrainConfig", "apply_override", "changed_settings", "config_fields",
+           "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig", "RolloutConfig",
+           "RunConfig", "TrainConfig", "apply_override", "changed_settings", "config_fields",
            "describe_changes", "flatten", "load_config", "recipe_of", "set_path", "validate"]

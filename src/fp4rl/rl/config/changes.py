@@ -29,7 +29,8 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """The settings ``requested`` changes from ``saved``, by dotted key, as (saved,
     requested), leaving out the :data:`RESUMABLE` ones."""
-    old, new = flatten(saved.model_dump()), flatten(requested.model_dump())
+    old = flatten(saved.model_dump(mode="json"))
+    new = flatten(requested.model_dump(mode="json"))
     return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
             if old.get(key) != new.get(key)
             and not any(key == r or key.startswith(f"{r}.") for r in RESUMABLE)}

@@ -1,11 +1,11 @@
 """``fp4rl train --help-config``: every setting of the training config by dotted key,
-read from the schema that validates it (:mod:`.schema`, the recipe's dataclasses, the
-recovery methods' and the rollout engines' registered models), so what is printed is
-what is validated."""
+generated from the one schema that validates it (:class:`~.schema.TrainConfig`, whose
+``train`` and ``rollout`` are the recipe's models, the recovery methods' registered
+parameter models and the rollout engines' registered settings models), so what is printed
+is what is validated."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from enum import Enum
@@ -15,10 +15,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from fp4rl.nn.recipe import RolloutPrecision, TrainPrecision
-from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.rl.config.schema import TrainConfig
-from fp4rl.rollout.registry import AUTO, AUTO_PICKS, DEFAULT_ENGINE, get_engine, list_engines
+from fp4rl.settings import Choices, Variants, marker
 
 
 @dataclass(frozen=True)
@@ -29,72 +27,65 @@ class ConfigField:
     type: str
     default: str
     description: str
-    #: the recovery methods that take this parameter (``rollout.recovery.<param>`` rows)
+    #: the choices of a variant setting that take this one (``rollout.recovery.<param>``
+    #: rows: the recovery methods)
     methods: tuple[str, ...] = ()
 
 
 def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
                   ) -> list[ConfigField]:
-    """Every setting of ``schema`` by dotted key, read from its fields (sections, then
-    their settings; ``rollout`` with its engine and the vLLM engine's settings), so that
-    what is printed is what is validated."""
+    """Every setting of ``schema`` by dotted key, read from its fields: a section's row,
+    then its settings; a variant field's parameters for each variant; the sections of a
+    model's extra keys (``rollout.<engine>``)."""
     rows = []
     for name, field in schema.model_fields.items():
         key, annotation = f"{prefix}{name}", field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        variants = marker(field.metadata, Variants)
+        if variants is not None:
+            rows += _variant_fields(variants, prefix)
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.append(ConfigField(key, "section", "", field.description or ""))
             rows += config_fields(annotation, f"{key}.")
-            continue
-        rows.append(ConfigField(key, type_name(annotation), default_text(field),
-                                field.description or ""))
-        if key == "train":
-            rows += recipe_fields(TrainPrecision, "train.")
-        if key == "rollout":
-            rows += recipe_fields(RolloutPrecision, "rollout.") + engine_fields()
+        else:
+            rows.append(ConfigField(key, type_name(annotation, field.metadata),
+                                    default_text(field), describe(field)))
+    sections = getattr(schema, "extra_sections", None)
+    for section, model in (sections() if sections else {}).items():
+        rows += config_fields(model, f"{prefix}{section}.")
     return rows
 
 
-def engine_fields() -> list[ConfigField]:
-    """``rollout.engine`` with every registered engine's summary, then each engine's own
-    settings under ``rollout.<engine>.``, from the models the engines registered."""
-    engines = [get_engine(name) for name in list_engines()]
-    described = "; ".join(f"{e.name}: {e.summary}" for e in engines)
-    rows = [ConfigField("rollout.engine", " | ".join([*list_engines(), AUTO]), DEFAULT_ENGINE,
-                        f"where the rollout runs ({described}; {AUTO}: {AUTO_PICKS})")]
-    for engine in engines:
-        if engine.settings is not None:
-            rows += config_fields(engine.settings, f"rollout.{engine.name}.")
-    return rows
+def _variant_fields(variants: Variants, prefix: str) -> list[ConfigField]:
+    """The parameters of every variant, once each, with the variants that take it."""
+    params: dict[str, tuple[FieldInfo, list[str]]] = {}
+    for choice, model in variants.models().items():
+        for name, field in model.model_fields.items():
+            params.setdefault(name, (field, []))[1].append(choice)
+    return [ConfigField(f"{prefix}{name}", type_name(field.annotation, field.metadata),
+                        default_text(field), f"{describe(field)} ({', '.join(takers)})",
+                        tuple(takers))
+            for name, (field, takers) in params.items()]
 
 
-def recipe_fields(part: type, prefix: str) -> list[ConfigField]:
-    """The settings of one part of the recipe (its dataclass fields' ``help``); the
-    recovery as its method's name and every registered method's parameters."""
-    rows = []
-    for f in dataclasses.fields(part):
-        if f.name != "recovery":
-            choices = f.metadata.get("choices")
-            kind = " | ".join(choices()) if choices else str(f.type)
-            rows.append(ConfigField(f"{prefix}{f.name}", kind, default_text(f),
-                                    f.metadata["help"]))
-            continue
-        rows.append(ConfigField(f"{prefix}recovery.method", " | ".join(list_recoveries()),
-                                "none", f.metadata["help"]))
-        params: dict[str, tuple[dataclasses.Field[Any], list[str]]] = {}
-        for method in list_recoveries():
-            for p in dataclasses.fields(get_recovery(method).config_cls):
-                params.setdefault(p.name, (p, []))[1].append(method)
-        rows += [ConfigField(f"{prefix}recovery.{name}", str(p.type), default_text(p),
-                             f"{p.metadata['help']} ({', '.join(methods)})", tuple(methods))
-                 for name, (p, methods) in params.items()]
-    return rows
+def describe(field: FieldInfo) -> str:
+    """The field's description, with a line on each of its choices where it has them."""
+    choices = marker(field.metadata, Choices)
+    text = field.description or ""
+    if choices is None or choices.described is None:
+        return text
+    each = "; ".join(f"{name}: {line}" for name, line in choices.described().items())
+    return f"{text} ({each})"
 
 
-def type_name(annotation: Any) -> str:
-    """``auto | none | ddp`` for a Literal or an enum, ``int | None``, ``list[int]``,
-    ``str``."""
-    if get_origin(annotation) is Annotated:  # a strict type: what it annotates
-        return type_name(get_args(annotation)[0])
+def type_name(annotation: Any, metadata: list[Any] | None = None) -> str:
+    """``hif4 | mxfp4 | ...`` for a registry's names, ``auto | none | ddp`` for a Literal
+    or an enum, ``int | None``, ``list[int]``, ``str``."""
+    choices = marker(metadata or [], Choices)
+    if choices is not None:
+        return " | ".join(choices.names())
+    if get_origin(annotation) is Annotated:  # a strict or named type: what it annotates
+        base, *meta = get_args(annotation)
+        return type_name(base, meta)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
         return " | ".join(str(member.value) for member in annotation)
     args = get_args(annotation)
@@ -109,16 +100,12 @@ def type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def default_text(field: FieldInfo | dataclasses.Field[Any]) -> str:
+def default_text(field: FieldInfo) -> str:
     """The default as a ``key=value`` override writes it."""
-    if isinstance(field, FieldInfo):
-        value = field.get_default(call_default_factory=True)
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if isinstance(value, Enum):
         return str(value.value)
     return value if isinstance(value, str) else json.dumps(value)
 
 
-__all__ = ["ConfigField", "config_fields", "default_text", "engine_fields", "recipe_fields",
-           "type_name"]
+__all__ = ["ConfigField", "config_fields", "default_text", "describe", "type_name"]

@@ -4,7 +4,6 @@ one line."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,7 @@ def _suggestion(error: Any) -> str:
 
 
 #: the keys of ``rollout`` that are the recipe's rollout policy (the rest say where it runs)
-ROLLOUT_POLICY = tuple(f.name for f in dataclasses.fields(RolloutPrecision))
+ROLLOUT_POLICY = tuple(RolloutPrecision.model_fields)
 
 
 def _without_recipe(data: dict[str, Any]) -> dict[str, Any]:

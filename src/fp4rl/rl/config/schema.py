@@ -1,27 +1,39 @@
 """The training config's schema: one pydantic model per section, :class:`TrainConfig` the
 whole. Every field carries its description, which ``fp4rl train --help-config`` prints
-(:mod:`.help`). The recipe's parts (``train``, ``rollout``, ``ignore``) are validated by
-:class:`~fp4rl.nn.recipe.Recipe`; each rollout engine's own section, ``rollout.<engine>``,
-by the settings model the engine registered."""
+(:mod:`.help`). The recipe's parts are the recipe's own models (``train`` is
+:class:`~fp4rl.nn.recipe.TrainPrecision`, ``rollout`` extends
+:class:`~fp4rl.nn.recipe.RolloutPrecision`, whose recovery holds the method's registered
+parameters model); each rollout engine's own section, ``rollout.<engine>``, is the settings
+model the engine registered."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
-from fp4rl.errors import RecipeError, UserError
-from fp4rl.nn.recipe import Recipe
+from fp4rl.errors import RecipeError, UserError, did_you_mean
+from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
 from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
     AUTO,
+    AUTO_PICKS,
     DEFAULT_ENGINE,
     EngineError,
     engine_name,
     get_engine,
     list_engines,
 )
+from fp4rl.settings import Choices, problem
 
 
 class _Section(BaseModel):
@@ -99,6 +111,10 @@ class GRPOConfig(LossConfig):
         return self
 
 
+#: a value a torch.optim class takes as a keyword (eps, betas, amsgrad, foreach, ...)
+OptimizerArgument = StrictBool | int | float | str | list[float] | None
+
+
 class OptimizerConfig(_Section):
     """The optimizer, by the name of its ``torch.optim`` class (case-insensitive), with
     keyword arguments beyond ``lr`` and ``weight_decay`` (``grpo.learning_rate``,
@@ -106,8 +122,8 @@ class OptimizerConfig(_Section):
 
     name: str = Field("AdamW", description="a torch.optim class, by name "
                       "(case-insensitive)")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="its keyword arguments "
-                                   "beyond lr and weight_decay")
+    kwargs: dict[str, OptimizerArgument] = Field(
+        default_factory=dict, description="its keyword arguments beyond lr and weight_decay")
 
 
 class DistributedConfig(_Section):
@@ -151,6 +167,77 @@ class RunConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept")
 
 
+def _engine_summaries() -> dict[str, str]:
+    return {**{name: get_engine(name).summary for name in list_engines()}, AUTO: AUTO_PICKS}
+
+
+def _engine_settings() -> dict[str, type[BaseModel]]:
+    """The settings model of each engine that takes some, by the engine's name."""
+    return {name: model for name in list_engines()
+            if (model := get_engine(name).settings) is not None}
+
+
+#: a rollout engine's name, an alias of one, or ``auto`` (:data:`AUTO_PICKS`)
+EngineName = Annotated[str, Choices(lambda: [*list_engines(), AUTO], _engine_summaries)]
+
+
+class RolloutConfig(RolloutPrecision):
+    """``rollout``: the rollout policy (the recipe's part), the engine that runs it, and
+    under ``rollout.<engine>`` the settings of each engine that takes some, validated by
+    the model that engine registered (no engine is named here)."""
+
+    #: the extra keys are the engines' sections, each replaced by its settings model
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    #: ``rollout.<engine>``: what the help prints under each engine's name
+    extra_sections: ClassVar = staticmethod(_engine_settings)
+
+    engine: EngineName = Field(DEFAULT_ENGINE, description="where the rollout runs")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        try:
+            return engine_name(value)
+        except EngineError as err:
+            raise ValueError(f"rollout.engine: {err}") from None
+
+    @model_validator(mode="after")
+    def _engine_sections(self) -> RolloutConfig:
+        """Each extra key an engine's settings, validated by that engine's model, and only
+        for the engine that runs (or may run, under ``auto``)."""
+        extra = self.__pydantic_extra__ or {}
+        for name, value in extra.items():
+            if name not in list_engines():
+                allowed = [*RolloutConfig.model_fields, *_engine_settings()]
+                raise ValueError(f"rollout: unknown key(s) {[name]}"
+                                 f"{did_you_mean(name, allowed)}; allowed: {allowed}")
+            if self.engine not in (name, AUTO):
+                raise ValueError(f"rollout.{name} configures the {name} engine, and "
+                                 f"rollout.engine={self.engine} runs another: drop "
+                                 f"rollout.{name} or set rollout.engine={name}")
+            model = get_engine(name).settings
+            if model is None:
+                raise ValueError(f"rollout.{name}: the {name} engine takes no settings")
+            try:
+                extra[name] = model.model_validate(value or {})
+            except ValidationError as err:
+                raise ValueError(problem(f"rollout.{name}", model, err)) from None
+        return self
+
+    def settings_of(self, engine: str) -> BaseModel | None:
+        """``rollout.<engine>`` as its engine's settings model, defaults filled in (None for
+        an engine that takes none)."""
+        model = get_engine(engine).settings
+        if model is None:
+            return None
+        return (self.__pydantic_extra__ or {}).get(engine) or model()
+
+    def policy(self) -> RolloutPrecision:
+        """The recipe's part: what the rollout computes, not where."""
+        return RolloutPrecision(**{k: getattr(self, k) for k in RolloutPrecision.model_fields})
+
+
 class TrainConfig(_Section):
     model: str = Field("smollm2-135m", description="the policy: an embedded model's name, "
                        "a local Hugging Face directory, or a Hub id ORG/NAME")
@@ -159,16 +246,13 @@ class TrainConfig(_Section):
         "= bf16 where the device runs it natively; masters and optimizer are always FP32")
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda or "
                         "cuda:N")
-    train: dict[str, Any] = Field(
-        default_factory=dict, description="the training policy's formats: weights, "
-        "activations, gradients (each a format name), backward_operands (requantize, "
-        "reuse_forward or dequantized); docs/layers.md. A whole recipe by name instead: "
-        "recipe=NAME (e.g. hif4+resq-2:4, nemo-rl-nvfp4) sets train, rollout's policy and "
-        "ignore")
-    rollout: dict[str, Any] = Field(
-        default_factory=dict, description="the rollout policy (weights, activations, "
-        "recovery: docs/layers.md), the engine that runs it (rollout.engine) and each "
-        "engine's own settings (rollout.<engine>: below)")
+    train: TrainPrecision = Field(
+        default_factory=TrainPrecision, description="the training policy's formats "
+        "(docs/layers.md). A whole recipe by name instead: recipe=NAME (e.g. "
+        "hif4+resq-2:4, nemo-rl-nvfp4) sets train, rollout's policy and ignore")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="the rollout policy (docs/layers.md), "
+        "the engine that runs it and each engine's own settings (rollout.<engine>)")
     ignore: list[str] = Field(default_factory=list, description="modules left unquantized: "
                               "regexes on module names, as in compressed-tensors, or first:N, "
                               "last:N, last:<fraction> (blocks), kind:attention, kind:mlp")
@@ -186,23 +270,17 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _recipe_is_valid(self) -> TrainConfig:
+        """The recipe as a whole (its ``ignore`` selectors), and what each engine that may
+        run it cannot serve, refused before any loading."""
         try:
             recipe = self.recipe()
         except RecipeError as err:
             raise ValueError(str(err)) from None
-        try:
-            chosen = engine_name(self.rollout.get("engine", DEFAULT_ENGINE))
-        except EngineError as err:
-            raise ValueError(f"rollout.engine: {err}") from None
+        chosen = self.rollout.engine
         for name in list_engines():
-            if name in self.rollout and chosen not in (name, AUTO):
-                raise ValueError(f"rollout.{name} configures the {name} engine, and "
-                                 f"rollout.engine={chosen} runs another: drop rollout.{name} "
-                                 f"or set rollout.engine={name}")
-            if chosen in (name, AUTO):  # what it cannot serve fails before any loading
-                settings = self.engine_settings(name)
+            if chosen in (name, AUTO):
                 try:
-                    get_engine(name).check_config(settings, recipe,
+                    get_engine(name).check_config(self.rollout.settings_of(name), recipe,
                                                   self.distributed.shards,
                                                   named=chosen == name)
                 except UserError as err:
@@ -211,50 +289,17 @@ class TrainConfig(_Section):
 
     @property
     def rollout_engine(self) -> str:
-        """Where the rollout runs: a registered engine's one name (an alias reads as it),
-        or ``auto``."""
-        return engine_name(self.rollout.get("engine", DEFAULT_ENGINE))
-
-    def engine_settings(self, engine: str) -> BaseModel | None:
-        """``rollout.<engine>`` validated by the engine's own settings model, defaults
-        filled in (None for an engine that takes none); a key or value it does not know
-        is one line naming it."""
-        model = get_engine(engine).settings
-        if model is None:
-            if engine in self.rollout:
-                raise ValueError(f"rollout.{engine}: the {engine} engine takes no settings")
-            return None
-        try:
-            return model.model_validate(self.rollout.get(engine) or {})
-        except ValidationError as err:
-            raise ValueError(settings_problem(f"rollout.{engine}", model, err)) from None
+        """Where the rollout runs: a registered engine's one name, or ``auto``."""
+        return self.rollout.engine
 
     def engine_options(self, engine: str) -> dict[str, Any]:
         """The settings ``engine`` reads, as :class:`~fp4rl.rollout.base.RolloutSetup`
         hands them to it: its own section of ``rollout``, defaults filled in."""
-        settings = self.engine_settings(engine)
+        settings = self.rollout.settings_of(engine)
         return settings.model_dump() if settings is not None else {}
 
     def recipe(self) -> Recipe:
-        return recipe_of({"train": self.train, "rollout": self.rollout, "ignore": self.ignore})
-
-
-def settings_problem(section: str, schema: type[BaseModel], err: ValidationError) -> str:
-    """The first problem of ``err`` as one line: ``section.key must be ... , got ...``
-    (the field's own ``must``), the unknown key and the keys there are, or what the
-    model's own validator said."""
-    e = err.errors()[0]
-    key = str(e["loc"][0]) if e["loc"] else ""
-    if e["type"] == "value_error":  # the model's own validators word their refusals
-        return str(e["ctx"]["error"])
-    if e["type"] == "extra_forbidden":
-        return (f"{section}: unknown key(s) {[key]}; allowed: "
-                f"{', '.join(schema.model_fields)}")
-    if key not in schema.model_fields:
-        return f"{section} must be a mapping of settings, got {e['input']!r}"
-    extra = schema.model_fields[key].json_schema_extra
-    must = extra.get("must") if isinstance(extra, dict) else None
-    return f"{section}.{key} must be {must or e['msg']}, got {e['input']!r}"
+        return Recipe(train=self.train, rollout=self.rollout.policy(), ignore=self.ignore)
 
 
 def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
@@ -263,10 +308,10 @@ def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
     policy it ran (nor do the engines' settings, ``rollout.<engine>``), so it is not part
     of the recipe."""
     rollout = {k: v for k, v in (config.get("rollout") or {}).items()
-               if k not in ("engine", *list_engines())}
+               if k in RolloutPrecision.model_fields}
     return Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
                              "ignore": config.get("ignore")}, strict=strict)
 
 
 __all__ = ["DataConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig",
-           "RunConfig", "TrainConfig", "recipe_of", "settings_problem"]
+           "RolloutConfig", "RunConfig", "TrainConfig", "recipe_of"]
