@@ -9,8 +9,10 @@ outside, and :func:`mm` applies it to the fp32 result, as NVFP4 hardware does. T
 is one per tensor, or one per vector along the operand's other axis (``nvfp4_per_token``:
 a scale per token), which scales a row or a column of the product.
 
-``"bf16"`` as an operand format means *not quantized*: the operand enters the GEMM in
-the compute dtype unchanged (the paper's BF16 baseline, with FP32 masters).
+``"none"`` (:data:`UNQUANTIZED`) as an operand format means *not quantized*: the operand
+enters the GEMM in the compute dtype unchanged (the paper's BF16 baseline, with FP32
+masters; FP32 throughout under ``mixed_precision: no``). It is not the number format
+``bf16``, which rounds to bfloat16 and back.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
 from fp4rl.kernels import quantize_rows_bf16
 
-UNQUANTIZED = "bf16"
+#: the operand format that leaves an operand as it is (a recipe reads ``bf16`` as it)
+UNQUANTIZED = "none"
+
+
+def has_tensor_scale(fmt: str) -> bool:
+    """Whether operands in ``fmt`` carry a float32 scale outside their values (NVFP4's),
+    which an unquantized operand never does."""
+    return fmt != UNQUANTIZED and get_format(fmt).has_tensor_scale
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class Operand:
 def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool = False,
                      generator: torch.Generator | None = None,
                      tensor_scale: torch.Tensor | None = None) -> Operand:
-    """``x`` quantized along ``dim`` as a GEMM operand (``"bf16"``: ``x`` itself).
+    """``x`` quantized along ``dim`` as a GEMM operand (``"none"``: ``x`` itself).
 
     ``Operand.dense()`` equals ``fp4rl.quantize(x, fmt, dim)`` bit for bit; ``values``
     holds the block-scaled part, exact in bf16. A format with a per-tensor scale takes
@@ -281,5 +290,5 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "mm", "pack_operand", "quantize_operand",
-           "stack_rows"]
+__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "has_tensor_scale", "mm", "pack_operand",
+           "quantize_operand", "stack_rows"]

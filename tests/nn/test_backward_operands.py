@@ -189,7 +189,7 @@ def test_dequantized_backward_is_bf16_gemms_on_the_forwards_dequantized_operands
 
 def test_dequantized_backward_takes_unquantized_gradients_only():
     with pytest.raises(RecipeError, match=r"train\.gradients: hif4 with backward_operands: "
-                                          r"dequantized.*set gradients: bf16"):
+                                          r"dequantized.*set gradients: none"):
         TrainPrecision(weights="hif4", activations="hif4", gradients="hif4",
                        backward_operands="dequantized")
     recipe = Recipe.from_dict({"train": {"weights": "nvfp4", "activations": "nvfp4_per_token",

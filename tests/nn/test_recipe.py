@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from fp4rl.gemm import UNQUANTIZED, quantize_operand
 from fp4rl.nn.recipe import Recipe, RecipeError, TrainPrecision, get_recipe, table1_recipes
 from fp4rl.recovery import Recovery
 
@@ -56,12 +58,12 @@ def test_table1_recipes(fmt):
     assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
     cells = {n: get_recipe(n) for n in names}
     assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt
-    assert cells[f"{fmt}:fp4/bf16"].rollout.weights == "bf16"
+    assert cells[f"{fmt}:fp4/bf16"].rollout.weights == "none"
     assert (cells[f"{fmt}:fp4/w4a16"].rollout.weights,
-            cells[f"{fmt}:fp4/w4a16"].rollout.activations) == (fmt, "bf16")
+            cells[f"{fmt}:fp4/w4a16"].rollout.activations) == (fmt, "none")
     assert cells[f"{fmt}:fp4/w4a8"].rollout.activations == "mxfp8_e4m3"
-    assert cells[f"{fmt}:fp4/w16a4"].rollout.weights == "bf16"
-    assert cells[f"{fmt}:bf16/fp4"].train.activations == "bf16"
+    assert cells[f"{fmt}:fp4/w16a4"].rollout.weights == "none"
+    assert cells[f"{fmt}:bf16/fp4"].train.activations == "none"
     assert cells[f"{fmt}:bf16/fp4"].rollout.activations == fmt
     assert get_recipe(fmt) == cells[f"{fmt}:fp4/fp4"]
     assert {r.train.backward_operands for r in cells.values()} == {"requantize"}
@@ -69,7 +71,7 @@ def test_table1_recipes(fmt):
     reuse = get_recipe(f"{fmt}:fp4-reuse/bf16+resq-2:4")
     assert reuse.train == cells[f"{fmt}:fp4/bf16"].train.replace(
         backward_operands="reuse_forward")
-    assert reuse.rollout.weights == "bf16" and reuse.rollout.recovery.method == "resq"
+    assert reuse.rollout.weights == "none" and reuse.rollout.recovery.method == "resq"
     with pytest.raises(RecipeError, match="fp4-reuse"):
         get_recipe(f"{fmt}:fp4-reused/bf16")
 
@@ -108,3 +110,18 @@ def test_a_per_token_format_scales_activations_and_gradients_never_weights():
                        gradients="nvfp4_per_token")
     with pytest.raises(RecipeError, match="requantize"):
         get_recipe("nvfp4_per_token:fp4-reuse/fp4")
+
+
+def test_not_quantized_is_none_and_a_typed_bf16_reads_as_it():
+    """``none`` leaves an operand as it is (FP32 stays FP32); ``bf16`` typed in a recipe
+    reads as ``none``, while the number format ``bf16`` rounds."""
+    assert TrainPrecision(weights="BF16").weights == UNQUANTIZED == "none"
+    recipe = Recipe.from_dict({"rollout": {"weights": "bf16", "activations": "none"}})
+    assert recipe == Recipe() == get_recipe("bf16")
+    assert recipe.to_dict()["rollout"]["weights"] == "none"
+    x = torch.randn(8, 64, dtype=torch.float32)
+    assert quantize_operand(x, UNQUANTIZED).values is x
+    rounded = quantize_operand(x, "bf16").dense()
+    assert torch.equal(rounded, x.bfloat16().float()) and not torch.equal(rounded, x)
+    with pytest.raises(RecipeError, match=r"choose one of none, hif4.*\(bf16 reads as none\)"):
+        TrainPrecision(gradients="fp16")

@@ -8,7 +8,7 @@ from pydantic import BaseModel
 
 from fp4rl.cli import main
 from fp4rl.errors import ConfigError
-from fp4rl.formats import list_formats
+from fp4rl.nn.recipe import operand_formats
 from fp4rl.recovery import Recovery, get_recovery, list_recoveries
 from fp4rl.rl.config import RolloutConfig, TrainConfig, config_fields, flatten, load_config
 from fp4rl.rollout import get_engine, list_engines
@@ -46,7 +46,7 @@ def test_every_setting_is_described_with_its_type_and_default():
     assert fields["distributed.strategy"].type == "auto | none | ddp | fsdp"
     assert fields["rollout.vllm.enforce_eager"].type == "auto | bool"
     assert fields["eval.size"].type == "int | None"
-    assert fields["train.weights"].type.split(" | ") == list_formats()
+    assert fields["train.weights"].type.split(" | ") == operand_formats()
     assert fields["rollout.recovery.method"].type.split(" | ") == list_recoveries()
     assert fields["rollout.engine"].type.split(" | ") == [*list_engines(), "auto"]
     takers = [m for m in list_recoveries() if "sparsity" in get_recovery(m).config_cls.model_fields]

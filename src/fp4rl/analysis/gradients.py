@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from fp4rl.data import synthetic_dataset
-from fp4rl.gemm import mm, quantize_operand
+from fp4rl.gemm import UNQUANTIZED, mm, quantize_operand
 from fp4rl.nn import (
     FP4Linear,
     Mode,
@@ -292,11 +292,11 @@ def variants(fmt: str) -> dict[str, TrainPrecision]:
         return TrainPrecision(weights=w, activations=a, gradients=g, backward_operands=scheme)
 
     return {
-        "fp4_forward": precision(fmt, fmt, "bf16"),
+        "fp4_forward": precision(fmt, fmt, UNQUANTIZED),
         "requantize": precision(fmt, fmt, fmt, "requantize"),
         "reuse_forward": precision(fmt, fmt, fmt),
-        "weights_only": precision(fmt, "bf16", "bf16"),
-        "activations_only": precision("bf16", fmt, "bf16"),
+        "weights_only": precision(fmt, UNQUANTIZED, UNQUANTIZED),
+        "activations_only": precision(UNQUANTIZED, fmt, UNQUANTIZED),
     }
 
 

@@ -8,8 +8,9 @@ the allowed values::
     rollout: {weights: hif4, activations: hif4, recovery: {method: resq, sparsity: "2:4"}}
     ignore:  ["re:.*mlp\\.down_proj"]     # modules left unquantized (optional)
 
-``"bf16"`` anywhere means "not quantized" (computed in the run's compute dtype, the
-paper's baseline). Recipe names cover every cell of the paper's Table 1:
+``"none"`` anywhere means "not quantized" (computed in the run's compute dtype, the
+paper's baseline); ``"bf16"`` is read as ``"none"`` there, as the paper writes it.
+Recipe names cover every cell of the paper's Table 1:
 ``get_recipe("hif4:fp4/w4a8")`` is training in HiF4 with a rollout of HiF4 weights and
 MXFP8 activations; a suffix ``"+<method>[-<argument>]"`` (``"+resq-2:4"``) adds a
 registered rollout recovery method.
@@ -34,10 +35,10 @@ from fp4rl.settings import Choices, Settings
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
 ROLLOUT_PRECISIONS = {
-    "bf16": ("bf16", "bf16"),
-    "w4a16": ("{f}", "bf16"),
+    "bf16": (UNQUANTIZED, UNQUANTIZED),
+    "w4a16": ("{f}", UNQUANTIZED),
     "w4a8": ("{f}", "mxfp8_e4m3"),
-    "w16a4": ("bf16", "{f}"),
+    "w16a4": (UNQUANTIZED, "{f}"),
     "fp4": ("{f}", "{f}"),
 }
 #: training precision names -> how the backward GEMMs take W and X (moot for bf16, where
@@ -61,23 +62,38 @@ class BackwardOperands(StrEnum):
 BACKWARD_OPERANDS = tuple(b.value for b in BackwardOperands)
 
 
+#: the number format whose name a recipe reads as :data:`UNQUANTIZED` (the paper's
+#: "BF16" rows: not quantized, in the compute dtype)
+READ_AS_UNQUANTIZED = "bf16"
+
+
 def quantized_formats() -> list[str]:
     """Registered formats other than ``bf16`` (the ones a recipe name's ``<fmt>`` may name)."""
-    return [f for f in list_formats() if f != "bf16"]
+    return [f for f in list_formats() if f != READ_AS_UNQUANTIZED]
+
+
+def operand_formats() -> list[str]:
+    """What a recipe's operand takes: ``none`` (not quantized), or a quantized format."""
+    return [UNQUANTIZED, *quantized_formats()]
 
 
 def _format_name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value.lower() not in list_formats():
-        hint = did_you_mean(value, list_formats())
+    name = value.lower() if isinstance(value, str) else value
+    name = UNQUANTIZED if name == READ_AS_UNQUANTIZED else name
+    if name not in operand_formats():
+        hint = did_you_mean(value, operand_formats())
         raise RecipeError(f"{where}: {value!r} is not a format{hint}; choose one of "
-                          f"{', '.join(list_formats())}")
-    return value.lower()
+                          f"{', '.join(operand_formats())} ({READ_AS_UNQUANTIZED} reads as "
+                          f"{UNQUANTIZED})")
+    return str(name)
 
 
 def _weight_format_name(value: Any, where: str) -> str:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
     name = _format_name(value, where)
+    if name == UNQUANTIZED:
+        return name
     fmt = get_format(name)
     if fmt.vector_scales:
         raise RecipeError(f"{where}: {name} scales each token's vector, which a weight "
@@ -93,13 +109,13 @@ def _format_field(section: str, weights: bool = False) -> Any:
     return lambda value, info: check(value, f"{section}.{info.field_name}")
 
 
-#: a format's registered name (case-insensitive in configs)
-FormatName = Annotated[str, Choices(list_formats)]
+#: an operand's format: ``none`` or a quantized format's registered name (case-insensitive)
+FormatName = Annotated[str, Choices(operand_formats)]
 
 
 def _weight_format(fmt: str) -> str:
     """What a weight takes in a recipe named after ``fmt`` (NVFP4 for ``nvfp4_per_token``)."""
-    return get_format(fmt).weight_format or fmt
+    return fmt if fmt == UNQUANTIZED else get_format(fmt).weight_format or fmt
 
 
 class TrainPrecision(Settings):
@@ -111,7 +127,7 @@ class TrainPrecision(Settings):
     along tokens for the weight gradient), as block-scaled FP4 hardware needs;
     ``reuse_forward`` multiplies the new ``Q(dY)`` with the forward's ``Q(W)`` and ``Q(X)``
     (blocked along in_features), as the HiFloat4 authors' simulation (``QLinear.py``)
-    does. With ``gradients: bf16``, ``reuse_forward`` is the exact gradient of the
+    does. With ``gradients: none``, ``reuse_forward`` is the exact gradient of the
     quantized forward (straight-through quantizers). ``dequantized`` (NeMo-RL's and
     Miles's FP4 recipes) runs both backward GEMMs in the compute dtype on the forward's
     ``Q(W)`` and ``Q(X)`` with their scales multiplied in, and unquantized gradients: the
@@ -122,12 +138,12 @@ class TrainPrecision(Settings):
     section = "train"
     error = RecipeError
 
-    weights: FormatName = Field("bf16", description="the weights' format in the three "
-                                "training GEMMs (bf16: not quantized)")
-    activations: FormatName = Field("bf16", description="the layer inputs' format in the "
-                                    "forward and weight-gradient GEMMs")
-    gradients: FormatName = Field("bf16", description="the output gradients' format in the "
-                                  "two backward GEMMs")
+    weights: FormatName = Field(UNQUANTIZED, description="the weights' format in the three "
+                                "training GEMMs (none: not quantized; bf16 reads as none)")
+    activations: FormatName = Field(UNQUANTIZED, description="the layer inputs' format in "
+                                    "the forward and weight-gradient GEMMs")
+    gradients: FormatName = Field(UNQUANTIZED, description="the output gradients' format in "
+                                  "the two backward GEMMs")
     stochastic_gradients: StrictBool = Field(False, description="round the output gradients "
                                              "stochastically (unbiased)")
     backward_operands: BackwardOperands = Field(
@@ -152,7 +168,7 @@ class TrainPrecision(Settings):
     @model_validator(mode="after")
     def _operands_fit_the_scheme(self) -> TrainPrecision:
         if self.backward_operands is BackwardOperands.REUSE_FORWARD and \
-                get_format(self.activations).vector_scales:
+                self.activations != UNQUANTIZED and get_format(self.activations).vector_scales:
             raise RecipeError(f"train.activations: {self.activations} scales each token, and "
                               "reuse_forward multiplies the forward's Q(X) along the tokens, "
                               "where a per-token scale does not factor out; use "
@@ -172,9 +188,10 @@ class RolloutPrecision(Settings):
     section = "rollout"
     error = RecipeError
 
-    weights: FormatName = Field("bf16", description="the rollout weights' format (bf16: not "
-                                "quantized)")
-    activations: FormatName = Field("bf16", description="the rollout activations' format")
+    weights: FormatName = Field(UNQUANTIZED, description="the rollout weights' format (none: "
+                                "not quantized; bf16 reads as none)")
+    activations: FormatName = Field(UNQUANTIZED, description="the rollout activations' "
+                                    "format")
     recovery: Recovery = Field(default_factory=Recovery, description="the method that "
                                "repairs the rollout activations' quantization (a registered "
                                "method's name), with its parameters beside it")
@@ -322,7 +339,7 @@ def get_recipe(name: str) -> Recipe:
                 f"rollout in {', '.join(ROLLOUT_PRECISIONS)}, or one of the field's recipes "
                 f"({', '.join(field_recipes)}), optionally '+<recovery method>' "
                 f"(e.g. '+resq-2:4')")
-    t = "bf16" if train == "bf16" else fmt
+    t = UNQUANTIZED if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])
     return Recipe(train=TrainPrecision(weights=_weight_format(t), activations=t, gradients=t,
                                        backward_operands=TRAIN_PRECISIONS[train]),

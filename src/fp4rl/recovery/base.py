@@ -20,11 +20,11 @@ import torch
 from pydantic import ConfigDict
 
 from fp4rl.errors import RecipeError, did_you_mean
-from fp4rl.formats import get_format
 from fp4rl.gemm import (
     UNQUANTIZED,
     Operand,
     PackedOperand,
+    has_tensor_scale,
     mm,
     pack_operand,
     quantize_operand,
@@ -128,7 +128,7 @@ class RolloutRecovery(ABC):
         """For each operand :meth:`activation` returns in ``dtype``, whether it carries a
         per-tensor scale: a tracer (:mod:`fp4rl.recovery.ops`) must know the operands'
         layout without running it."""
-        return (get_format(self.act_format).has_tensor_scale,)
+        return (has_tensor_scale(self.act_format),)
 
     def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

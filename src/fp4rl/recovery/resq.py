@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fp4rl.formats import BlockFormat, get_format, quantize
-from fp4rl.gemm import Operand, quantize_operand
+from fp4rl.gemm import Operand, has_tensor_scale, quantize_operand
 from fp4rl.kernels import resq_rows, resq_terms
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
@@ -114,7 +114,7 @@ class ResQ(RolloutRecovery):
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
         if dtype == torch.float32:
             return (False,)  # one folded operand, its scale applied inside
-        scaled = get_format(self.act_format).has_tensor_scale
+        scaled = has_tensor_scale(self.act_format)
         return (scaled, scaled)
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:

@@ -25,7 +25,7 @@ import torch
 
 from fp4rl.formats import get_format
 from fp4rl.formats.nvfp4 import finite_amax
-from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand
+from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, has_tensor_scale
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
@@ -141,7 +141,7 @@ _TENSOR_SCALE = "tensor_scale"
 def field_names(fmt: str, in_features: int) -> list[str]:
     """The packed fields of ``fmt`` (plus NVFP4's per-tensor scale)."""
     names = list(PackedOperand.layout(fmt, in_features).fields)
-    return [*names, _TENSOR_SCALE] if get_format(fmt).has_tensor_scale else names
+    return [*names, _TENSOR_SCALE] if has_tensor_scale(fmt) else names
 
 
 def field_dtype(name: str) -> torch.dtype:
@@ -282,7 +282,7 @@ def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> 
 def _whole_scale(state: LayerState, shard: torch.Tensor) -> torch.Tensor | None:
     """The per-tensor scale of the whole weight a rank's ``shard`` is part of (NVFP4 under
     tensor parallelism), or None where the shard's own is the whole's or there is none."""
-    if state.partition is None or not get_format(state.fmt).has_tensor_scale:
+    if state.partition is None or not has_tensor_scale(state.fmt):
         return None
     return get_format(state.fmt).tensor_scale(whole_amax(finite_amax(shard)))
 

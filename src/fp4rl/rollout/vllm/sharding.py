@@ -22,7 +22,7 @@ import torch
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import get_format
-from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand
+from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
 from fp4rl.rollout.vllm.config import VLLMError
@@ -74,7 +74,7 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
             raise VLLMError(f"tensor_parallel_size={ranks} splits {where} across {fmt}'s "
                             f"blocks of {block}: use a tensor_parallel_size dividing "
                             f"{partition.in_features // block}")
-    if get_format(r.activations).has_tensor_scale:
+    if has_tensor_scale(r.activations):
         raise VLLMError(f"{r.activations} activations scale by the whole input's amax, which "
                         f"no rank of the row-parallel {where} sees: use "
                         "tensor_parallel_size=1, or block-scaled activations (hif4, mxfp4)")
