@@ -20,7 +20,8 @@ from fp4rl.kernels import cpu
 from fp4rl.kernels.codes import FormatCode
 from fp4rl.recovery import resq_activation, sparsify
 
-BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3", "bf16"]
+BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "nvfp4_4o6", "nvfp4_per_token_4o6",
+            "nvfp4_2d", "mxfp8_e4m3", "bf16"]
 
 
 class RenamedHiF4(HiF4):

@@ -22,13 +22,14 @@ from fp4rl.formats import get_format
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.gemm import PackedOperand, mm, pack_operand, quantize_operand
 from fp4rl.models import tiny_model
-from fp4rl.nn.recipe import get_recipe
+from fp4rl.nn.recipe import field_recipe_names, get_recipe
 from fp4rl.recovery import make_recovery, recovery_variants
 from fp4rl.rollout.batch import SamplingConfig
 from fp4rl.rollout.sampling import sample_next
 
 META = torch.device("meta")
-BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
+BLOCK_FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "nvfp4_4o6", "nvfp4_per_token_4o6",
+                 "nvfp4_2d", "mxfp8_e4m3"]
 FOUR_BIT = ["hif4", "mxfp4", "nvfp4"]
 
 
@@ -91,7 +92,8 @@ def _meta_model(arch: str, recipe: str) -> torch.nn.Module:
 #: one recipe of each family: every training precision, every rollout precision, each
 #: format, and recovery on top
 RECIPES = ["hif4", "mxfp4", "nvfp4", "hif4:fp4-reuse/fp4", "mxfp4:fp4/w4a8",
-           "nvfp4:bf16/w16a4", "mxfp8_e4m3:fp4/w4a16", "hif4+resq-2:4", "nvfp4+resq-dense"]
+           "nvfp4:bf16/w16a4", "mxfp8_e4m3:fp4/w4a16", "hif4+resq-2:4", "nvfp4+resq-dense",
+           *field_recipe_names()]
 
 
 @pytest.mark.parametrize(("arch", "recipe"), [("llama", r) for r in RECIPES] + [

@@ -22,9 +22,11 @@ from fp4rl.recovery.ops import TracedActivation
 
 #: every quantized format, each as a whole recipe (MXFP8 serves as W4A8 activations)
 RECIPES = {"hif4": "hif4", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
-           "nvfp4_per_token": "nvfp4_per_token", "mxfp8_e4m3": "hif4:fp4/w4a8"}
-#: the format whose scale is the whole batch's
-BATCH_SCALED = {"nvfp4"}
+           "nvfp4_per_token": "nvfp4_per_token", "nvfp4_4o6": "nvfp4_4o6",
+           "nvfp4_per_token_4o6": "nvfp4_per_token_4o6", "nvfp4_2d": "nvfp4_2d",
+           "mxfp8_e4m3": "hif4:fp4/w4a8"}
+#: the formats whose scale is the whole batch's (a tile's: 16 tokens)
+BATCH_SCALED = {"nvfp4", "nvfp4_4o6", "nvfp4_2d"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

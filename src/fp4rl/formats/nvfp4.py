@@ -5,16 +5,26 @@ tensor's largest magnitude to the top of the E4M3 x E2M1 range, 6 * 448, so
 block scales use E4M3's precision instead of saturating or underflowing.
 ``nvfp4_per_token`` takes that FP32 scale per vector along the quantized axis (per
 token, for activations) instead, so that a token's values do not depend on its batch.
+
+``nvfp4_4o6`` and ``nvfp4_per_token_4o6`` choose each block's scale by Four Over Six
+(Cook et al., arXiv 2512.02010; Miles's and TransformerEngine's NVFP4 recipes): the block
+is scaled so that its largest magnitude maps to 6 (NVFP4's rule) or to 4, whichever
+leaves the smaller squared error over the block (6 on a tie). E2M1 steps from 4 to 6, so a
+block whose near-maximal values would round across that gap loses less scaled to 4. Their
+tensor scale maps the largest magnitude to ``6 * 256`` instead of ``6 * 448``, so that a
+block scale of ``max / 4`` still fits E4M3 (at most 384). The codes and scales are
+NVFP4's: any NVFP4 decoder reads them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, ClassVar
 
 import torch
 
-from fp4rl.formats._exact import divide, round_minifloat
-from fp4rl.formats.base import BlockFormat, QuantOptions, check_tensor
+from fp4rl.formats._exact import divide, nonfinite_blocks, round_minifloat
+from fp4rl.formats.base import BlockFormat, QuantOptions, _to_rows, check_tensor
 from fp4rl.formats.mxfp4 import (
     e2m1_codes,
     e2m1_decode,
@@ -22,7 +32,7 @@ from fp4rl.formats.mxfp4 import (
     e2m1_round,
     e2m1_table_decode,
 )
-from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
+from fp4rl.formats.packing import PackedTensor, pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
 from fp4rl.kernels import QUANTIZE, FormatKernels
 from fp4rl.kernels.codes import FormatCode
@@ -30,6 +40,8 @@ from fp4rl.kernels.codes import FormatCode
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 TENSOR_RANGE = 6.0 * E4M3_MAX
+#: the tensor scale's range under Four Over Six: a block scale of max / 4 stays within E4M3
+FOUR_OVER_SIX_RANGE = 6.0 * 256.0
 
 
 def e4m3_round(v: torch.Tensor, noise: torch.Tensor | None = None,
@@ -64,16 +76,17 @@ class NVFP4(BlockFormat):
     #: the C kernel lacks the ResQ and bf16 passes, as the per-tensor scale needs a pass
     #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
     #: residual has a scale of its own)
-    kernels = FormatKernels(FormatCode.NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
-                            tensor_scale=True)
+    kernels: ClassVar[FormatKernels | None] = FormatKernels(
+        FormatCode.NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode"},
+        tensor_scale=True)
     extra_options = ("per_tensor_scale",)
     has_tensor_scale = True
+    #: the magnitude the tensor scale maps the largest value to (what the blocks then see)
+    tensor_range: float = TENSOR_RANGE
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        a = blocks.abs()
-        s = e4m3_round(torch.clamp(divide(a.amax(-1, keepdim=True), 6.0), max=E4M3_MAX))
-        v = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)
-        return {"scale": s, "q": e2m1_round(v, noise), "neg": torch.signbit(blocks)}
+        s, q = _scaled_to(blocks.abs(), 6.0, noise)
+        return {"scale": s, "q": q, "neg": torch.signbit(blocks)}
 
     def assemble(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
         mag = fields["q"] * fields["scale"]
@@ -96,7 +109,8 @@ class NVFP4(BlockFormat):
         """The block values alone: the per-tensor scale stays with the caller."""
         return e2m1_table_decode(buffers, E4M3_SCALES)
 
-    def block_scales(self, blocks: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def block_scales(self, blocks: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         """Of blocks already divided by the per-tensor scale."""
         s = e4m3_round(torch.clamp(divide(blocks.abs().amax(-1, keepdim=True).double(), 6.0),
                                    max=E4M3_MAX))
@@ -119,7 +133,7 @@ class NVFP4(BlockFormat):
         stall on it and a CUDA graph captures it."""
         if not opts.per_tensor_scale:
             return None
-        return _scale_of(finite_amax(rows))
+        return _scale_of(finite_amax(rows), self.tensor_range)
 
 
 class NVFP4PerToken(NVFP4):
@@ -148,14 +162,137 @@ class NVFP4PerToken(NVFP4):
         if not opts.per_tensor_scale:
             return None
         if x.dim() == 0:
-            return _scale_of(finite_amax(x))
+            return _scale_of(finite_amax(x), self.tensor_range)
         amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim, keepdim=True)
-        return _scale_of(amax.float())
+        return _scale_of(amax.float(), self.tensor_range)
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / (6 * 448)`` in float32, 1 where ``amax`` is 0."""
-    g = divide(amax, TENSOR_RANGE)
+class NVFP4FourOverSix(NVFP4):
+    """NVFP4 with Four Over Six block scales (see the module docstring): each block scaled
+    to a largest magnitude of 6 or of 4, whichever errs less, under a tensor scale of
+    range ``6 * 256``. The reference path computes it; the compiled kernels and the fast
+    row encoder implement NVFP4's rule alone, so this format goes without them."""
+
+    name = "nvfp4_4o6"
+    label = "NVFP4 4/6"
+    tensor_range = FOUR_OVER_SIX_RANGE
+    kernels = None
+
+    def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        a = blocks.abs()
+        s6, q6 = _scaled_to(a, 6.0, noise)
+        s4, q4 = _scaled_to(a, 4.0, noise)
+        err6 = (q6 * s6 - a).square().sum(-1, keepdim=True)
+        err4 = (q4 * s4 - a).square().sum(-1, keepdim=True)
+        four = err4 < err6
+        return {"scale": torch.where(four, s4, s6), "q": torch.where(four, q4, q6),
+                "neg": torch.signbit(blocks)}
+
+    def block_scales(self, blocks: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        """No fast encoder: its block scales follow NVFP4's rule alone."""
+        return None
+
+
+class NVFP4PerTokenFourOverSix(NVFP4FourOverSix, NVFP4PerToken):
+    """Per-token NVFP4 with Four Over Six block scales (Miles's activations); a weight
+    takes ``nvfp4_4o6``."""
+
+    name = "nvfp4_per_token_4o6"
+    label = "NVFP4/token 4/6"
+    weight_format = "nvfp4_4o6"
+
+
+class NVFP4Tiles(NVFP4):
+    """NVFP4 whose block is a 16 x 16 tile of a matrix instead of 16 values along one
+    axis (torchao's and NVIDIA's NVFP4 training recipes for weights): one E4M3 scale per
+    tile, under NVFP4's per-tensor scale. A matrix then quantizes to the same values along
+    either axis, so ``Q(W)`` in the forward and ``Q(W^T)`` in the input-gradient GEMM
+    agree. A tensor of more dimensions is tiled over its vectors along the quantized axis
+    (16 of them) and 16 values along it. Stored in NVFP4's layout (each tile's scale
+    repeated on its 16 rows), which any NVFP4 decoder reads; the compiled kernels and the
+    fast row encoder implement 1-D blocks alone, so this format goes without them."""
+
+    name = "nvfp4_2d"
+    label = "NVFP4 16x16"
+    kernels = None
+
+    def block_scales(self, blocks: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        """No fast encoder: its blocks are tiles, not runs along a row."""
+        return None
+
+    def _quantize(self, x: torch.Tensor, dim: int, opts: QuantOptions, fast: bool
+                  ) -> torch.Tensor:
+        d = check_tensor(x, dim)
+        if x.numel() == 0:
+            return x.clone()
+        rows, restore = _to_rows(x, d)
+        scale = self._tensor_scale(rows, opts)
+        fields, nan = self._tile_fields(rows if scale is None else rows / scale, opts)
+        values = torch.where(nan, torch.nan, self.assemble(fields))
+        out = _untile(values, rows.shape).to(torch.float32)
+        return restore(out if scale is None else out * scale)
+
+    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+        opts = self.options(**options)
+        d = check_tensor(x, dim)
+        rows, _ = _to_rows(x, d)
+        scale = self._tensor_scale(rows, opts)
+        fields, nan = self._tile_fields(rows if scale is None else rows / scale, opts)
+        bs = self.block_size
+        runs = {k: _untile(v.expand(-1, bs * bs), rows.shape, pad_cols=True).reshape(-1, bs)
+                for k, v in fields.items()}  # each tile as its 16 runs along the rows
+        runs["scale"] = runs["scale"][:, :1]
+        nan_runs = _untile(nan.expand(-1, bs * bs), rows.shape, pad_cols=True)
+        buffers = self.pack(runs, nan_runs.reshape(-1, bs)[:, 0])
+        return PackedTensor(self.name, tuple(x.shape), d, x.dtype, buffers,
+                            tensor_scale=scale, options={"length": rows.shape[-1]})
+
+    def _tile_fields(self, rows: torch.Tensor, opts: QuantOptions
+                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """NVFP4's fields of each ``(16 * 16)``-value tile of float32 ``rows`` (zero
+        padded), and the tiles holding a NaN or an Inf."""
+        bs = self.block_size
+        tiles = _tiles(rows, bs).to(torch.float64)
+        noise = self._noise(rows.shape[0], rows.shape[1], rows.device, opts)
+        if noise is not None:
+            noise = _tiles(torch.nn.functional.pad(
+                noise, (0, 0, 0, -rows.shape[0] % bs)), bs).to(torch.float64)
+        nan = nonfinite_blocks(tiles)
+        return self.fields(torch.where(nan, 0.0, tiles), noise), nan
+
+
+def _tiles(rows: torch.Tensor, bs: int) -> torch.Tensor:
+    """``(tiles, bs * bs)``: the zero-padded ``(N, L)`` rows cut into ``bs x bs`` tiles."""
+    n, length = rows.shape
+    padded = torch.nn.functional.pad(rows, (0, -length % bs, 0, -n % bs))
+    r, c = padded.shape
+    return padded.reshape(r // bs, bs, c // bs, bs).permute(0, 2, 1, 3).reshape(-1, bs * bs)
+
+
+def _untile(tiles: torch.Tensor, shape: torch.Size, pad_cols: bool = False) -> torch.Tensor:
+    """The inverse of :func:`_tiles`: ``(N, L)`` (the padded columns kept with
+    ``pad_cols``, as a packed row stores them)."""
+    n, length = shape
+    bs = math.isqrt(tiles.shape[-1])
+    r, c = n + -n % bs, length + -length % bs
+    out = tiles.reshape(r // bs, c // bs, bs, bs).permute(0, 2, 1, 3).reshape(r, c)
+    return out[:n] if pad_cols else out[:n, :length]
+
+
+def _scaled_to(a: torch.Tensor, top: float, noise: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E4M3 scale mapping each block's largest magnitude of ``a`` (float64 blocks)
+    to ``top``, saturating at E4M3's 448, and the E2M1 magnitudes of ``a`` under it."""
+    s = e4m3_round(torch.clamp(divide(a.amax(-1, keepdim=True), top), max=E4M3_MAX))
+    v = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)
+    return s, e2m1_round(v, noise)
+
+
+def _scale_of(amax: torch.Tensor, tensor_range: float = TENSOR_RANGE) -> torch.Tensor:
+    """``amax / tensor_range`` in float32, 1 where ``amax`` is 0."""
+    g = divide(amax, tensor_range)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 

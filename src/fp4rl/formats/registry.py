@@ -16,7 +16,13 @@ from fp4rl.formats.bf16 import BF16
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFP4
 from fp4rl.formats.mxfp8 import MXFP8
-from fp4rl.formats.nvfp4 import NVFP4, NVFP4PerToken
+from fp4rl.formats.nvfp4 import (
+    NVFP4,
+    NVFP4FourOverSix,
+    NVFP4PerToken,
+    NVFP4PerTokenFourOverSix,
+    NVFP4Tiles,
+)
 from fp4rl.registry import Registry
 
 _FORMATS: Registry[NumberFormat] = Registry("format", FormatError, key=str.lower)
@@ -63,5 +69,6 @@ def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,
     return get_format(fmt).quantize(x, dim, **options)
 
 
-for _builtin in (HiF4(), MXFP4(), NVFP4(), NVFP4PerToken(), MXFP8(), BF16()):
+for _builtin in (HiF4(), MXFP4(), NVFP4(), NVFP4PerToken(), NVFP4FourOverSix(),
+                 NVFP4PerTokenFourOverSix(), NVFP4Tiles(), MXFP8(), BF16()):
     register_format(_builtin)
