@@ -220,7 +220,7 @@ def test_greedy_completions_of_32_prompts_agree(smollm_dir, hf):
     assert vllm_rate >= self_rate - 2 / 32  # within what fp4rl's own noise floor allows
 
 
-@pytest.mark.parametrize("recipe", ["nemo-rl-nvfp4", "miles-nvfp4"])
+@pytest.mark.parametrize("recipe", ["nemo-rl-nvfp4", "miles-nvfp4", "torchao-nvfp4"])
 def test_the_fields_recipes_leave_the_same_layers_in_bf16_and_agree(smollm_dir, hf, recipe):
     """An ``ignore`` by kind (attention) or by position (the last 15% of the blocks, from
     vLLM's own model config) leaves the same layers unquantized in vLLM as in fp4rl's

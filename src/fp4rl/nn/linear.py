@@ -37,9 +37,16 @@ import torch
 from torch import nn
 
 from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
-from fp4rl.nn.recipe import BackwardOperands, Recipe, TrainPrecision
+from fp4rl.nn.recipe import (
+    WGRAD_HADAMARD_BLOCK,
+    BackwardOperands,
+    Recipe,
+    TrainPrecision,
+    WgradHadamard,
+)
 from fp4rl.precision import active_compute_dtype, autocast_off
 from fp4rl.recovery import RolloutRecovery, make_recovery
+from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
 
 class Mode(StrEnum):
@@ -53,6 +60,16 @@ def backward_axes(precision: TrainPrecision) -> tuple[int, int]:
     axes (out_features, tokens) under ``requantize``, the forward's (in_features) under
     ``reuse_forward``. ``dY`` is always blocked along the reduction axis."""
     return (0, 0) if precision.backward_operands is BackwardOperands.REQUANTIZE else (-1, -1)
+
+
+def rotate_tokens(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``(T, F)`` rows rotated along the tokens by the block-diagonal random Hadamard
+    transform of ``signs`` (one 16-token block's), in float32, the tokens zero-padded to
+    whole blocks: ``rotate_tokens(a, s)^T rotate_tokens(b, s) = a^T b`` (orthonormal)."""
+    block = signs.numel()
+    padded = torch.nn.functional.pad(t.float(), (0, 0, 0, -t.shape[0] % block))
+    every = signs.float().repeat(padded.shape[0] // block)
+    return random_hadamard(padded.t(), every, block).t()
 
 
 def _backward_operand(op: Operand, precision: TrainPrecision, dtype: torch.dtype) -> Operand:
@@ -69,7 +86,8 @@ class _FP4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                precision: TrainPrecision, dtype: torch.dtype) -> torch.Tensor:
+                precision: TrainPrecision, dtype: torch.dtype,
+                signs: torch.Tensor | None = None) -> torch.Tensor:
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
         qw = quantize_operand(weight, p.weights, -1)
@@ -78,11 +96,14 @@ class _FP4LinearFn(torch.autograd.Function):
         saved_x = None
         if ctx.needs_input_grad[1]:  # Q(X) for the weight gradient, in the compute dtype
             x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
-            saved_x = qx if x_axis == -1 else quantize_operand(x2, p.activations, x_axis)
+            if signs is not None:  # requantize: X along the tokens, rotated first
+                saved_x = quantize_operand(rotate_tokens(x2, signs), p.activations, x_axis)
+            else:
+                saved_x = qx if x_axis == -1 else quantize_operand(x2, p.activations, x_axis)
             saved_x = _backward_operand(saved_x, p, dtype)
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
-        ctx.precision, ctx.dtype, ctx.x_shape = p, dtype, x.shape
+        ctx.precision, ctx.dtype, ctx.x_shape, ctx.signs = p, dtype, x.shape, signs
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -100,11 +121,12 @@ class _FP4LinearFn(torch.autograd.Function):
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
-            grad_w = mm(quantize_operand(g, p.gradients, 0, sr).t(), qx, ctx.dtype)
+            gw = g if ctx.signs is None else rotate_tokens(g, ctx.signs)
+            grad_w = mm(quantize_operand(gw, p.gradients, 0, sr).t(), qx, ctx.dtype)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(dim=0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class FP4Linear(nn.Linear):
@@ -142,6 +164,8 @@ class FP4Linear(nn.Linear):
             weight_format=recipe.rollout.weights)
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
         self._received: tuple[tuple[int, int, int], Operand] | None = None
+        generator = torch.Generator().manual_seed(self.seed)
+        self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
 
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured."""
@@ -178,6 +202,19 @@ class FP4Linear(nn.Linear):
         self._received = (self._weight_key(), qw)
         self._weight_cache = None
 
+    def _wgrad_signs_for(self, device: torch.device) -> torch.Tensor | None:
+        """The signs of this forward's weight-gradient Hadamard transform: the layer's own
+        draw (moved to ``device`` once), a fresh draw from torch's generator, or None
+        where it is off."""
+        how = self.recipe.train.wgrad_hadamard
+        if how is WgradHadamard.OFF:
+            return None
+        if how is WgradHadamard.FRESH:
+            return make_signs(WGRAD_HADAMARD_BLOCK, device=device)
+        if self._wgrad_signs.device != device:
+            self._wgrad_signs = self._wgrad_signs.to(device)
+        return self._wgrad_signs
+
     def _weight_key(self) -> tuple[int, int, int]:
         return (self.weight._version, self.weight.data_ptr(), self.recovery.version)
 
@@ -191,7 +228,8 @@ class FP4Linear(nn.Linear):
         dtype = active_compute_dtype(x)
         with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
-                return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype)
+                return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype,
+                                          self._wgrad_signs_for(x.device))
             return self._rollout_forward(x, dtype)
 
     @torch.no_grad()

@@ -62,6 +62,19 @@ class BackwardOperands(StrEnum):
 BACKWARD_OPERANDS = tuple(b.value for b in BackwardOperands)
 
 
+class WgradHadamard(StrEnum):
+    """Whether the weight-gradient GEMM's operands ``dY`` and ``X`` are rotated along the
+    tokens by a random Hadamard transform before they are quantized, and whose signs."""
+
+    OFF = "off"
+    FIXED = "fixed"  # one draw a layer, from its seed
+    FRESH = "fresh"  # a new draw at every forward, from torch's generator
+
+
+#: the token block a weight-gradient Hadamard transform mixes (torchao's 16)
+WGRAD_HADAMARD_BLOCK = 16
+
+
 #: the number format whose name a recipe reads as :data:`UNQUANTIZED` (the paper's
 #: "BF16" rows: not quantized, in the compute dtype)
 READ_AS_UNQUANTIZED = "bf16"
@@ -151,6 +164,12 @@ class TrainPrecision(Settings):
         "each backward GEMM's own reduction axis; reuse_forward: the forward's Q(W) and "
         "Q(X); dequantized: the forward's Q(W) and Q(X) dequantized into the compute dtype, "
         "gradients unquantized")
+    wgrad_hadamard: WgradHadamard = Field(
+        WgradHadamard.OFF, description="a random Hadamard transform of 16-token blocks on "
+        "the weight-gradient GEMM's dY and X along the tokens before they are quantized "
+        "(torchao's NVFP4 training; the product is unchanged, outliers are spread): off, "
+        "fixed (signs drawn once a layer, from its seed) or fresh (new signs at every "
+        "forward); needs backward_operands: requantize")
 
     _weights = field_validator("weights", mode="before")(_format_field("train", weights=True))
     _others = field_validator("activations", "gradients", mode="before")(
@@ -173,6 +192,12 @@ class TrainPrecision(Settings):
                               "reuse_forward multiplies the forward's Q(X) along the tokens, "
                               "where a per-token scale does not factor out; use "
                               "backward_operands: requantize or dequantized")
+        if self.wgrad_hadamard is not WgradHadamard.OFF and \
+                self.backward_operands is not BackwardOperands.REQUANTIZE:
+            raise RecipeError(f"train.wgrad_hadamard: {self.wgrad_hadamard} rotates dY and X "
+                              "along the tokens, where only backward_operands: requantize "
+                              f"quantizes them (not {self.backward_operands}); set "
+                              "backward_operands: requantize or wgrad_hadamard: off")
         if self.backward_operands is BackwardOperands.DEQUANTIZED and \
                 self.gradients != UNQUANTIZED:
             raise RecipeError(f"train.gradients: {self.gradients} with backward_operands: "
@@ -285,20 +310,29 @@ def _field_recipes() -> dict[str, Recipe]:
     (docs/layers.md, "The field's recipes", says where each differs)."""
     nvfp4 = TrainPrecision(weights="nvfp4", activations="nvfp4",
                            backward_operands="dequantized")
-    per_token = TrainPrecision(weights="nvfp4", activations="nvfp4_per_token",
-                               backward_operands="dequantized")
+    miles = TrainPrecision(weights="nvfp4_4o6", activations="nvfp4_per_token_4o6",
+                           backward_operands="dequantized")
     return {
         # NeMo-RL (PR 3566): NVFP4 W4A4 in training and rollout, attention in BF16,
         # the backward dequantized
         "nemo-rl-nvfp4": Recipe(train=nvfp4,
                                 rollout=RolloutPrecision(weights="nvfp4", activations="nvfp4"),
                                 ignore=("kind:attention",)),
-        # Miles (PR 1261): per-token NVFP4 activation scales, the backward dequantized,
-        # the last 15% of the blocks in BF16 (its 4-over-6 block scales are not in fp4rl)
-        "miles-nvfp4": Recipe(train=per_token,
-                              rollout=RolloutPrecision(weights="nvfp4",
-                                                       activations="nvfp4_per_token"),
+        # Miles (PR 1261): per-token NVFP4 activation scales, Four Over Six block
+        # scales, the backward dequantized, the last 15% of the blocks in BF16
+        "miles-nvfp4": Recipe(train=miles,
+                              rollout=RolloutPrecision(weights="nvfp4_4o6",
+                                                       activations="nvfp4_per_token_4o6"),
                               ignore=("last:0.15",)),
+        # torchao (0.18) NVFP4 training: 16 x 16 weight tiles (Q(W) and Q(W^T) agree),
+        # NVFP4 activations and stochastically rounded NVFP4 gradients in requantized
+        # backward GEMMs, a random Hadamard transform on the weight gradient's operands
+        "torchao-nvfp4": Recipe(train=TrainPrecision(weights="nvfp4_2d", activations="nvfp4",
+                                                     gradients="nvfp4",
+                                                     stochastic_gradients=True,
+                                                     wgrad_hadamard="fixed"),
+                                rollout=RolloutPrecision(weights="nvfp4_2d",
+                                                         activations="nvfp4")),
     }
 
 
