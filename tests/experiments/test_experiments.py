@@ -21,10 +21,11 @@ from fp4rl.experiments import (
     run_cells,
     runner,
 )
-from fp4rl.experiments.report import precision_table, recovery_table
+from fp4rl.experiments.report import mismatch_table, precision_table, recovery_table
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import ConfigError
 from fp4rl.rl.rundir import METRICS, read_metrics
+from fp4rl.rollout.mismatch import nemo_rl_means, nemo_rl_verdict
 
 SMALL = ["run.steps=2", "run.save_steps=1", "grpo.num_generations=4", "grpo.batch_size=2",
          "grpo.max_response_length=4", "data.train_size=8", "data.test_size=3",
@@ -68,7 +69,7 @@ def test_eval_spec_and_preset_errors():
     with pytest.raises(ValueError, match="NAME=LAYOUT:PATH"):
         EvalSpec.parse("math500.jsonl")
     with pytest.raises(ValueError, match="unknown experiment plan 'huge'; choose one of tiny, "
-                                         "tiny3, paper-3b, paper-7b"):
+                                         "tiny3, field, paper-3b, paper-7b"):
         get_plan("huge")
 
 
@@ -251,3 +252,46 @@ def test_select_cells_by_name():
     assert [c.name for c in chosen] == ["mxfp4+resq-2:4", "hif4+resq-2:4"]
     with pytest.raises(ValueError, match="its cells are: bf16, hif4, mxfp4"):
         select_cells(cells, ["hif4+resq-3:4"])
+
+
+def test_the_mismatch_table_holds_each_cell_to_nemo_rls_limits():
+    """Means over the steps (each run's file) and over the seeds, against NeMo-RL's CI
+    limits; a cell whose runs logged none is left out."""
+    def run(tmpe, gkl):
+        return {**_fake(0.5), "mismatch": {"mismatch/token_mult_prob_error": tmpe,
+                                           "mismatch/gen_kl_error": gkl}}
+
+    cells = grid_cells("recovery", ("hif4",))
+    results = {"bf16": {0: run(1.0, 0.002), 1: run(1.1, 0.004)},
+               "hif4+resq-2:4": {0: run(9.0, 0.3)}, "hif4": {0: _fake(0.4)}}
+    lines = mismatch_table(results, cells)
+    assert lines[4] == "| cell | seeds | token_mult_prob_error (< 1.15) | gen_kl_error (< 0.1) |"
+    assert lines[6:8] == ["| bf16 | 2 | 1.05 ok | 0.003 ok |",
+                          "| hif4+resq-2:4 | 1 | 9 OVER | 0.3 OVER |"]
+    assert mismatch_table({"hif4": {0: _fake(0.4)}}, cells) == []
+
+
+def test_a_runs_mismatch_means_and_verdict():
+    rows = [{"mismatch/token_mult_prob_error": 1.0, "mismatch/gen_kl_error": 0.0},
+            {"mismatch/token_mult_prob_error": 1.4}, {"reward_mean": 0.5}]
+    means = nemo_rl_means(rows)
+    assert means == pytest.approx({"mismatch/token_mult_prob_error": 1.2,
+                                   "mismatch/gen_kl_error": 0.0})
+    assert nemo_rl_verdict(means) == ("token_mult_prob_error 1.2 (over NeMo-RL's < 1.15); "
+                                      "gen_kl_error 0 (within NeMo-RL's < 0.1)")
+
+
+def test_the_field_grid_puts_the_fields_recipes_beside_the_papers():
+    from fp4rl.experiments.claims import grid_claims
+    from fp4rl.nn.recipe import field_recipe_names
+
+    cells = get_plan("field").grid("field", ("hif4", "mxfp4"))
+    assert [c.name for c in cells] == ["bf16", "hif4+resq-2:4", "mxfp4+resq-2:4",
+                                       *field_recipe_names()]
+    assert all(c.recipe() for c in cells)  # each a recipe by name
+    claims = grid_claims("field", ("hif4", "mxfp4"))
+    assert {(c.better, c.worse) for c in claims} >= {
+        ("torchao-nvfp4", "bf16"), ("hif4+resq-2:4", "miles-nvfp4"),
+        ("mxfp4+resq-2:4", "nemo-rl-nvfp4")}
+    names = {c.name for c in cells}
+    assert all(c.better in names and c.worse in names for c in claims)

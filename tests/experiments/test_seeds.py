@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from fp4rl.cli import main
-from fp4rl.cli.experiment import EXPERIMENT_PLANS
+from fp4rl.cli.experiment import EXPERIMENT_KINDS, EXPERIMENT_PLANS
 from fp4rl.data import Example, synthetic_dataset
 from fp4rl.errors import UserError
 from fp4rl.experiments import (
+    KINDS,
     PLANS,
     Experiment,
     cell_config,
@@ -67,7 +68,7 @@ def fake_run_cell(exp, cell, log=print, progress=None):
     accuracy = ACCURACY.get(cell.name, 0.5)
     bench = exp.benchmarks()[0].name
     result = {"cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,
-              "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(),
+              "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(mode="json"),
               "initial": _scores(cell.name, cfg.run.seed, 0.1, bench),
               "rollout": _scores(cell.name, cfg.run.seed, accuracy, bench),
               "bf16": _scores(cell.name, cfg.run.seed, accuracy, bench),
@@ -295,6 +296,7 @@ def test_cli_lists_seeds_and_refuses_bad_ones_in_one_line(tmp_path, capsys):
 
 def test_tiny3_is_a_multi_seed_word_problem_preset(tmp_path):
     assert set(EXPERIMENT_PLANS) == set(PLANS)
+    assert EXPERIMENT_KINDS == KINDS
     preset = get_plan("tiny3")
     assert preset.seeds == (0, 1, 2, 3, 4) and preset.formats == ("hif4", "mxfp4")
     exp = Experiment("precision", preset, tmp_path, preset.formats, seeds=preset.seeds)
@@ -435,3 +437,16 @@ def test_tiny3_report_shows_each_cell_with_its_seeds_and_pairs_only_common_ones(
     w4a16 = next(line for line in text.splitlines() if line.startswith("| FP4 | W4A16 | "))
     assert w4a16.endswith("| -- | -- |")
     assert "| 3 x 40 |" in text and "| 5 x 40 |" in text
+
+
+def test_the_field_report_compares_the_recipes_with_verdicts(tmp_path):
+    exp = _write_fake_grid(tmp_path, "field", (0, 1))
+    cells = grid_cells("field", exp.formats)
+    results = load_results(exp, cells, (0, 1))
+    rows = claim_rows(results, grid_claims("field", exp.formats), ["synthetic"])
+    assert len(rows) == len(grid_claims("field", exp.formats)) == 9
+    assert all(r["verdict"] in ("holds", "reversed", "within noise") for r in rows)
+    text = write_report(exp, cells, results, command=["fp4rl"]).read_text()
+    assert text.startswith("# The field's FP4 RL recipes beside the paper's")
+    assert "| Format | Recipe |" in text and "| miles-nvfp4 |" in text
+    assert "the paper's HiF4 + ResQ-2:4 beats the field's recipe" in text

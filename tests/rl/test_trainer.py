@@ -150,7 +150,7 @@ def test_smoke_config_trains_the_embedded_model(tmp_path):
     assert changed >= 0.99 * sum(trained[n].numel() for n in projections)
 
 
-def test_cli_train_then_resume_keeps_history(tmp_path, tiny_llama_dir):
+def test_cli_train_then_resume_keeps_history(tmp_path, tiny_llama_dir, capsys):
     from fp4rl.cli import main
     from fp4rl.rl import rewards
 
@@ -163,6 +163,8 @@ def test_cli_train_then_resume_keeps_history(tmp_path, tiny_llama_dir):
     assert main([*args, "--steps", "3", "--resume"]) == 0
     assert [r["step"] for r in read_metrics(out / METRICS)] == [1, 2, 3]
     assert (out / "config.yaml").is_file() and (out / "curves.png").is_file()
+    said = capsys.readouterr().out  # the run's NeMo-RL mismatch against its limits
+    assert "mismatch over the run: token_mult_prob_error" in said and "NeMo-RL's < 1.15" in said
 
 
 def test_several_updates_per_rollout_batch(tmp_path):

@@ -15,22 +15,24 @@ if TYPE_CHECKING:
     from fp4rl.experiments import Cell, Experiment
 
 
-#: fp4rl.experiments.PLANS' names, spelled out so that building the parser imports no
-#: experiment code
-EXPERIMENT_PLANS = ("tiny", "tiny3", "paper-3b", "paper-7b")
+#: fp4rl.experiments.PLANS' names and KINDS, spelled out so that building the parser
+#: imports no experiment code
+EXPERIMENT_PLANS = ("tiny", "tiny3", "field", "paper-3b", "paper-7b")
+EXPERIMENT_KINDS = ("precision", "recovery", "field")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``experiment`` command's options."""
     exp = sub.add_parser("experiment", help="the paper's Table 1 (precision) or Tables 2/4 "
-                         "(recovery) grid: a GRPO run + evaluation per cell, resumable")
-    exp.add_argument("kind", choices=["precision", "recovery"])
+                         "(recovery) grid, or the field's recipes beside the paper's "
+                         "(field): a GRPO run + evaluation per cell, resumable")
+    exp.add_argument("kind", choices=EXPERIMENT_KINDS)
     exp.add_argument("--plan", default="tiny",
                      choices=EXPERIMENT_PLANS, help="the experiment plan; "
                      "tiny: smollm2-135m + synthetic arithmetic on a CPU, one seed; "
                      "tiny3: smollm2-135m + synthetic word problems, 5 seeds, 300 test "
-                     "prompts; paper-*: the paper's Qwen runs (local weights and data via "
-                     "--set)")
+                     "prompts; field: tiny3's settings for the field grid; paper-*: the "
+                     "paper's Qwen runs (local weights and data via --set)")
     exp.add_argument("--output", required=True, help="directory for the cells and the report "
                      "(rerun the same command to resume)")
     exp.add_argument("--format", dest="formats", action="append",

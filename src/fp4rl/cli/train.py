@@ -133,7 +133,7 @@ def _refused_by_lock(err: BaseException) -> bool:
 def _train_with(cfg: TrainConfig, run_dir: RunDir, resume: bool, console: Console,
                 is_main: bool) -> int:
     from fp4rl.progress import progress_bar
-    from fp4rl.rl.report import write_run_report
+    from fp4rl.rl.report import mismatch_line, write_run_report
     from fp4rl.rl.trainer import Trainer
 
     trainer = Trainer.from_config(cfg, run_dir.path, log=console.print)
@@ -154,4 +154,6 @@ def _train_with(cfg: TrainConfig, run_dir: RunDir, resume: bool, console: Consol
     if is_main:
         write_run_report(run_dir.path)
         console.print(f"metrics: {run_dir.metrics_file}  curves: {run_dir.path / 'curves.png'}")
+        if line := mismatch_line(run_dir.path):
+            console.print(line)
     return 0

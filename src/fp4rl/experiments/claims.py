@@ -168,6 +168,30 @@ def recovery_claims(formats: tuple[str, ...]) -> list[Comparison]:
     return out
 
 
+FIELD_MATCHES_BF16 = "the field's recipe matches BF16"
+NOTES[FIELD_MATCHES_BF16] = (
+    "'within noise': the recipe's FP4 costs no accuracy these runs can see; 'reversed': "
+    "BF16 trains better.")
+PAPER_BEATS_FIELD = "the paper's HiF4 + ResQ-2:4 beats the field's recipe"
+NOTES[PAPER_BEATS_FIELD] = (
+    "Not a claim of the paper, which predates these recipes: 'holds' favours the paper's "
+    "recipe, 'reversed' the field's, 'within noise' neither at this size.")
+
+
+def field_claims(formats: tuple[str, ...]) -> list[Comparison]:
+    """The field grid's comparisons: each of the field's recipes against BF16, and the
+    paper's recipe (each format + ResQ-2:4) against each of them."""
+    from fp4rl.nn.recipe import field_recipe_names
+
+    names = field_recipe_names()
+    out = [Comparison(FIELD_MATCHES_BF16, f"{n} vs BF16", n, "bf16") for n in names]
+    out += [Comparison(PAPER_BEATS_FIELD, f"{format_label(f)} + ResQ (2:4) vs {n}",
+                       f"{f}+resq-2:4", n) for f in formats for n in names]
+    return out
+
+
 def grid_claims(kind: str, formats: tuple[str, ...]) -> list[Comparison]:
-    """The paper's comparisons that fall within one grid."""
+    """The comparisons that fall within one grid: the paper's, or the field grid's."""
+    if kind == "field":
+        return field_claims(formats)
     return precision_claims(formats) if kind == "precision" else recovery_claims(formats)

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from fp4rl.errors import UserError, did_you_mean
-from fp4rl.nn.recipe import Recipe, get_recipe, quantized_formats
+from fp4rl.nn.recipe import Recipe, field_recipe_names, get_recipe, quantized_formats
 from fp4rl.presets import preset_path
 from fp4rl.recovery import recovery_variants
 
-KINDS = ("precision", "recovery")
+KINDS = ("precision", "recovery", "field")
+#: the paper's recipe each format runs in the ``field`` grid beside the field's
+FIELD_PAPER_SUFFIX = "resq-2:4"
 #: rows of the paper's Table 1: (train, rollout)
 PRECISION_ROWS = (("bf16", "bf16"), ("fp4", "bf16"), ("fp4", "w4a16"), ("fp4", "w4a8"),
                   ("fp4", "w16a4"), ("fp4", "fp4"), ("bf16", "fp4"))
@@ -107,6 +109,10 @@ def grid_cells(kind: str, formats: tuple[str, ...]) -> list[Cell]:
         for train, rollout in precision_rows()[1:]:
             cells += [Cell(precision_name(f, train, rollout), f, precision_label(train, rollout))
                       for f in formats]
+    elif kind == "field":  # the paper's headline recipe per format, then the field's
+        cells += [Cell(f"{f}+{FIELD_PAPER_SUFFIX}", f, "ResQ (2:4), the paper's")
+                  for f in formats]
+        cells += [Cell(name, "nvfp4", name) for name in field_recipe_names()]
     else:
         for suffix, label in recovery_variants():  # the rows of the paper's Tables 2 and 4
             cells += [Cell(f"{f}+{suffix}" if suffix else f, f, label) for f in formats]
@@ -224,7 +230,19 @@ PAPER_7B = ExperimentPlan(
     config="qwen2.5-math-7b-dapo",
     formats=("hif4",),
 )
-PLANS = {p.name: p for p in (TINY, TINY3, PAPER_3B, PAPER_7B)}
+FIELD = ExperimentPlan(
+    "field",
+    "the field's FP4 RL recipes (nemo-rl-nvfp4, miles-nvfp4, torchao-nvfp4) beside BF16 and "
+    "the paper's HiF4 and MXFP4 + ResQ-2:4, on tiny3's task and settings (smollm2-135m, "
+    "synthetic word problems, 32 GRPO steps of 4 prompts x 8 samples, seeds 0 to 4, the "
+    "same 300 test prompts for every seed); `fp4rl experiment field --plan field --device "
+    "cuda` on a GPU",
+    changes=TINY3.changes,
+    evals=TINY3.evals,
+    formats=("hif4", "mxfp4"),
+    seeds=(0, 1, 2, 3, 4),
+)
+PLANS = {p.name: p for p in (TINY, TINY3, FIELD, PAPER_3B, PAPER_7B)}
 
 
 def get_plan(name: str) -> ExperimentPlan:

@@ -36,6 +36,7 @@ from fp4rl.experiments.grid import Cell, precision_name, precision_rows, train_l
 from fp4rl.experiments.runner import Experiment
 from fp4rl.paths import write_json
 from fp4rl.rl.report import moving_average
+from fp4rl.rollout.mismatch import NEMO_RL_LIMITS
 
 #: cell name -> seed -> that run's result.json
 Results = dict[str, dict[int, dict[str, Any]]]
@@ -156,10 +157,11 @@ def precision_table(results: Results, formats: tuple[str, ...], bench: str, poli
 
 
 def recovery_table(results: Results, cells: list[Cell], benches: list[str], policy: str,
-                   seeds: int = 1) -> list[str]:
-    """Tables 2/4: rows format x recovery method, one column per benchmark."""
+                   seeds: int = 1, rows: str = "Recovery") -> list[str]:
+    """Tables 2/4: rows format x recovery method (or the field's recipes, ``rows``), one
+    column per benchmark."""
     base = results.get("bf16")
-    lines = ["| Format | Recovery | " + " | ".join(f"{b} | {b}: {SECONDARY}" for b in benches)
+    lines = [f"| Format | {rows} | " + " | ".join(f"{b} | {b}: {SECONDARY}" for b in benches)
              + " |", "|---|---|" + "---|---|" * len(benches)]
     for fmt in [None, *dict.fromkeys(c.fmt for c in cells if c.fmt)]:
         group = [c for c in cells if c.fmt == fmt]
@@ -348,6 +350,33 @@ def plot_rewards(results: Results, cells: list[Cell], path: Path, title: str) ->
     plt.close(fig)
 
 
+TITLES = {"precision": "Train x rollout precision", "recovery": "Rollout recovery",
+          "field": "The field's FP4 RL recipes beside the paper's"}
+
+
+def mismatch_table(results: Results, cells: list[Cell]) -> list[str]:
+    """Each cell's NeMo-RL mismatch metrics, means over its steps and seeds, against
+    NeMo-RL's CI limits (a cell whose runs logged none is left out)."""
+    rows = []
+    for cell in cells:
+        runs = [r["mismatch"] for r in results.get(cell.name, {}).values() if r.get("mismatch")]
+        if not runs:
+            continue
+        means = {k: mean(r[k] for r in runs if k in r) for k in NEMO_RL_LIMITS
+                 if any(k in r for r in runs)}
+        values = [f"{means[k]:.4g} {'ok' if means[k] < limit else 'OVER'}" if k in means
+                  else "--" for k, limit in NEMO_RL_LIMITS.items()]
+        rows.append(f"| {cell.name} | {len(runs)} | {' | '.join(values)} |")
+    if not rows:
+        return []
+    heads = " | ".join(f"{k.split('/')[-1]} (< {v:g})" for k, v in NEMO_RL_LIMITS.items())
+    return ["## Rollout/trainer mismatch (NeMo-RL's metrics and CI limits)", "",
+            "Means over each run's steps and over the seeds; OVER: at or above the limit "
+            "NeMo-RL's CI gates its NVFP4 recipe on.", "",
+            f"| cell | seeds | {heads} |", "| --- | --- |" + " --- |" * len(NEMO_RL_LIMITS),
+            *rows, ""]
+
+
 def _cost_lines(results: Results, cells: list[Cell]) -> list[str]:
     done = [r for c in cells for r in results.get(c.name, {}).values()]
     if not done:
@@ -381,7 +410,8 @@ def _run_json(result: dict[str, Any]) -> dict[str, Any]:
         return {b: {k: v for k, v in s.items() if k != "correct"} for b, s in scores.items()}
 
     return {**{p: strip(result[p]) for p, _ in SCORED_AS},
-            **{k: result[k] for k in ("rewards", "train_seconds", "eval_seconds")}}
+            **{k: result[k] for k in ("rewards", "train_seconds", "eval_seconds")},
+            "mismatch": result.get("mismatch", {})}
 
 
 def write_report(exp: Experiment, cells: list[Cell], results: Results,
@@ -390,7 +420,7 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     out = exp.output
     seeds = exp.run_seeds
     benches = [e.name for e in exp.benchmarks()]
-    title = "Train x rollout precision" if exp.kind == "precision" else "Rollout recovery"
+    title = TITLES[exp.kind]
     plot = out / f"{exp.kind}_rewards.png"
     plot_rewards(results, cells, plot, title)
     cmd = shlex.join(command if command is not None else ["fp4rl", *sys.argv[1:]])
@@ -420,11 +450,13 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
                           *precision_table(results, exp.formats, bench, policy, len(seeds),
                                            names), ""]
         else:
-            lines += [*recovery_table(results, cells, benches, policy, len(seeds)), ""]
+            head = "Recipe" if exp.kind == "field" else "Recovery"
+            lines += [*recovery_table(results, cells, benches, policy, len(seeds), head), ""]
     band = "; the band spans the lowest to the highest seed" if len(seeds) > 1 else ""
     lines += ["## Training reward (Figure 4)", "",
               f"Mean over seeds of the moving-average training reward{band}.", "",
-              f"![rewards]({plot.name})", "", *_cost_lines(results, cells), ""]
+              f"![rewards]({plot.name})", "", *mismatch_table(results, cells),
+              *_cost_lines(results, cells), ""]
     path = out / f"{exp.kind}.md"
     path.write_text("\n".join(lines))
     write_json(out / f"{exp.kind}.json", {

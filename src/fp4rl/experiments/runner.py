@@ -35,6 +35,7 @@ import yaml
 from fp4rl.errors import UserError
 from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPlan
 from fp4rl.paths import write_json
+from fp4rl.rollout.mismatch import nemo_rl_means
 
 RESULT = "result.json"
 INITIAL = "initial.json"
@@ -274,6 +275,7 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
         "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(mode="json"),
         "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
         "rewards": [r["reward_mean"] for r in history],
+        "mismatch": nemo_rl_means(history),
         "train_seconds": sum(r["time/rollout"] + r["time/reward"] + r["time/update"]
                              + r.get("time/old_logprob", 0.0) for r in history),
         "eval_seconds": eval_seconds + initial["seconds"],
