@@ -69,7 +69,7 @@ def decode(fmt, rows: int) -> None:
     if fmt.kernels is not None and "decode" in fmt.kernels.triton:
         packed = PackedOperand(fmt.encode(torch.randn(rows, WIDTH), dim=-1,
                                           **({"per_tensor_scale": False}
-                                             if fmt.kernels.tensor_scale else {})), None)
+                                             if fmt.has_tensor_scale else {})), None)
         triton_decode.decode_2d(fmt, packed.row_fields(), rows, WIDTH, torch.bfloat16)
 
 

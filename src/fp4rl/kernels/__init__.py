@@ -50,8 +50,6 @@ class FormatKernels:
     code: FormatCode
     c: frozenset[str] = frozenset()
     triton: frozenset[str] = frozenset()
-    #: the kernels read a per-tensor scale g on top of the blocks (NVFP4)
-    tensor_scale: bool = False
 
     def __post_init__(self) -> None:
         unknown = (self.c | self.triton) - set(OPERATIONS)
@@ -71,6 +69,8 @@ class KernelFormat(Protocol):
     def block_size(self) -> int: ...
     @property
     def kernels(self) -> FormatKernels | None: ...
+    @property
+    def has_tensor_scale(self) -> bool: ...  # the kernels then read g on top of the blocks
 
 
 _AXIS_OPS = {0: "cols", 1: "rows"}

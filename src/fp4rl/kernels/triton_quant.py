@@ -313,8 +313,7 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
     """What :func:`quantize_2d`, :func:`fused_resq` and :func:`resq_terms` can launch for
     ``fmt``, by the operations the format declares for Triton."""
     ops = fmt.kernels.triton if fmt.kernels is not None else frozenset()
-    scales = (False, True) if fmt.kernels is not None and fmt.kernels.tensor_scale \
-        else (False,)
+    scales = (False, True) if fmt.kernels is not None and fmt.has_tensor_scale else (False,)
     if ops & QUANTIZE:
         for dtype in FLOATS:
             for noise in (False, True):
@@ -399,8 +398,7 @@ def fuses_resq(fmt: KernelFormat, group: int) -> bool:
     whole residual first; its ResQ composes quantizer passes, all on the device), and a
     group that is a power of two dividing the block, at most :data:`MAX_GROUP`."""
     _, bs = _format(fmt)
-    assert fmt.kernels is not None
-    return not fmt.kernels.tensor_scale and (
+    return not fmt.has_tensor_scale and (
         group == 0 or (1 < group <= MAX_GROUP and not group & (group - 1) and not bs % group))
 
 
