@@ -172,6 +172,13 @@ def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(
     assert load_trained(run).recipe == cfg.recipe()
     for recipe in ([], ["--recipe", "run"]):
         assert main(["eval", "--checkpoint", str(run), "--n", "2", *recipe]) == 0
+    assert "mismatch" not in capsys.readouterr().out  # the run kept no metrics
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "mismatch/gen_kl_error": 0.2,
+                                                   "mismatch/token_mult_prob_error": 1.1}))
+    assert main(["eval", "--checkpoint", str(run / "checkpoints" / "step-000001"),
+                 "--n", "2"]) == 0
+    assert ("token_mult_prob_error 1.1 (within NeMo-RL's < 1.15); gen_kl_error 0.2 (over "
+            "NeMo-RL's < 0.1)") in " ".join(capsys.readouterr().out.split())  # unwrapped
     for fmt in EXPORT_FORMATS:
         assert main(["export", "--checkpoint", str(run), "--format", fmt,
                      "--output", str(tmp_path / fmt)]) == 0, capsys.readouterr().err

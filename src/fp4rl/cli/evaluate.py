@@ -47,7 +47,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.progress import progress_bar
     from fp4rl.rl.datasets import encode_examples
     from fp4rl.rl.evaluate import evaluate
-    from fp4rl.rl.sources import eval_split, load_policy
+    from fp4rl.rl.report import mismatch_line
+    from fp4rl.rl.sources import checkpoint_dir, eval_split, load_policy
 
     check_outputs(json=args.json)
     examples = eval_split(args.data, n=args.n, levels=args.levels, seed=args.seed,
@@ -64,6 +65,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{label} on {args.data} ({result.n} prompts): "
                   f"mean@{result.k} = {result.mean:.1%}, best@{result.k} = {result.best:.1%}"
                   + (f", per level {result.per_level}" if result.per_level else ""))
+    mismatch = mismatch_line(checkpoint_dir(args.checkpoint).parent.parent) \
+        if args.checkpoint else ""
+    if mismatch:  # how far the run's rollout policy strayed from its training policy
+        console.print(mismatch)
     if args.json:
-        write_json(args.json, {"policy": label, "data": args.data, **result.as_dict()})
+        write_json(args.json, {"policy": label, "data": args.data, **result.as_dict(),
+                               **({"mismatch": mismatch} if mismatch else {})})
     return 0

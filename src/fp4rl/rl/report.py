@@ -64,6 +64,9 @@ def write_run_report(run_dir: str | Path) -> Path:
 
 def mismatch_line(run_dir: str | Path) -> str:
     """The run's NeMo-RL mismatch metrics (means over its steps) against NeMo-RL's CI
-    limits, or "" where no step logged them."""
-    means = nemo_rl_means(RunDir(Path(run_dir)).read_metrics())
+    limits, or "" where no step logged them (or the run kept no metrics)."""
+    run = RunDir(Path(run_dir))
+    if not run.metrics_file.is_file():
+        return ""
+    means = nemo_rl_means(run.read_metrics())
     return f"rollout/trainer mismatch over the run: {nemo_rl_verdict(means)}" if means else ""
