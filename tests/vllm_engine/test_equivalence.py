@@ -22,6 +22,7 @@ from _jitter import attention_jitter  # noqa: E402
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 RECIPES = ("hif4", "mxfp4", "nvfp4", "nvfp4_per_token+resq-2:4", "hif4+resq-2:4", "mxfp4+resq-2:4")
 #: vLLM linear -> the Hugging Face linears it holds, in row order
@@ -224,7 +225,8 @@ def test_greedy_completions_of_32_prompts_agree(smollm_dir, hf):
 def test_the_fields_recipes_leave_the_same_layers_in_bf16_and_agree(smollm_dir, hf, recipe):
     """An ``ignore`` by kind (attention) or by position (the last 15% of the blocks, from
     vLLM's own model config) leaves the same layers unquantized in vLLM as in fp4rl's
-    patched model, and a quantized layer of each still equals fp4rl's bit for bit."""
+    patched model, and a quantized layer of each still equals fp4rl's bit for bit (Four
+    Over Six and 16x16-tile NVFP4 included)."""
     from fp4rl.gemm import UNQUANTIZED
     from fp4rl.nn import fp4_layers
 
@@ -248,6 +250,7 @@ def test_the_fields_recipes_leave_the_same_layers_in_bf16_and_agree(smollm_dir, 
                         torch.autocast("cpu", dtype=torch.bfloat16):
                     want = torch.cat([hm[n](x.float()) for n in names], -1)
                 assert torch.equal(got, want), f"{recipe} {kind} layer {layer}"
-    assert any(n not in patched for n in (f"model.layers.{blocks - 1}.mlp.down_proj",
+    left = any(n not in patched for n in (f"model.layers.{blocks - 1}.mlp.down_proj",
                                           "model.layers.0.self_attn.q_proj"))
+    assert left == bool(get_recipe(recipe).ignore)  # torchao's leaves none in BF16
     release(llm)
