@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, PrivateAttr, StrictBool, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import get_format, list_formats
@@ -115,13 +122,6 @@ def _weight_format_name(value: Any, where: str) -> str:
     return name
 
 
-def _format_field(section: str, weights: bool = False) -> Any:
-    """A validator of a format-name field of ``section`` (``train``, ``rollout``) that
-    names the field in its refusal."""
-    check = _weight_format_name if weights else _format_name
-    return lambda value, info: check(value, f"{section}.{info.field_name}")
-
-
 #: an operand's format: ``none`` or a quantized format's registered name (case-insensitive)
 FormatName = Annotated[str, Choices(operand_formats)]
 
@@ -131,7 +131,21 @@ def _weight_format(fmt: str) -> str:
     return fmt if fmt == UNQUANTIZED else get_format(fmt).weight_format or fmt
 
 
-class TrainPrecision(Settings):
+class _Precision(Settings):
+    """What both policies' settings share: operands' formats by registered name (a
+    weight's without per-vector scales), each refused in one line naming its field."""
+
+    error = RecipeError
+
+    @field_validator("weights", "activations", "gradients", mode="before",
+                     check_fields=False)
+    @classmethod
+    def _a_format(cls, value: Any, info: ValidationInfo) -> str:
+        check = _weight_format_name if info.field_name == "weights" else _format_name
+        return check(value, f"{cls.section}.{info.field_name}")
+
+
+class TrainPrecision(_Precision):
     """Formats of the training policy's three GEMM operands, and where the backward GEMMs
     take W and X from.
 
@@ -149,7 +163,6 @@ class TrainPrecision(Settings):
     """
 
     section = "train"
-    error = RecipeError
 
     weights: FormatName = Field(UNQUANTIZED, description="the weights' format in the three "
                                 "training GEMMs (none: not quantized; bf16 reads as none)")
@@ -170,10 +183,6 @@ class TrainPrecision(Settings):
         "(torchao's NVFP4 training; the product is unchanged, outliers are spread): off, "
         "fixed (signs drawn once a layer, from its seed) or fresh (new signs at every "
         "forward); needs backward_operands: requantize")
-
-    _weights = field_validator("weights", mode="before")(_format_field("train", weights=True))
-    _others = field_validator("activations", "gradients", mode="before")(
-        _format_field("train"))
 
     @field_validator("backward_operands", mode="before")
     @classmethod
@@ -207,11 +216,10 @@ class TrainPrecision(Settings):
         return self
 
 
-class RolloutPrecision(Settings):
+class RolloutPrecision(_Precision):
     """Formats of the rollout policy (forward only) and its activation recovery."""
 
     section = "rollout"
-    error = RecipeError
 
     weights: FormatName = Field(UNQUANTIZED, description="the rollout weights' format (none: "
                                 "not quantized; bf16 reads as none)")
@@ -220,9 +228,6 @@ class RolloutPrecision(Settings):
     recovery: Recovery = Field(default_factory=Recovery, description="the method that "
                                "repairs the rollout activations' quantization (a registered "
                                "method's name), with its parameters beside it")
-
-    _weights = field_validator("weights", mode="before")(_format_field("rollout", weights=True))
-    _activations = field_validator("activations", mode="before")(_format_field("rollout"))
 
 
 class Recipe(Settings):

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializeAsAny,
+    ValidationError,
     model_serializer,
     model_validator,
 )
@@ -29,7 +30,7 @@ from fp4rl.recovery.base import (
     list_recoveries,
     method_config,
 )
-from fp4rl.settings import Choices, Variants
+from fp4rl.settings import Choices, Variants, problem
 
 
 def _configs() -> dict[str, type[RecoveryConfig]]:
@@ -82,8 +83,8 @@ class Recovery(BaseModel):
             {"method": method, **params}
         try:
             super().__init__(**data)
-        except ValueError as err:  # a RecipeError from the validator, as pydantic wraps it
-            raise RecipeError(_first_problem(err)) from None
+        except ValidationError as err:  # the validators' own words, one line
+            raise RecipeError(problem("rollout.recovery", Recovery, err)) from None
 
     @classmethod
     def make(cls, method: str = "none", **params: Any) -> Recovery:
@@ -129,15 +130,6 @@ class Recovery(BaseModel):
             return ""
         arg = self.config.text()
         return f"{self.method}-{arg}" if arg else self.method
-
-
-def _first_problem(err: ValueError) -> str:
-    """A validator's own words from pydantic's wrapping of them."""
-    errors = getattr(err, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        return str(first.get("ctx", {}).get("error") or first["msg"])
-    return str(err)
 
 
 def make_recovery(recovery: Recovery, act_format: str, in_features: int,
