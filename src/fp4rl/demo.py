@@ -36,6 +36,7 @@ from rich.table import Table
 from fp4rl.analysis.activations import capture_linear_inputs, zero_fractions
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.experiments.stats import Estimate, bootstrap, difference_of_means, verdict
+from fp4rl.gemm import OperandFormat
 from fp4rl.nn import quantize_model
 from fp4rl.progress import progress_bar, status
 from fp4rl.rl.config import TrainConfig, load_config
@@ -150,10 +151,8 @@ def _config(config: str, model: str | None, size: DemoSize, seed: int, device: s
     return load_config(config, None, changes)
 
 
-def _format_name(fmt: str) -> str:
-    from fp4rl.formats import get_format
-
-    return get_format(fmt).display_name
+def _format_name(fmt: OperandFormat) -> str:
+    return fmt.display_name
 
 
 def _recipe_label(cfg: TrainConfig) -> str:

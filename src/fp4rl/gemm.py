@@ -20,24 +20,58 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import cast
+from typing import Final, cast
 
 import torch
 
-from fp4rl.formats import get_format
+from fp4rl.formats import NumberFormat, get_format
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
 from fp4rl.kernels import quantize_rows_bf16
 
+
+class NotQuantized:
+    """The operand format that leaves an operand as it is: one object,
+    :data:`UNQUANTIZED`, named ``none``, which a recipe holds beside the number formats
+    it quantizes with (and reads a typed ``bf16`` as). It is no number format: nothing
+    rounds, and the GEMM gets the operand in the compute dtype."""
+
+    name: Final = "none"
+    #: how tables write it: the paper's BF16 baseline (the compute dtype, unquantized)
+    display_name: Final = "BF16"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return "UNQUANTIZED"
+
+    def __reduce__(self) -> str:
+        return "UNQUANTIZED"  # pickles and copies as the one object of this module
+
+
 #: the operand format that leaves an operand as it is (a recipe reads ``bf16`` as it)
-UNQUANTIZED = "none"
+UNQUANTIZED: Final = NotQuantized()
+#: what an operand is quantized with: a number format, or :data:`UNQUANTIZED`
+OperandFormat = NumberFormat | NotQuantized
 
 
-def has_tensor_scale(fmt: str) -> bool:
+def operand_format(fmt: str | OperandFormat) -> OperandFormat:
+    """The operand format object ``fmt`` names (``none``: :data:`UNQUANTIZED`; a
+    registered format's name, case-insensitive); an object passes through."""
+    if isinstance(fmt, NotQuantized):
+        return fmt
+    if isinstance(fmt, str) and fmt.lower() == UNQUANTIZED.name:
+        return UNQUANTIZED
+    return get_format(fmt)
+
+
+def has_tensor_scale(fmt: str | OperandFormat) -> bool:
     """Whether operands in ``fmt`` carry a float32 scale outside their values (NVFP4's),
     which an unquantized operand never does."""
-    return fmt != UNQUANTIZED and get_format(fmt).has_tensor_scale
+    f = operand_format(fmt)
+    return isinstance(f, NumberFormat) and f.has_tensor_scale
 
 
 @dataclass(frozen=True)
@@ -68,8 +102,8 @@ class Operand:
         return Operand(self.values.to(dtype), self.scale)
 
 
-def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool = False,
-                     generator: torch.Generator | None = None,
+def quantize_operand(x: torch.Tensor, fmt: str | OperandFormat, dim: int = -1,
+                     stochastic: bool = False, generator: torch.Generator | None = None,
                      tensor_scale: torch.Tensor | None = None) -> Operand:
     """``x`` quantized along ``dim`` as a GEMM operand (``"none"``: ``x`` itself).
 
@@ -77,9 +111,9 @@ def quantize_operand(x: torch.Tensor, fmt: str, dim: int = -1, stochastic: bool 
     holds the block-scaled part, exact in bf16. A format with a per-tensor scale takes
     ``tensor_scale`` when given (the whole weight's, for a shard of it).
     """
-    if fmt == UNQUANTIZED:
+    f = operand_format(fmt)
+    if isinstance(f, NotQuantized):
         return Operand(x)
-    f = get_format(fmt)
     scale = f.tensor_scale(x, dim) if tensor_scale is None else tensor_scale
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
@@ -130,13 +164,14 @@ class PackedOperand:
         return {k: v.reshape(self.rows, -1) for k, v in self.packed.fields.items()}
 
     @staticmethod
-    def layout(fmt: str, cols: int) -> PackedTensor:
+    def layout(fmt: str | NumberFormat, cols: int) -> PackedTensor:
         """One packed row of ``cols`` values: the fields' names and per-row shapes."""
-        opts = {"per_tensor_scale": False} if get_format(fmt).has_tensor_scale else {}
-        return get_format(fmt).encode(torch.zeros(1, cols), dim=-1, **opts)
+        f = get_format(fmt)
+        opts = {"per_tensor_scale": False} if f.has_tensor_scale else {}
+        return f.encode(torch.zeros(1, cols), dim=-1, **opts)
 
     @classmethod
-    def from_row_fields(cls, fmt: str, shape: tuple[int, int],
+    def from_row_fields(cls, fmt: str | NumberFormat, shape: tuple[int, int],
                         fields: dict[str, torch.Tensor],
                         scale: torch.Tensor | None = None) -> PackedOperand:
         """The inverse of :meth:`row_fields` for a ``shape`` (rows, in_features) weight."""
@@ -148,7 +183,7 @@ class PackedOperand:
                              f"{sorted(fields)}")
         out = {k: fields[k].reshape(rows * one.shape[0], *one.shape[1:])
                for k, one in layout.fields.items()}
-        packed = PackedTensor(fmt, (rows, cols), 1, torch.float32, out, None,
+        packed = PackedTensor(get_format(fmt).name, (rows, cols), 1, torch.float32, out, None,
                               dict(layout.options))
         return cls(packed, scale)
 
@@ -175,7 +210,7 @@ def _(fields: list[torch.Tensor], names: str, fmt: str, rows: int, cols: int, di
     return fields[0].new_empty((rows, cols), dtype=dtype)
 
 
-def pack_operand(x: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None = None
+def pack_operand(x: torch.Tensor, fmt: str | NumberFormat, tensor_scale: torch.Tensor | None = None
                  ) -> PackedOperand:
     """``x`` (rows along the last axis) in the format's packed codes and scales: what
     :func:`quantize_operand` computes along the rows, stored in 4 bits. A format with a
@@ -184,7 +219,7 @@ def pack_operand(x: torch.Tensor, fmt: str, tensor_scale: torch.Tensor | None = 
     f = get_format(fmt)
     scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
     rows = x.float() if scale is None else x.float() / scale
-    packed = encode_rows(fmt, rows) if rows.dim() == 2 else None
+    packed = encode_rows(f.name, rows) if rows.dim() == 2 else None
     if packed is None:
         opts = {} if scale is None else {"per_tensor_scale": False}
         packed = f.encode(rows, dim=-1, **opts)
@@ -290,5 +325,6 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "Operand", "PackedOperand", "has_tensor_scale", "mm", "pack_operand",
-           "quantize_operand", "stack_rows"]
+__all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
+           "has_tensor_scale", "mm", "operand_format", "pack_operand", "quantize_operand",
+           "stack_rows"]

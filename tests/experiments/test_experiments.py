@@ -79,13 +79,13 @@ def test_cell_config_layers_preset_overrides_and_recipe(tmp_path):
     cells = {c.name: c for c in grid_cells("precision", ("hif4",))}
     cfg = cell_config(exp, cells["hif4:bf16/fp4"])
     assert cfg.grpo.learning_rate == 3e-5 and cfg.grpo.num_generations == 8
-    assert cfg.train.weights == "none" and cfg.rollout.activations == "hif4"
+    assert (str(cfg.train.weights), str(cfg.rollout.activations)) == ("none", "hif4")
     # a training option the cell's name does not fix comes through --set
     assert cfg.train.stochastic_gradients is True
     assert cfg.train.backward_operands == "requantize"
     reuse = cell_config(exp, cells["hif4:fp4-reuse/bf16"])
-    assert (reuse.train.weights, reuse.train.backward_operands) == ("hif4",
-                                                                          "reuse_forward")
+    assert (str(reuse.train.weights), reuse.train.backward_operands) == ("hif4",
+                                                                               "reuse_forward")
     # what every cell sets from its name cannot be --set: it would be silently ignored
     for item in ("train.weights=bf16", "train.backward_operands=reuse_forward",
                  "rollout.recovery.method=resq"):

@@ -46,7 +46,7 @@ out["engine"] = type(actor).__name__
 out["module"] = type(actor.module).__name__
 out["fp4_layers"] = len(layers)
 out["modes"] = sorted({m.mode.name for m in layers.values()})
-out["formats"] = sorted({m.recipe.train.weights for m in layers.values()})
+out["formats"] = sorted({str(m.recipe.train.weights) for m in layers.values()})
 out["param_dtypes"] = sorted({str(p.dtype) for p in actor.module.parameters()})
 ids = torch.randint(0, 1000, (2, 8))
 actor.module(input_ids=ids, labels=ids).loss.backward()

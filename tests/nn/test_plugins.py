@@ -130,7 +130,8 @@ def test_one_grpo_step_through_a_recipe_string(plugins, tmp_path):
     assert len(history) == 1 and torch.isfinite(torch.tensor(history[0]["loss"]))
     layers = list(fp4_layers(trainer.model).values())
     assert {type(layer.recovery) for layer in layers} == {plugins.Clip}
-    assert layers[0].recipe.train.weights == layers[0].recipe.rollout.activations == "mxint4"
+    mxint4 = fp4rl.get_format("mxint4")
+    assert layers[0].recipe.train.weights is layers[0].recipe.rollout.activations is mxint4
     assert layers[0].recovery.config.ratio == pytest.approx(0.1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp4rl.formats import get_format
 from fp4rl.gemm import UNQUANTIZED, quantize_operand
 from fp4rl.nn.recipe import Recipe, RecipeError, TrainPrecision, get_recipe, table1_recipes
 from fp4rl.recovery import Recovery
@@ -19,7 +20,7 @@ def test_from_yaml(tmp_path):
         "train: {weights: hif4, activations: hif4, gradients: hif4}\n"
         "rollout: {weights: hif4, activations: hif4, recovery: {method: resq, sparsity: '2:4'}}\n")
     recipe = Recipe.from_yaml(path)
-    assert recipe.train.gradients == "hif4"
+    assert recipe.train.gradients is get_format("hif4")
     assert recipe.rollout.recovery == Recovery.make("resq", sparsity="2:4")
     assert recipe == get_recipe("hif4+resq-2:4")
     assert Recipe.from_dict(recipe.to_dict()) == recipe
@@ -57,21 +58,22 @@ def test_table1_recipes(fmt):
     names = table1_recipes(fmt)
     assert len(names) == 10  # BF16/BF16 + FP4 x 5 rollouts + BF16 x 4 FP4-ish rollouts
     cells = {n: get_recipe(n) for n in names}
-    assert cells[f"{fmt}:fp4/bf16"].train.weights == fmt
-    assert cells[f"{fmt}:fp4/bf16"].rollout.weights == "none"
+    f = get_format(fmt)
+    assert cells[f"{fmt}:fp4/bf16"].train.weights is f
+    assert cells[f"{fmt}:fp4/bf16"].rollout.weights is UNQUANTIZED
     assert (cells[f"{fmt}:fp4/w4a16"].rollout.weights,
-            cells[f"{fmt}:fp4/w4a16"].rollout.activations) == (fmt, "none")
-    assert cells[f"{fmt}:fp4/w4a8"].rollout.activations == "mxfp8_e4m3"
-    assert cells[f"{fmt}:fp4/w16a4"].rollout.weights == "none"
-    assert cells[f"{fmt}:bf16/fp4"].train.activations == "none"
-    assert cells[f"{fmt}:bf16/fp4"].rollout.activations == fmt
+            cells[f"{fmt}:fp4/w4a16"].rollout.activations) == (f, UNQUANTIZED)
+    assert cells[f"{fmt}:fp4/w4a8"].rollout.activations is get_format("mxfp8_e4m3")
+    assert cells[f"{fmt}:fp4/w16a4"].rollout.weights is UNQUANTIZED
+    assert cells[f"{fmt}:bf16/fp4"].train.activations is UNQUANTIZED
+    assert cells[f"{fmt}:bf16/fp4"].rollout.activations is f
     assert get_recipe(fmt) == cells[f"{fmt}:fp4/fp4"]
     assert {r.train.backward_operands for r in cells.values()} == {"requantize"}
     # beyond Table 1: FP4 training with the HiFloat4 authors' simulated backward
     reuse = get_recipe(f"{fmt}:fp4-reuse/bf16+resq-2:4")
     assert reuse.train == cells[f"{fmt}:fp4/bf16"].train.replace(
         backward_operands="reuse_forward")
-    assert reuse.rollout.weights == "none" and reuse.rollout.recovery.method == "resq"
+    assert reuse.rollout.weights is UNQUANTIZED and reuse.rollout.recovery.method == "resq"
     with pytest.raises(RecipeError, match="fp4-reuse"):
         get_recipe(f"{fmt}:fp4-reused/bf16")
 
@@ -100,9 +102,10 @@ def test_a_per_token_format_scales_activations_and_gradients_never_weights():
     scale, and a recipe that puts it on a weight, or multiplies Q(X) along its tokens
     (reuse_forward), is refused with what to use instead."""
     r = get_recipe("nvfp4_per_token+resq-2:4")
-    assert (r.train.weights, r.train.activations, r.train.gradients) == \
+    assert tuple(map(str, (r.train.weights, r.train.activations, r.train.gradients))) == \
         ("nvfp4", "nvfp4_per_token", "nvfp4_per_token")
-    assert (r.rollout.weights, r.rollout.activations) == ("nvfp4", "nvfp4_per_token")
+    assert tuple(map(str, (r.rollout.weights, r.rollout.activations))) == \
+        ("nvfp4", "nvfp4_per_token")
     with pytest.raises(RecipeError, match=r"rollout\.weights: nvfp4_per_token .* use nvfp4"):
         Recipe.from_dict({"rollout": {"weights": "nvfp4_per_token"}})
     with pytest.raises(RecipeError, match=r"train\.weights"):
@@ -115,7 +118,8 @@ def test_a_per_token_format_scales_activations_and_gradients_never_weights():
 def test_not_quantized_is_none_and_a_typed_bf16_reads_as_it():
     """``none`` leaves an operand as it is (FP32 stays FP32); ``bf16`` typed in a recipe
     reads as ``none``, while the number format ``bf16`` rounds."""
-    assert TrainPrecision(weights="BF16").weights == UNQUANTIZED == "none"
+    assert TrainPrecision(weights="BF16").weights is UNQUANTIZED
+    assert str(UNQUANTIZED) == "none"
     recipe = Recipe.from_dict({"rollout": {"weights": "bf16", "activations": "none"}})
     assert recipe == Recipe() == get_recipe("bf16")
     assert recipe.to_dict()["rollout"]["weights"] == "none"
@@ -125,3 +129,40 @@ def test_not_quantized_is_none_and_a_typed_bf16_reads_as_it():
     assert torch.equal(rounded, x.bfloat16().float()) and not torch.equal(rounded, x)
     with pytest.raises(RecipeError, match=r"choose one of none, hif4.*\(bf16 reads as none\)"):
         TrainPrecision(gradients="fp16")
+
+
+def test_a_recipe_holds_the_registered_format_objects_through_copies_and_pickles():
+    """Operands hold the registry's format objects (not their names): a copy, a deep
+    copy and a pickle round trip keep the same objects, and the YAML form is the names."""
+    import copy
+    import pickle
+
+    recipe = get_recipe("nvfp4_per_token:fp4/w4a16+resq-2:4")
+    assert recipe.train.weights is get_format("nvfp4")
+    assert recipe.train.activations is get_format("NVFP4_PER_TOKEN")
+    assert recipe.rollout.activations is UNQUANTIZED
+    for again in (copy.copy(recipe), copy.deepcopy(recipe), pickle.loads(pickle.dumps(recipe))):
+        assert again == recipe and again.train.weights is recipe.train.weights
+        assert again.rollout.activations is UNQUANTIZED
+    assert recipe.to_dict()["train"] == {
+        "weights": "nvfp4", "activations": "nvfp4_per_token", "gradients": "nvfp4_per_token",
+        "stochastic_gradients": False, "backward_operands": "requantize",
+        "wgrad_hadamard": "off"}
+    assert TrainPrecision(weights=get_format("hif4")) == TrainPrecision(weights="HiF4")
+
+
+def test_resq_on_unquantized_activations_leaves_them_as_they_are():
+    """W4A16 + ResQ: nothing quantizes the activations, so there is no residual and the
+    rollout is W4A16's, bit for bit, in fp32 and bf16."""
+    from fp4rl.nn import FP4Linear, Mode
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 32)
+    x = torch.randn(5, 128)
+    outputs = []
+    for name in ("hif4:fp4/w4a16", "hif4:fp4/w4a16+resq-2:4"):
+        layer = FP4Linear.from_linear(linear, get_recipe(name))
+        layer.mode = Mode.ROLLOUT
+        with torch.no_grad():
+            outputs.append((layer(x), layer(x.bfloat16())))
+    assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))

@@ -10,6 +10,7 @@ import pytest
 
 import fp4rl
 from fp4rl.errors import RecipeError
+from fp4rl.gemm import UNQUANTIZED
 from fp4rl.models import tiny_model
 from fp4rl.nn import fp4_layers, get_recipe
 from fp4rl.nn.recipe import field_recipe_names
@@ -76,8 +77,8 @@ def test_counting_from_the_end_needs_the_block_count():
 def test_the_fields_recipes_are_names_and_config_shorthands(name):
     recipe = get_recipe(name)
     dequantized = recipe.train.backward_operands == "dequantized"
-    assert dequantized == (recipe.train.gradients == "none") == (name != "torchao-nvfp4")
-    assert recipe.rollout.weights.startswith("nvfp4") and recipe.rollout.weights == \
+    assert dequantized == (recipe.train.gradients is UNQUANTIZED) == (name != "torchao-nvfp4")
+    assert recipe.rollout.weights.name.startswith("nvfp4") and recipe.rollout.weights is \
         recipe.train.weights
     assert bool(recipe.ignore) == (name != "torchao-nvfp4")
     assert get_recipe(f"{name}+resq-2:4").rollout.recovery.method == "resq"

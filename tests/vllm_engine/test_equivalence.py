@@ -241,7 +241,7 @@ def test_the_fields_recipes_leave_the_same_layers_in_bf16_and_agree(smollm_dir, 
         for kind, parts in KINDS.items():
             v = vm[f"model.layers.{layer}.{kind}"]
             names = [f"model.layers.{layer}.{p}" for p in parts]
-            quantized = v.fp4rl.fmt != UNQUANTIZED
+            quantized = v.fp4rl.fmt is not UNQUANTIZED
             assert quantized == all(n in patched for n in names), f"{recipe} {v.fp4rl.fmt} {names}"
             if quantized and layer in (0, blocks // 2):
                 x = activations(5, v.fp4rl.in_features, seed=layer).to(torch.bfloat16)

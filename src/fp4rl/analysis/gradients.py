@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from fp4rl.data import synthetic_dataset
-from fp4rl.gemm import UNQUANTIZED, mm, quantize_operand
+from fp4rl.gemm import UNQUANTIZED, OperandFormat, mm, quantize_operand
 from fp4rl.nn import (
     FP4Linear,
     Mode,
@@ -288,7 +288,8 @@ def surrogate_loss(model: nn.Module, batch: GradientBatch) -> torch.Tensor:
 # ----- variants and their comparison -------------------------------------------------------
 def variants(fmt: str) -> dict[str, TrainPrecision]:
     """The training-policy variants diagnosed for ``fmt`` (see the module docstring)."""
-    def precision(w: str, a: str, g: str, scheme: str = "reuse_forward") -> TrainPrecision:
+    def precision(w: str | OperandFormat, a: str | OperandFormat, g: str | OperandFormat,
+                  scheme: str = "reuse_forward") -> TrainPrecision:
         return TrainPrecision(weights=w, activations=a, gradients=g, backward_operands=scheme)
 
     return {

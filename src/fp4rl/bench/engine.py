@@ -67,6 +67,7 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
     )
     from fp4rl.models import load_model
     from fp4rl.nn import fp4_layers, quantize_model
+    from fp4rl.rollout.vllm.config import WeightStorage
     from fp4rl.rollout.vllm.loading import store_bytes
     from fp4rl.rollout.vllm.stores import release_freed_memory
 
@@ -88,7 +89,8 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
     before = rss()
     spec = EngineSpec(model_dir(model_name), recipe, dtype=torch.bfloat16,
                       max_model_len=512, kv_cache_bytes=256 << 20,
-                      weight_storage="packed" if engine == "packed" else "dequantized")
+                      weight_storage=WeightStorage.PACKED if engine == "packed"
+                      else WeightStorage.DEQUANTIZED)
     llm = make_llm(spec)
     if recipe is not None:  # packed: the trainer's default wire (rollout.vllm.refit_wire)
         refit(llm, model, packed=True)

@@ -65,7 +65,7 @@ def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:
                           "block for the vLLM plug-in to quantize; export it as bf16")
     check_merged(block_linears(model, lambda name: False), recipe)
     fmt = recipe.rollout.weights
-    if fmt == UNQUANTIZED:  # a W16 rollout: the weights are what vLLM runs
+    if fmt is UNQUANTIZED:  # a W16 rollout: the weights are what vLLM runs
         return Payload(unquantized_tensors(model, skip=set()),
                        quantization_config=quantization_config(recipe))
     tensors = unquantized_tensors(model, skip=set(layers))

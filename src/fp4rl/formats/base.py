@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, SupportsIndex
 
 import torch
 
@@ -136,6 +136,27 @@ class NumberFormat(ABC):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size}, "
                 f"bits_per_value={self.bits_per_value})")
+
+    def __str__(self) -> str:
+        """The registered name: what configs, messages and file names write."""
+        return self.name
+
+    # A format holds no state: a recipe that holds one is copied and pickled with the
+    # registered object itself, so that recipes compare by identity after a copy, a
+    # ``torch.save`` or a hop to a worker process.
+    def __copy__(self) -> Self:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        from fp4rl.formats.registry import get_format, list_formats
+
+        if self.name.lower() in {n.lower() for n in list_formats()} and \
+                get_format(self.name) is self:
+            return get_format, (self.name,)
+        return super().__reduce_ex__(protocol)  # a format no registry holds
 
 
 class BlockFormat(NumberFormat):

@@ -384,10 +384,11 @@ class FP4GRPOTrainer(GRPOTrainer):
         if self.state.global_step == self._last_loaded_step:
             return
         from fp4rl.rollout import VLLMEngine
+        from fp4rl.rollout.vllm.config import RefitWire
 
         # TRL samples itself; the engine here only syncs (pad and stop ids as TRL's own)
         engine = VLLMEngine(self.vllm_generation.llm, self._tokenizer.pad_token_id,
-                            self.eos_token_ids, refit_wire="bf16")
+                            self.eos_token_ids, refit_wire=RefitWire.BF16)
         metrics = engine.sync(self.accelerator.unwrap_model(self.model))
         self._last_loaded_step = self.state.global_step
         assert self.model is not None  # set by the trainer's constructor

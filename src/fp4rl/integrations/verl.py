@@ -56,7 +56,12 @@ from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.precision import compute_dtype
-from fp4rl.rollout.vllm.config import QUANT_METHOD, RECIPE_ENV, quantization_config
+from fp4rl.rollout.vllm.config import (
+    QUANT_METHOD,
+    RECIPE_ENV,
+    WeightStorage,
+    quantization_config,
+)
 
 #: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
 DEFAULT_RECIPE = "hif4+resq-2:4"
@@ -290,7 +295,9 @@ def _verl_class(path: str) -> type | None:
                           f"actor hook follows verl {SUPPORTED_VERL}") from None
 
 
-def engine_kwargs(recipe: Recipe | str, weight_storage: str = "dequantized") -> dict[str, Any]:
+def engine_kwargs(recipe: Recipe | str,
+                  weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
+                  ) -> dict[str, Any]:
     """``actor_rollout_ref.rollout.engine_kwargs.vllm`` that run ``recipe``'s rollout
     policy in verl's vLLM engine."""
     return {"quantization": QUANT_METHOD,

@@ -192,7 +192,7 @@ class FP4Linear(nn.Linear):
         needs of its weight: what a rollout engine can be sent instead of the weight.
         Not where the rollout weight is unquantized, nor where the recovery method reads
         the high-precision weight (SmoothQuant, RHT, OCC)."""
-        return self.recipe.rollout.weights != UNQUANTIZED and not self.recovery.reads_weight
+        return self.recipe.rollout.weights is not UNQUANTIZED and not self.recovery.reads_weight
 
     def receive_rollout_weight(self, qw: Operand) -> None:
         """Use ``qw`` (the rollout weight quantized elsewhere, e.g. decoded from the 4-bit

@@ -25,7 +25,9 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import (
+    ConfigDict,
     Field,
+    PlainSerializer,
     PrivateAttr,
     StrictBool,
     ValidationInfo,
@@ -34,18 +36,18 @@ from pydantic import (
 )
 
 from fp4rl.errors import RecipeError, did_you_mean
-from fp4rl.formats import get_format, list_formats
-from fp4rl.gemm import UNQUANTIZED
+from fp4rl.formats import NumberFormat, get_format, list_formats
+from fp4rl.gemm import UNQUANTIZED, NotQuantized, OperandFormat, operand_format
 from fp4rl.nn.select import Selector, block_count
 from fp4rl.recovery import Recovery
 from fp4rl.settings import Choices, Settings
 
 #: rollout precision names of the paper's Table 1 -> (weights, activations) with fp4 = "{f}"
 ROLLOUT_PRECISIONS = {
-    "bf16": (UNQUANTIZED, UNQUANTIZED),
-    "w4a16": ("{f}", UNQUANTIZED),
+    "bf16": (UNQUANTIZED.name, UNQUANTIZED.name),
+    "w4a16": ("{f}", UNQUANTIZED.name),
     "w4a8": ("{f}", "mxfp8_e4m3"),
-    "w16a4": (UNQUANTIZED, "{f}"),
+    "w16a4": (UNQUANTIZED.name, "{f}"),
     "fp4": ("{f}", "{f}"),
 }
 #: training precision names -> how the backward GEMMs take W and X (moot for bf16, where
@@ -94,54 +96,58 @@ def quantized_formats() -> list[str]:
 
 def operand_formats() -> list[str]:
     """What a recipe's operand takes: ``none`` (not quantized), or a quantized format."""
-    return [UNQUANTIZED, *quantized_formats()]
+    return [UNQUANTIZED.name, *quantized_formats()]
 
 
-def _format_name(value: Any, where: str) -> str:
-    name = value.lower() if isinstance(value, str) else value
-    name = UNQUANTIZED if name == READ_AS_UNQUANTIZED else name
+def _operand_format(value: Any, where: str) -> OperandFormat:
+    name = str(value).lower() if isinstance(value, str | NumberFormat | NotQuantized) else value
+    name = UNQUANTIZED.name if name == READ_AS_UNQUANTIZED else name
     if name not in operand_formats():
         hint = did_you_mean(value, operand_formats())
         raise RecipeError(f"{where}: {value!r} is not a format{hint}; choose one of "
                           f"{', '.join(operand_formats())} ({READ_AS_UNQUANTIZED} reads as "
                           f"{UNQUANTIZED})")
-    return str(name)
+    fmt = operand_format(name)
+    if isinstance(value, NumberFormat) and value is not fmt:
+        raise RecipeError(f"{where}: {value!r} is not the registered {name} format object; "
+                          f"register it, or name it ({name!r})")
+    return fmt
 
 
-def _weight_format_name(value: Any, where: str) -> str:
+def _weight_format(value: Any, where: str) -> OperandFormat:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
-    name = _format_name(value, where)
-    if name == UNQUANTIZED:
-        return name
-    fmt = get_format(name)
-    if fmt.vector_scales:
-        raise RecipeError(f"{where}: {name} scales each token's vector, which a weight "
+    fmt = _operand_format(value, where)
+    if isinstance(fmt, NumberFormat) and fmt.vector_scales:
+        raise RecipeError(f"{where}: {fmt} scales each token's vector, which a weight "
                           f"cannot take; use {fmt.weight_format or 'another format'} for the "
                           "weights")
-    return name
+    return fmt
 
 
-#: an operand's format: ``none`` or a quantized format's registered name (case-insensitive)
-FormatName = Annotated[str, Choices(operand_formats)]
+#: an operand's format: :data:`~fp4rl.gemm.UNQUANTIZED` or a registered number format,
+#: read from its name (case-insensitive) and written as it
+Format = Annotated[OperandFormat, Choices(operand_formats), PlainSerializer(str, return_type=str)]
 
 
-def _weight_format(fmt: str) -> str:
+def _weight_format_of(fmt: str) -> str:
     """What a weight takes in a recipe named after ``fmt`` (NVFP4 for ``nvfp4_per_token``)."""
-    return fmt if fmt == UNQUANTIZED else get_format(fmt).weight_format or fmt
+    return fmt if fmt == UNQUANTIZED.name else get_format(fmt).weight_format or fmt
 
 
 class _Precision(Settings):
-    """What both policies' settings share: operands' formats by registered name (a
-    weight's without per-vector scales), each refused in one line naming its field."""
+    """What both policies' settings share: operands' formats, read from their registered
+    names into the format objects (a weight's without per-vector scales), each refused in
+    one line naming its field."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, validate_default=True)
     error = RecipeError
 
     @field_validator("weights", "activations", "gradients", mode="before",
                      check_fields=False)
     @classmethod
-    def _a_format(cls, value: Any, info: ValidationInfo) -> str:
-        check = _weight_format_name if info.field_name == "weights" else _format_name
+    def _a_format(cls, value: Any, info: ValidationInfo) -> OperandFormat:
+        check = _weight_format if info.field_name == "weights" else _operand_format
         return check(value, f"{cls.section}.{info.field_name}")
 
 
@@ -164,11 +170,11 @@ class TrainPrecision(_Precision):
 
     section = "train"
 
-    weights: FormatName = Field(UNQUANTIZED, description="the weights' format in the three "
+    weights: Format = Field(UNQUANTIZED, description="the weights' format in the three "
                                 "training GEMMs (none: not quantized; bf16 reads as none)")
-    activations: FormatName = Field(UNQUANTIZED, description="the layer inputs' format in "
+    activations: Format = Field(UNQUANTIZED, description="the layer inputs' format in "
                                     "the forward and weight-gradient GEMMs")
-    gradients: FormatName = Field(UNQUANTIZED, description="the output gradients' format in "
+    gradients: Format = Field(UNQUANTIZED, description="the output gradients' format in "
                                   "the two backward GEMMs")
     stochastic_gradients: StrictBool = Field(False, description="round the output gradients "
                                              "stochastically (unbiased)")
@@ -196,7 +202,7 @@ class TrainPrecision(_Precision):
     @model_validator(mode="after")
     def _operands_fit_the_scheme(self) -> TrainPrecision:
         if self.backward_operands is BackwardOperands.REUSE_FORWARD and \
-                self.activations != UNQUANTIZED and get_format(self.activations).vector_scales:
+                isinstance(self.activations, NumberFormat) and self.activations.vector_scales:
             raise RecipeError(f"train.activations: {self.activations} scales each token, and "
                               "reuse_forward multiplies the forward's Q(X) along the tokens, "
                               "where a per-token scale does not factor out; use "
@@ -208,7 +214,7 @@ class TrainPrecision(_Precision):
                               f"quantizes them (not {self.backward_operands}); set "
                               "backward_operands: requantize or wgrad_hadamard: off")
         if self.backward_operands is BackwardOperands.DEQUANTIZED and \
-                self.gradients != UNQUANTIZED:
+                self.gradients is not UNQUANTIZED:
             raise RecipeError(f"train.gradients: {self.gradients} with backward_operands: "
                               "dequantized, whose backward GEMMs run in the compute dtype on "
                               f"unquantized gradients; set gradients: {UNQUANTIZED} "
@@ -221,9 +227,9 @@ class RolloutPrecision(_Precision):
 
     section = "rollout"
 
-    weights: FormatName = Field(UNQUANTIZED, description="the rollout weights' format (none: "
+    weights: Format = Field(UNQUANTIZED, description="the rollout weights' format (none: "
                                 "not quantized; bf16 reads as none)")
-    activations: FormatName = Field(UNQUANTIZED, description="the rollout activations' "
+    activations: Format = Field(UNQUANTIZED, description="the rollout activations' "
                                     "format")
     recovery: Recovery = Field(default_factory=Recovery, description="the method that "
                                "repairs the rollout activations' quantization (a registered "
@@ -378,11 +384,11 @@ def get_recipe(name: str) -> Recipe:
                 f"rollout in {', '.join(ROLLOUT_PRECISIONS)}, or one of the field's recipes "
                 f"({', '.join(field_recipes)}), optionally '+<recovery method>' "
                 f"(e.g. '+resq-2:4')")
-    t = UNQUANTIZED if train == "bf16" else fmt
+    t = UNQUANTIZED.name if train == "bf16" else fmt
     w, a = (v.format(f=fmt) for v in ROLLOUT_PRECISIONS[rollout])
-    return Recipe(train=TrainPrecision(weights=_weight_format(t), activations=t, gradients=t,
+    return Recipe(train=TrainPrecision(weights=_weight_format_of(t), activations=t, gradients=t,
                                        backward_operands=TRAIN_PRECISIONS[train]),
-                  rollout=RolloutPrecision(weights=_weight_format(w), activations=a,
+                  rollout=RolloutPrecision(weights=_weight_format_of(w), activations=a,
                                            recovery=Recovery.parse(recovery)))
 
 

@@ -20,12 +20,14 @@ import torch
 from pydantic import ConfigDict
 
 from fp4rl.errors import RecipeError, did_you_mean
+from fp4rl.formats import NumberFormat
 from fp4rl.gemm import (
-    UNQUANTIZED,
     Operand,
+    OperandFormat,
     PackedOperand,
     has_tensor_scale,
     mm,
+    operand_format,
     pack_operand,
     quantize_operand,
 )
@@ -74,12 +76,15 @@ class RolloutRecovery(ABC):
     #: vLLM method) runs with fp4rl's own code
     serves_in_engines: ClassVar[bool] = False
 
-    def __init__(self, config: RecoveryConfig, act_format: str, in_features: int,
-                 seed: int, weight_format: str | None = None) -> None:
+    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
+                 in_features: int, seed: int,
+                 weight_format: str | OperandFormat | None = None) -> None:
         self.config = config
-        self.act_format = act_format
+        #: the rollout activation format
+        self.act_format = operand_format(act_format)
         #: the rollout weight format (methods that treat the weight as well need it)
-        self.weight_format = weight_format or act_format
+        self.weight_format = self.act_format if weight_format is None else \
+            operand_format(weight_format)
         self.in_features = in_features
         self.seed = seed
         #: bumped whenever ``transform_weight`` would change: invalidates the weight cache
@@ -115,7 +120,7 @@ class RolloutRecovery(ABC):
         gather, a vLLM export), so they agree bit for bit. ``tensor_scale``: the whole
         weight's per-tensor scale, for a shard of it (NVFP4)."""
         w = self.transform_weight(w)
-        if packed and self.weight_format != UNQUANTIZED:
+        if packed and isinstance(self.weight_format, NumberFormat):
             return pack_operand(w, self.weight_format, tensor_scale)
         return quantize_operand(w, self.weight_format, -1, tensor_scale=tensor_scale)
 

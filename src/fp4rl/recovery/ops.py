@@ -38,7 +38,8 @@ _traced: dict[str, TracedActivation] = {}
 def handle_of(method: RolloutRecovery) -> str:
     """The settings that fix what ``method``'s activation computes, as one string."""
     return json.dumps({"recovery": Recovery(method.name, method.config).to_dict(),
-                       "activations": method.act_format, "weights": method.weight_format,
+                       "activations": str(method.act_format),
+                       "weights": str(method.weight_format),
                        "in_features": method.in_features, "seed": method.seed},
                       sort_keys=True)
 
@@ -92,7 +93,7 @@ class TracedActivation:
         _traced.setdefault(self.handle, self)
 
     def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
-        if self.method.act_format == UNQUANTIZED:  # plain tensor code: traces as it is
+        if self.method.act_format is UNQUANTIZED:  # plain tensor code: traces as it is
             return self.method.activation(x, dtype)
         values, scales = torch.ops.fp4rl.rollout_activation(x, self.handle, dtype)
         rows = x.shape[0]

@@ -15,14 +15,14 @@ from typing import ClassVar
 import torch
 from pydantic import Field, field_validator
 
-from fp4rl.formats import BlockFormat, get_format, quantize
-from fp4rl.gemm import Operand, has_tensor_scale, quantize_operand
+from fp4rl.formats import BlockFormat, NumberFormat, get_format, quantize
+from fp4rl.gemm import UNQUANTIZED, Operand, has_tensor_scale, quantize_operand
 from fp4rl.kernels import resq_rows, resq_terms
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
 
 
-def resq_activation(x: torch.Tensor, fmt: str,
+def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
                     pattern: str | SparsityPattern = "2:4") -> torch.Tensor:
     """``Q(x) + S(Q(x - Q(x)))``: the effective rollout activation of ResQ.
 
@@ -36,7 +36,8 @@ def resq_activation(x: torch.Tensor, fmt: str,
     return qx + sparsify(quantize(x - qx, fmt), pattern)
 
 
-def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[BlockFormat, int, int] | None:
+def _kernel_args(fmt: str | NumberFormat, pattern: SparsityPattern
+                 ) -> tuple[BlockFormat, int, int] | None:
     """(format, keep, group) for the fused kernels (group 0: dense), or None where
     they do not apply (a non-block format, a channel or block pattern)."""
     f = get_format(fmt)
@@ -47,7 +48,8 @@ def _kernel_args(fmt: str, pattern: SparsityPattern) -> tuple[BlockFormat, int, 
     return f, 0, 0  # dense, or n:n, which keeps every value
 
 
-def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor | None:
+def _fused(x: torch.Tensor, fmt: str | NumberFormat, pattern: SparsityPattern
+           ) -> torch.Tensor | None:
     args = _kernel_args(fmt, pattern)
     if args is None or x.dim() == 0:
         return None
@@ -55,15 +57,16 @@ def _fused(x: torch.Tensor, fmt: str, pattern: SparsityPattern) -> torch.Tensor 
     return None if out is None else out.reshape(x.shape)
 
 
-def _fused_terms(x: torch.Tensor, fmt: str,
+def _fused_terms(x: torch.Tensor, fmt: str | NumberFormat,
                  pattern: SparsityPattern) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Q(x)`` and ``S(Q(x - Q(x)))`` as bf16 rows from one kernel pass, where there is one."""
     args = _kernel_args(fmt, pattern)
     return None if args is None or x.dim() != 2 else resq_terms(args[0], x, *args[1:])
 
 
-def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str, pattern: str = "2:4",
-                two_gemm: bool = False, weight_format: str | None = None) -> torch.Tensor:
+def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str | NumberFormat,
+                pattern: str = "2:4", two_gemm: bool = False,
+                weight_format: str | NumberFormat | None = None) -> torch.Tensor:
     """Rollout-ResQ linear (no bias): ``Q(x)Q(w)^T + S(Q(x - Q(x)))Q(w)^T``.
 
     ``x`` is (..., in), ``w`` (out, in); both are quantized along ``in``. ``weight_format``
@@ -112,27 +115,31 @@ class ResQ(RolloutRecovery):
         return parse_pattern(self.config.sparsity)
 
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
-        if dtype == torch.float32:
-            return (False,)  # one folded operand, its scale applied inside
+        if dtype == torch.float32 or self.act_format is UNQUANTIZED:
+            return (False,)  # one folded operand, its scale applied inside; or x itself
         scaled = has_tensor_scale(self.act_format)
         return (scaled, scaled)
 
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         """One folded operand in fp32 (which holds the sum exactly); in bf16 the two
-        terms stay apart, each exact, and share one read of ``Q(W)`` in ``mm``."""
+        terms stay apart, each exact, and share one read of ``Q(W)`` in ``mm``. Unquantized
+        activations leave no residual: the operand is ``x``."""
+        fmt = self.act_format
+        if not isinstance(fmt, NumberFormat):
+            return [self.quantize_act(x)]
         if dtype == torch.float32:
-            return [Operand(resq_activation(x, self.act_format, self.pattern))]
+            return [Operand(resq_activation(x, fmt, self.pattern))]
         if dtype == torch.bfloat16:
             rows = x if x.dtype == torch.bfloat16 else x.float()  # bf16 is read as it is
-            terms = _fused_terms(rows, self.act_format, self.pattern)
+            terms = _fused_terms(rows, fmt, self.pattern)
             if terms is not None:  # both bf16 operands from one kernel pass
                 return [Operand(terms[0]), Operand(terms[1])]
         xf = x.float()
-        qx = quantize_operand(x, self.act_format)
-        fused = _fused(xf, self.act_format, self.pattern) if qx.scale is None else None
+        qx = quantize_operand(x, fmt)
+        fused = _fused(xf, fmt, self.pattern) if qx.scale is None else None
         if fused is not None:  # the fp32 sum is exact, so the difference is S(Q(x - Q(x)))
             return [qx, Operand(fused - qx.values)]
-        residual = quantize_operand(xf - qx.dense(), self.act_format)
+        residual = quantize_operand(xf - qx.dense(), fmt)
         return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]
 
 

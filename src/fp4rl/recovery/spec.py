@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from fp4rl.errors import RecipeError
+from fp4rl.gemm import OperandFormat
 from fp4rl.recovery.base import (
     RecoveryConfig,
     RolloutRecovery,
@@ -132,8 +133,9 @@ class Recovery(BaseModel):
         return f"{self.method}-{arg}" if arg else self.method
 
 
-def make_recovery(recovery: Recovery, act_format: str, in_features: int,
-                  seed: int, weight_format: str | None = None) -> RolloutRecovery:
+def make_recovery(recovery: Recovery, act_format: str | OperandFormat, in_features: int,
+                  seed: int, weight_format: str | OperandFormat | None = None
+                  ) -> RolloutRecovery:
     """The configured method's instance for one layer (``weight_format``: the rollout
     weight format, default ``act_format``)."""
     return get_recovery(recovery.method)(recovery.config, act_format, in_features, seed,

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from fp4rl.formats import get_format
 from fp4rl.formats.base import NumberFormat
 from fp4rl.formats.nvfp4 import finite_amax
 from fp4rl.formats.packing import PackedTensor
@@ -101,19 +100,19 @@ def _received(nbytes: int, world_size: int) -> int:
 def _gather_packed(layer: FP4Linear, world_size: int) -> tuple[Operand, int]:
     """The whole weight's rollout operand, from every rank's packed shard; and the bytes
     this rank received."""
-    fmt_name = layer.recipe.rollout.weights
+    fmt = layer.recipe.rollout.weights
+    assert isinstance(fmt, NumberFormat)  # packable layers quantize their weight
     local = layer.weight.to_local().detach().float()  # type: ignore[attr-defined]  # FSDP2 DTensor
     rows = layer.weight.shape[0]
     per_rank = -(-rows // world_size)  # FSDP2 shards rows in chunks of this size
     padded = torch.nn.functional.pad(local, (0, 0, 0, per_rank - local.shape[0]))
     mine = layer.recovery.weight_operand(padded, packed=True,
-                                         tensor_scale=_tensor_scale(get_format(fmt_name), local))
-    assert isinstance(mine, PackedOperand)  # packable layers quantize their weight
+                                         tensor_scale=_tensor_scale(fmt, local))
+    assert isinstance(mine, PackedOperand)
     packed = mine.packed
     names = sorted(packed.fields)
     gathered = {name: _gather_fields(packed, name, world_size) for name in names}
-    decoded = [get_format(fmt_name).decode(replace(packed, fields={n: gathered[n][r]
-                                                                   for n in names}))
+    decoded = [fmt.decode(replace(packed, fields={n: gathered[n][r] for n in names}))
                for r in range(world_size)]
     values = torch.cat(decoded)[:rows]
     return Operand(values, mine.scale), _received(packed.nbytes * world_size, world_size)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from fp4rl.rl.config.schema import TrainConfig
 from fp4rl.settings import Choices, Variants, marker
@@ -102,9 +103,8 @@ def type_name(annotation: Any, metadata: list[Any] | None = None) -> str:
 
 def default_text(field: FieldInfo) -> str:
     """The default as a ``key=value`` override writes it."""
-    value = field.get_default(call_default_factory=True)
-    if isinstance(value, Enum):
-        return str(value.value)
+    # an enum by its value, an object a name stands for (a format) by its name
+    value = to_jsonable_python(field.get_default(call_default_factory=True), fallback=str)
     return value if isinstance(value, str) else json.dumps(value)
 
 

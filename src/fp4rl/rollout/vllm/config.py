@@ -82,7 +82,8 @@ def supported_recovery() -> list[str]:
 
 
 def quantization_config(recipe: Recipe | str,
-                        weight_storage: str = WeightStorage.DEQUANTIZED) -> dict[str, Any]:
+                        weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
+                        ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
     recipe = rollout_recipe(recipe)

@@ -23,6 +23,8 @@ from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
     WORKER_EXTENSION,
+    RefitWire,
+    WeightStorage,
     quantization_config,
     require_vllm,
     rollout_recipe,
@@ -58,7 +60,7 @@ class EngineSpec:
     #: the share of the GPU's memory the engine may take, weights and KV cache (a
     #: colocated engine shares the GPU with the trainer: TRL's colocate default)
     gpu_memory_utilization: float = 0.3
-    weight_storage: str = "dequantized"
+    weight_storage: WeightStorage = WeightStorage.DEQUANTIZED
     #: one engine in each process of a launched run (torchrun, accelerate): vLLM joins the
     #: trainer's process group as its external launcher, each engine on its own rank
     per_rank: bool = False
@@ -94,7 +96,8 @@ class EngineSpec:
         return {"max_num_batched_tokens": budget, "enable_chunked_prefill": False}
 
 
-def method_kwargs(recipe: Recipe | str | None, weight_storage: str = "dequantized"
+def method_kwargs(recipe: Recipe | str | None,
+                  weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
                   ) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
     policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
@@ -196,7 +199,7 @@ class VLLMEngine:
                      named: bool) -> None:
         """What would pass and then fail inside vLLM: packed storage under FSDP (whose refit
         sends values, not codes), and, when named, a rollout the plug-in cannot run."""
-        if shards and settings.weight_storage == "packed":
+        if shards and settings.weight_storage is WeightStorage.PACKED:
             raise ConfigError("distributed.strategy=fsdp refits each engine with Q(W)'s "
                               "values gathered from the shards, which rollout.vllm."
                               "weight_storage=packed cannot keep: use weight_storage="
@@ -205,14 +208,15 @@ class VLLMEngine:
             rollout_recipe(recipe)
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
-                 refit_wire: str = "packed", policy: torch.nn.Module | None = None,
+                 refit_wire: RefitWire | str = RefitWire.PACKED,
+                 policy: torch.nn.Module | None = None,
                  world_size: int = 1, refit_piece_bytes: int = PIECE_BYTES) -> None:
         """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
         :func:`make_llm`, or TRL's colocated engine). Under FSDP ``policy`` is the
         trainer's unsharded rollout copy, refreshed from the shards before each refit.
         A refit travels in pieces of at most ``refit_piece_bytes``."""
         self.llm = llm
-        self.packed_wire = refit_wire == "packed"
+        self.packed_wire = RefitWire(refit_wire) is RefitWire.PACKED
         self.piece_bytes = refit_piece_bytes
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from fp4rl.formats import get_format
+from fp4rl.formats import NumberFormat
 from fp4rl.formats.nvfp4 import finite_amax
-from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, has_tensor_scale
+from fp4rl.gemm import Operand, OperandFormat, PackedOperand, has_tensor_scale
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
@@ -48,7 +48,7 @@ class LayerState:
     shards: list[int]
     in_features: int
     dtype: torch.dtype
-    fmt: str
+    fmt: OperandFormat
     storage: WeightStorage
     recovery: RolloutRecovery
     #: the recovery's activation as one traceable operator (:mod:`fp4rl.recovery.ops`)
@@ -138,7 +138,7 @@ def weight_loader_of(layer: torch.nn.Module, loader: Callable[[], Callable[..., 
 _TENSOR_SCALE = "tensor_scale"
 
 
-def field_names(fmt: str, in_features: int) -> list[str]:
+def field_names(fmt: NumberFormat, in_features: int) -> list[str]:
     """The packed fields of ``fmt`` (plus NVFP4's per-tensor scale)."""
     names = list(PackedOperand.layout(fmt, in_features).fields)
     return [*names, _TENSOR_SCALE] if has_tensor_scale(fmt) else names
@@ -177,7 +177,7 @@ def install(layer: torch.nn.Module, parts: list[Part]) -> None:
     if [p.values.shape[0] if isinstance(p, Operand) else p.rows for p in parts] != state.shards:
         raise VLLMError(f"a refit sent parts of {len(parts)} layers for an fp4rl layer of "
                         f"parts {state.shards}")
-    if state.storage == WeightStorage.PACKED and state.fmt != UNQUANTIZED and \
+    if state.storage == WeightStorage.PACKED and isinstance(state.fmt, NumberFormat) and \
             any(isinstance(p, Operand) for p in parts):
         raise VLLMError("an engine with weight_storage=packed keeps the 4-bit codes it is "
                         "sent: refit it with the packed wire (refit(..., packed=True), "
@@ -240,12 +240,16 @@ def _from_fields(state: LayerState) -> list[Part] | None:
     if sorted(state.incoming) != list(range(len(state.shards))):
         raise VLLMError(f"packed fp4rl weights arrived for parts {sorted(state.incoming)} of "
                         f"a layer of {len(state.shards)}; a checkpoint must hold every one")
+    fmt = state.fmt
+    if not isinstance(fmt, NumberFormat):
+        raise VLLMError("packed fp4rl weights arrived for a layer whose rollout weights are "
+                        "not quantized; load its weight instead")
     parts: list[Part] = []
     for index, rows in enumerate(state.shards):
         fields = dict(state.incoming[index])
         scale = fields.pop(_TENSOR_SCALE, None)
         scale = None if scale is None else scale.reshape(())  # stored as [1], used as ()
-        parts.append(PackedOperand.from_row_fields(state.fmt, (rows, state.in_features),
+        parts.append(PackedOperand.from_row_fields(fmt, (rows, state.in_features),
                                                    fields, scale))
     return parts
 
@@ -282,9 +286,11 @@ def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> 
 def _whole_scale(state: LayerState, shard: torch.Tensor) -> torch.Tensor | None:
     """The per-tensor scale of the whole weight a rank's ``shard`` is part of (NVFP4 under
     tensor parallelism), or None where the shard's own is the whole's or there is none."""
-    if state.partition is None or not has_tensor_scale(state.fmt):
+    fmt = state.fmt
+    if state.partition is None or not isinstance(fmt, NumberFormat) or \
+            not fmt.has_tensor_scale:
         return None
-    return get_format(state.fmt).tensor_scale(whole_amax(finite_amax(shard)))
+    return fmt.tensor_scale(whole_amax(finite_amax(shard)))
 
 
 def store_bytes(model: torch.nn.Module) -> int:

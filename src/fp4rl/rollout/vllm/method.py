@@ -11,7 +11,8 @@ from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinea
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from fp4rl.gemm import UNQUANTIZED, mm
+from fp4rl.formats import NumberFormat
+from fp4rl.gemm import mm
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
@@ -62,7 +63,7 @@ class FP4RLLinearMethod(LinearMethodBase):
                                       weight_loader=weight_loader_of(layer, weight_loader))
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
-        if state.fmt == UNQUANTIZED:
+        if not isinstance(state.fmt, NumberFormat):  # a W16 rollout: the weight is all
             return
         for name in field_names(state.fmt, input_size_per_partition):
             param = torch.nn.Parameter(torch.empty(0, dtype=field_dtype(name)),

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from vllm.model_executor.utils import set_weight_attrs
 
-from fp4rl.formats import get_format
-from fp4rl.gemm import UNQUANTIZED, Operand, PackedOperand, has_tensor_scale
+from fp4rl.formats import NumberFormat
+from fp4rl.gemm import Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
 from fp4rl.rollout.vllm.config import VLLMError
@@ -66,9 +66,9 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
     r = recipe.rollout
     where = f"a layer ({partition.in_features} inputs, {partition.in_per_rank} a rank)"
     for fmt in dict.fromkeys((r.weights, r.activations)):
-        if fmt == UNQUANTIZED:
+        if not isinstance(fmt, NumberFormat):
             continue
-        block = get_format(fmt).block_size
+        block = fmt.block_size
         if partition.in_per_rank % block:
             ranks = partition.in_features // partition.in_per_rank
             raise VLLMError(f"tensor_parallel_size={ranks} splits {where} across {fmt}'s "
