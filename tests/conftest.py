@@ -36,6 +36,37 @@ def _isolated_registries():
         yield
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes the embedded model's directory runs the real model: slow."""
+    for item in items:
+        if "smollm_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _embedded_model_in_slow_tests_only(request, monkeypatch):
+    """``slow`` means "runs the real embedded model" (``make test-fast`` leaves those
+    out): a test not marked ``slow`` or ``long`` that loads it in the test's process
+    fails, saying so. (A test that loads it in a child process is marked by hand.)"""
+    marks = {m.name for m in request.node.iter_markers()}
+    if marks & {"slow", "long"}:
+        yield
+        return
+    from fp4rl.models import registry
+
+    loaded: list[str] = []
+    load_cached = registry.load_cached
+
+    def recording(name, *args, **kwargs):
+        loaded.append(name)
+        return load_cached(name, *args, **kwargs)
+
+    monkeypatch.setattr(registry, "load_cached", recording)
+    yield
+    if loaded:
+        pytest.fail(f"loads the embedded model {loaded[0]!r}: mark it @pytest.mark.slow")
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> str:
     """The embedded model as a Hugging Face directory vLLM loads (the vLLM and verl
