@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "nvfp4_4o6", "nvfp4_per_token_4o6", "nvfp4_2d"])
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_quantizers_bit_exact_on_gpu(fmt, dim, dtype, monkeypatch):

@@ -53,6 +53,27 @@ def test_quantize_on_the_device(fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_triton_path_around_its_launches_stays_on_the_device(fmt, monkeypatch):
+    """What a GPU runs around a Triton kernel (the scales, the noise, the output, the
+    arguments) on device tensors, as a CUDA tensor selects it; the launches are recorded,
+    not run (a meta tensor has no kernel)."""
+    pytest.importorskip("triton")
+    import fp4rl.kernels
+    from fp4rl.kernels import triton_quant
+
+    launched: list[torch.Tensor] = []
+    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
+        a for a in args if isinstance(a, torch.Tensor)))
+    f = get_format(fmt)
+    x = torch.empty(32, 192, device=META)
+    on_meta(f.quantize(x), f.quantize(x, dim=0), f.quantize(x, rounding="stochastic"),
+            f.quantize(x.reshape(2, 16, 192), dim=1), f.quantize(x.bfloat16(), dim=0))
+    assert launched
+    on_meta(*launched)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_encode_and_decode_on_the_device(fmt):
     f = get_format(fmt)
     packed = f.encode(torch.empty(8, 192, device=META))

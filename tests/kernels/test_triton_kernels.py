@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered")
 
 FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "mxfp8_e4m3"]
+#: the field's NVFP4 variants: Four Over Six block scales, 16 x 16 tiles (quantize only)
+FIELD_FORMATS = ["nvfp4_4o6", "nvfp4_per_token_4o6", "nvfp4_2d"]
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def _heavy_tailed(shape, seed=0):
     return torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + FIELD_FORMATS)
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("shape", [(37, 100), (64, 64), (5, 3)])
 def test_quantize_along_either_axis_matches_reference(triton_path, fmt, dim, shape):
@@ -49,7 +51,7 @@ def test_quantize_along_either_axis_matches_reference(triton_path, fmt, dim, sha
     assert _bits_equal(fast, get_format(fmt).quantize_reference(x, dim=dim))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + FIELD_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stochastic_rounding_draws_the_same_noise(triton_path, fmt, dtype):
     x = _heavy_tailed((24, 70), seed=1).to(dtype)
@@ -109,7 +111,7 @@ def test_fused_resq_declines_what_it_cannot_fuse(triton_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(fmt=st.sampled_from(FORMATS), exponent=st.integers(-60, 60),
+@given(fmt=st.sampled_from(FORMATS + FIELD_FORMATS), exponent=st.integers(-60, 60),
        rows=st.integers(1, 9), cols=st.integers(1, 130), seed=st.integers(0, 2**16))
 def test_any_scale_and_shape(fmt, exponent, rows, cols, seed):
     import os
@@ -196,6 +198,9 @@ def test_every_op_on_a_gpu_selects_its_triton_kernel():
         assert set(plan) == set(OPERATIONS)
         for op, backend in plan.items():
             assert backend == ("none" if (fmt, op) in composed else "triton"), (fmt, op)
+    for fmt in FIELD_FORMATS:  # quantizers only: ResQ composes them, decode reads tables
+        plan = kernel_plan(get_format(fmt), "cuda")
+        assert {op for op, backend in plan.items() if backend == "triton"} == {"rows", "cols"}
 
 
 @pytest.mark.parametrize("recipe", ["hif4+resq-2:4", "mxfp4+resq-dense", "nvfp4+resq-2:4",
@@ -228,3 +233,36 @@ def test_a_model_on_the_triton_path_never_takes_the_reference(triton_path, recip
     w = model.model.layers[0].mlp.down_proj.weight.detach()
     fmt = recipe.split(":")[0].split("+")[0]
     assert torch.isfinite(pack_operand(w, fmt).decode(torch.bfloat16).values).all()
+
+
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_the_fields_formats_quantize_on_triton_alone(triton_path, fmt, monkeypatch):
+    """Four Over Six and the 16 x 16 tiles take their Triton kernel along either axis of
+    a matrix and along any axis of a 3-D tensor (rows from several matrices, tiles of 16
+    consecutive vectors): with the reference paths refused, the values are still the
+    reference's, computed before."""
+    from fp4rl.formats.base import BlockFormat
+    from fp4rl.formats.nvfp4 import NVFP4Tiles
+
+    f = get_format(fmt)
+    cases = [(_heavy_tailed((48, 80), seed=5), 0), (_heavy_tailed((48, 80), seed=5), 1),
+             (_heavy_tailed((3, 20, 40), seed=6), 1), (_heavy_tailed((3, 20, 40), seed=6), 2)]
+    want = [f.quantize_reference(x, dim=d) for x, d in cases]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference path ran")
+
+    monkeypatch.setattr(BlockFormat, "_reference_rows", refuse)
+    monkeypatch.setattr(NVFP4Tiles, "_tile_fields", refuse)
+    for (x, d), expected in zip(cases, want, strict=True):
+        assert _bits_equal(fp4rl.quantize(x, fmt, dim=d), expected)
+
+
+def test_the_fields_formats_differ_from_nvfp4_where_their_rules_do():
+    """What the kernels above reproduce is not NVFP4 under another name: on the same
+    Gaussian matrix, Four Over Six picks a scale of 4 for some blocks (less error than
+    NVFP4's), and a 16 x 16 tile's scale differs from its rows' own (more error)."""
+    x = torch.randn((64, 256), generator=torch.Generator().manual_seed(9))
+    err = {f: (fp4rl.quantize(x, f) - x).square().sum() for f in ("nvfp4", "nvfp4_4o6",
+                                                                  "nvfp4_2d")}
+    assert err["nvfp4_4o6"] < err["nvfp4"] < err["nvfp4_2d"]

@@ -34,7 +34,7 @@ from fp4rl.formats.mxfp4 import (
 )
 from fp4rl.formats.packing import PackedTensor, pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
-from fp4rl.kernels import QUANTIZE, FormatKernels
+from fp4rl.kernels import QUANTIZE, FormatKernels, has_kernel
 from fp4rl.kernels.codes import FormatCode
 
 E4M3_MAX = 448.0
@@ -169,20 +169,22 @@ class NVFP4PerToken(NVFP4):
 class NVFP4FourOverSix(NVFP4):
     """NVFP4 with Four Over Six block scales (see the module docstring): each block scaled
     to a largest magnitude of 6 or of 4, whichever errs less, under a tensor scale of
-    range ``6 * 256``. The reference path computes it; the compiled kernels and the fast
-    row encoder implement NVFP4's rule alone, so this format goes without them."""
+    range ``6 * 256``. Each block's squared error is added pairwise in a fixed order
+    (:func:`_pairwise_sum`), which the Triton kernel follows, so a tie is a tie on every
+    path. Triton quantizes it; the C kernel and the fast row encoder implement NVFP4's
+    rule alone (the CPU takes the reference path)."""
 
     name = "nvfp4_4o6"
     label = "NVFP4 4/6"
     tensor_range = FOUR_OVER_SIX_RANGE
-    kernels = None
+    kernels = FormatKernels(FormatCode.NVFP4_4O6, triton=QUANTIZE)
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()
         s6, q6 = _scaled_to(a, 6.0, noise)
         s4, q4 = _scaled_to(a, 4.0, noise)
-        err6 = (q6 * s6 - a).square().sum(-1, keepdim=True)
-        err4 = (q4 * s4 - a).square().sum(-1, keepdim=True)
+        err6 = _pairwise_sum((q6 * s6 - a).square())
+        err4 = _pairwise_sum((q4 * s4 - a).square())
         four = err4 < err6
         return {"scale": torch.where(four, s4, s6), "q": torch.where(four, q4, q6),
                 "neg": torch.signbit(blocks)}
@@ -209,12 +211,14 @@ class NVFP4Tiles(NVFP4):
     either axis, so ``Q(W)`` in the forward and ``Q(W^T)`` in the input-gradient GEMM
     agree. A tensor of more dimensions is tiled over its vectors along the quantized axis
     (16 of them) and 16 values along it. Stored in NVFP4's layout (each tile's scale
-    repeated on its 16 rows), which any NVFP4 decoder reads; the compiled kernels and the
-    fast row encoder implement 1-D blocks alone, so this format goes without them."""
+    repeated on its 16 rows), which any NVFP4 decoder reads. Triton quantizes it (a
+    program's rows start at a tile, and its 16 rows' blocks share their largest); the C
+    kernel and the fast row encoder implement 1-D blocks alone (the CPU takes the
+    reference path)."""
 
     name = "nvfp4_2d"
     label = "NVFP4 16x16"
-    kernels = None
+    kernels = FormatKernels(FormatCode.NVFP4_TILES, triton=QUANTIZE)
 
     def block_scales(self, blocks: torch.Tensor
                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
@@ -224,6 +228,8 @@ class NVFP4Tiles(NVFP4):
     def _quantize(self, x: torch.Tensor, dim: int, opts: QuantOptions, fast: bool
                   ) -> torch.Tensor:
         d = check_tensor(x, dim)
+        if fast and has_kernel(self, x.device):  # the kernel's row blocks make the tiles
+            return super()._quantize(x, dim, opts, fast)
         if x.numel() == 0:
             return x.clone()
         rows, restore = _to_rows(x, d)
@@ -287,6 +293,15 @@ def _scaled_to(a: torch.Tensor, top: float, noise: torch.Tensor | None
     s = e4m3_round(torch.clamp(divide(a.amax(-1, keepdim=True), top), max=E4M3_MAX))
     v = torch.where(s > 0, a / torch.where(s > 0, s, 1.0), 0.0)
     return s, e2m1_round(v, noise)
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum along the last axis (a power of two long), neighbours added first, then
+    neighbouring pairs, and so on, the axis kept (size 1): each step adds two numbers, so
+    every device and kernel rounds it the same way."""
+    while t.shape[-1] > 1:
+        t = t[..., 0::2] + t[..., 1::2]
+    return t
 
 
 def _scale_of(amax: torch.Tensor, tensor_range: float = TENSOR_RANGE) -> torch.Tensor:

@@ -14,6 +14,8 @@ class FormatCode(IntEnum):
     MXFP4 = 1
     NVFP4 = 2
     MXFP8 = 3
+    NVFP4_4O6 = 4  # NVFP4's elements and scales, each block's scale by Four Over Six
+    NVFP4_TILES = 5  # NVFP4 whose block scale covers a 16 x 16 tile (16 rows' blocks)
 
 
 def c_defines() -> tuple[str, ...]:

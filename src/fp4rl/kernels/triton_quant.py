@@ -1,4 +1,5 @@
-"""Triton kernels: block fake quantization (HiF4, MXFP4, NVFP4, MXFP8) and fused ResQ.
+"""Triton kernels: block fake quantization (HiF4, MXFP4, NVFP4 with its Four Over Six and
+16 x 16 tile variants, MXFP8) and fused ResQ.
 
 The arithmetic mirrors ``quant.c`` step for step and is exact: scales and products are
 formed in float64, where they fit without rounding, and the round-to-grid steps work
@@ -30,8 +31,12 @@ TILE_ELEMENTS = 2048
 #: compiler refuses a plain Python global inside ``@triton.jit`` (the interpreter allows it).
 MAGIC = tl.constexpr(4503599627370496.0)
 #: the format codes (:class:`~fp4rl.kernels.codes.FormatCode`) as the kernels compare them
-HIF4, MXFP4, NVFP4 = (tl.constexpr(int(c)) for c in
-                      (FormatCode.HIF4, FormatCode.MXFP4, FormatCode.NVFP4))
+#: (NVFP4 is what none of the others is)
+HIF4, MXFP4, MXFP8, NVFP4_4O6, NVFP4_TILES = (
+    tl.constexpr(int(c)) for c in (FormatCode.HIF4, FormatCode.MXFP4, FormatCode.MXFP8,
+                                   FormatCode.NVFP4_4O6, FormatCode.NVFP4_TILES))
+#: the rows of one NVFP4 tile (its block size): a tile's scale is its 16 rows' largest
+TILE_ROWS = tl.constexpr(16)
 #: Integer arguments that grow with the token count, which Triton must not specialize on
 #: (1, multiples of 16): a specialized size would compile a new variant on the first batch
 #: of that size, inside a CUDA-graph capture if that is where it first comes.
@@ -122,12 +127,40 @@ def _mx_mag(a, amax, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.co
 
 
 @triton.jit
-def _nvfp4_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
-    """|Q(x)| of finite NVFP4 blocks: E4M3 scale of amax / 6, E2M1 elements."""
-    s = tl.minimum(amax.to(tl.float64) / 6.0, 448.0)
+def _nvfp4_scaled(a, amax, noise, TOP: tl.constexpr, HAS_NOISE: tl.constexpr):
+    """|Q(x)| in float64 of finite NVFP4 blocks whose E4M3 scale maps amax to TOP."""
+    s = tl.minimum(amax.to(tl.float64) / TOP, 448.0)
     s = _round_minifloat(s, 0.0, 3, -6, 448.0, False)[:, None]
     v = tl.where(s > 0.0, a.to(tl.float64) / tl.where(s > 0.0, s, 1.0), 0.0)
-    return (_round_minifloat(v, noise, 1, 0, 6.0, HAS_NOISE) * s).to(tl.float32)
+    return _round_minifloat(v, noise, 1, 0, 6.0, HAS_NOISE) * s
+
+
+@triton.jit
+def _nvfp4_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
+    """|Q(x)| of finite NVFP4 blocks: E4M3 scale of amax / 6, E2M1 elements."""
+    return _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE).to(tl.float32)
+
+
+@triton.jit
+def _squared_error(q, a, ROWS: tl.constexpr):
+    """Each (ROWS, 16) block's sum of (q - a)^2 in float64, added pairwise (neighbours,
+    then neighbouring pairs, ...): the order the reference adds in, so ties stay ties."""
+    e = (q - a) * (q - a)
+    e = tl.sum(tl.reshape(e, (ROWS, 8, 2)), axis=2)
+    e = tl.sum(tl.reshape(e, (ROWS, 4, 2)), axis=2)
+    e = tl.sum(tl.reshape(e, (ROWS, 2, 2)), axis=2)
+    return tl.sum(e, axis=1)
+
+
+@triton.jit
+def _nvfp4_4o6_mag(a, amax, noise, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
+    """|Q(x)| of finite NVFP4 blocks under Four Over Six: the block scaled to a largest
+    magnitude of 4 where that errs less than 6 (6 on a tie), the same noise for both."""
+    a64 = a.to(tl.float64)
+    q6 = _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE)
+    q4 = _nvfp4_scaled(a, amax, noise, 4.0, HAS_NOISE)
+    four = _squared_error(q4, a64, ROWS) < _squared_error(q6, a64, ROWS)
+    return tl.where(four[:, None], q4, q6).to(tl.float32)
 
 
 @triton.jit
@@ -136,15 +169,21 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
     bits = x.to(tl.int32, bitcast=True)
     a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     top = tl.max(bits & 0x7FFFFFFF, axis=1)  # NaN and Inf sort above every finite value
+    if FMT == NVFP4_TILES:  # a tile's 16 rows share its largest (rows start at a tile)
+        tiles = tl.max(tl.reshape(top, (ROWS // TILE_ROWS, TILE_ROWS)), axis=1)
+        top = tl.reshape(tl.broadcast_to(tiles[:, None], (ROWS // TILE_ROWS, TILE_ROWS)),
+                         (ROWS,))
     amax = top.to(tl.float32, bitcast=True)
     if FMT == HIF4:
         mag = _hif4_mag(a, noise, ROWS, HAS_NOISE)
     elif FMT == MXFP4:
         mag = _mx_mag(a, amax, noise, 1, 0, 6.0, 2, HAS_NOISE)
-    elif FMT == NVFP4:
-        mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
-    else:
+    elif FMT == MXFP8:
         mag = _mx_mag(a, amax, noise, 3, -6, 448.0, 8, HAS_NOISE)
+    elif FMT == NVFP4_4O6:
+        mag = _nvfp4_4o6_mag(a, amax, noise, ROWS, HAS_NOISE)
+    else:  # NVFP4, and its 16 x 16 tiles (whose amax is the tile's)
+        mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
     y = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     nan = tl.full(y.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     return tl.where((top >= 0x7F800000)[:, None], nan, y)
