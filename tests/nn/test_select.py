@@ -107,7 +107,7 @@ def test_where_both_policies_quantize_alike_the_trainer_scores_what_the_rollout_
     logs comes from how the engine computes (decode against prefill), not the policy."""
     import torch
 
-    model, _ = tiny_model("qwen2")
+    model, _ = tiny_model("qwen2", num_hidden_layers=8)  # past nemo-rl's 2 + 4 in BF16
     fp4rl.quantize_model(model, name)
     ids = torch.tensor([[3, 9, 27, 81, 40, 12, 7, 7, 100]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

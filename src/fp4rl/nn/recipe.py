@@ -324,11 +324,12 @@ def _field_recipes() -> dict[str, Recipe]:
     miles = TrainPrecision(weights="nvfp4_4o6", activations="nvfp4_per_token_4o6",
                            backward_operands="dequantized")
     return {
-        # NeMo-RL (PR 3566): NVFP4 W4A4 in training and rollout, attention in BF16,
-        # the backward dequantized
+        # NeMo-RL (PR 3566): NVFP4 W4A4 in training and rollout, attention and the
+        # boundary layers in BF16 (Megatron's first_last_layers_bf16: the first 2 and the
+        # last 4 of its recipe), the backward dequantized
         "nemo-rl-nvfp4": Recipe(train=nvfp4,
                                 rollout=RolloutPrecision(weights="nvfp4", activations="nvfp4"),
-                                ignore=("kind:attention",)),
+                                ignore=("kind:attention", "first:2", "last:4")),
         # Miles (PR 1261): per-token NVFP4 activation scales, Four Over Six block
         # scales, the backward dequantized, the last 15% of the blocks in BF16
         "miles-nvfp4": Recipe(train=miles,
