@@ -9,6 +9,7 @@ import socket
 import pytest
 from _paths import FIXTURES
 
+import fp4rl.experiments as experiments
 from fp4rl.cli import main
 from fp4rl.errors import UserError
 from fp4rl.experiments import (
@@ -295,3 +296,20 @@ def test_the_field_grid_puts_the_fields_recipes_beside_the_papers():
         ("mxfp4+resq-2:4", "nemo-rl-nvfp4")}
     names = {c.name for c in cells}
     assert all(c.better in names and c.worse in names for c in claims)
+
+
+def test_device_is_every_cells_and_a_missing_one_is_refused_before_any_run(tmp_path, capsys,
+                                                                          monkeypatch):
+    """``--device`` (as the docs' GPU command gives it) sets every cell's device; one that
+    does not exist is one line, before the output directory is made."""
+    out = tmp_path / "field"
+    assert main(["experiment", "field", "--plan", "field", "--output", str(out),
+                 "--device", "tpu"]) == 2
+    assert "device 'tpu' is not a device" in capsys.readouterr().err
+    assert not out.exists()
+    configs = []
+    monkeypatch.setattr(experiments, "run_cells", lambda exp, runs, **kw: configs.extend(
+        cell_config(exp, cell) for cell in runs))
+    assert main(["experiment", "field", "--plan", "field", "--output", str(out),
+                 "--device", "cpu", "--cells", "nemo-rl-nvfp4", "--seeds", "0"]) == 0
+    assert [c.device for c in configs] == ["cpu"]

@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      "model=/models/Qwen2.5-3B (repeatable)")
     exp.add_argument("--eval", dest="evals", action="append", metavar="NAME=LAYOUT:PATH",
                      help="benchmark column (repeatable; default: the plan's test split)")
+    exp.add_argument("--device", help="every cell's device: auto (cuda when available), cpu, "
+                     "cuda or cuda:N, as --set device=...; default: the plan's (auto)")
     exp.add_argument("--jobs", type=positive_int, default=1, help="cells run in parallel "
                      "(each gets cpu_count/jobs torch threads)")
     exp.add_argument("--cells", nargs="+", metavar="NAME",
@@ -63,7 +65,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     plan = ex.get_plan(args.plan)
     formats = tuple(args.formats or plan.formats)
     seeds = ex.check_seeds(args.seeds) if args.seeds is not None else plan.seeds
-    exp = ex.Experiment(args.kind, plan, Path(args.output), formats, tuple(args.overrides),
+    if args.device:  # a device that is not there is refused before any run
+        from fp4rl.precision import resolve_device
+
+        resolve_device(args.device)
+    overrides = ([f"device={args.device}"] if args.device else []) + args.overrides
+    exp = ex.Experiment(args.kind, plan, Path(args.output), formats, tuple(overrides),
                         tuple(ex.EvalSpec.parse(e) for e in args.evals or []), seeds)
     grid = ex.grid_cells(args.kind, formats)
     for cell in grid:
