@@ -140,7 +140,7 @@ class _Precision(Settings):
     names into the format objects (a weight's without per-vector scales), each refused in
     one line naming its field."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, validate_default=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True)  # the format objects
     error = RecipeError
 
     @field_validator("weights", "activations", "gradients", mode="before",
@@ -171,11 +171,11 @@ class TrainPrecision(_Precision):
     section = "train"
 
     weights: Format = Field(UNQUANTIZED, description="the weights' format in the three "
-                                "training GEMMs (none: not quantized; bf16 reads as none)")
-    activations: Format = Field(UNQUANTIZED, description="the layer inputs' format in "
-                                    "the forward and weight-gradient GEMMs")
-    gradients: Format = Field(UNQUANTIZED, description="the output gradients' format in "
-                                  "the two backward GEMMs")
+                            "training GEMMs (none: not quantized; bf16 reads as none)")
+    activations: Format = Field(UNQUANTIZED, description="the layer inputs' format in the "
+                                "forward and weight-gradient GEMMs")
+    gradients: Format = Field(UNQUANTIZED, description="the output gradients' format in the "
+                              "two backward GEMMs")
     stochastic_gradients: StrictBool = Field(False, description="round the output gradients "
                                              "stochastically (unbiased)")
     backward_operands: BackwardOperands = Field(
@@ -228,9 +228,8 @@ class RolloutPrecision(_Precision):
     section = "rollout"
 
     weights: Format = Field(UNQUANTIZED, description="the rollout weights' format (none: "
-                                "not quantized; bf16 reads as none)")
-    activations: Format = Field(UNQUANTIZED, description="the rollout activations' "
-                                    "format")
+                            "not quantized; bf16 reads as none)")
+    activations: Format = Field(UNQUANTIZED, description="the rollout activations' format")
     recovery: Recovery = Field(default_factory=Recovery, description="the method that "
                                "repairs the rollout activations' quantization (a registered "
                                "method's name), with its parameters beside it")
