@@ -47,6 +47,7 @@ def updated_model(seed: int = 0):
     return model, tok
 
 
+@pytest.mark.slow
 def test_the_payload_is_the_rollout_q_w_bit_for_bit_and_at_most_bf16_bytes():
     model, _ = updated_model()
     bf16_bytes = sum(p.numel() * 2 for p in model.parameters())

@@ -23,6 +23,7 @@ from fp4rl.models import load_model  # noqa: E402
 SMALLER = ["grpo.batch_size=4", "grpo.micro_batch_size=8"]
 
 
+@pytest.mark.slow
 def test_train_rolls_out_in_vllm_refits_every_step_and_logs_the_mismatch(tmp_path, capsys):
     out = tmp_path / "run"
     # micro-batches of four sequences: the step's 64 rows are 4 rollout chunks, sampled in

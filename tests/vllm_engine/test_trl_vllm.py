@@ -50,6 +50,7 @@ def recomputed(model, prompts, completions, temperature, policy, **jitter) -> to
                       for p, c in zip(prompts, completions, strict=True)])
 
 
+@pytest.mark.slow
 def test_trl_rolls_out_in_vllm_as_the_fp4_rollout_policy(tmp_path):
     model, tok = load_model("smollm2-135m")
     weight = model.model.layers[0].mlp.down_proj.weight
