@@ -16,7 +16,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fp4rl.formats import BlockFormat, NumberFormat, get_format, quantize
-from fp4rl.gemm import UNQUANTIZED, Operand, has_tensor_scale, quantize_operand
+from fp4rl.gemm import Operand, has_tensor_scale, quantize_operand
 from fp4rl.kernels import resq_rows, resq_terms
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
@@ -115,7 +115,7 @@ class ResQ(RolloutRecovery):
         return parse_pattern(self.config.sparsity)
 
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
-        if dtype == torch.float32 or self.act_format is UNQUANTIZED:
+        if dtype == torch.float32 or not isinstance(self.act_format, NumberFormat):
             return (False,)  # one folded operand, its scale applied inside; or x itself
         scaled = has_tensor_scale(self.act_format)
         return (scaled, scaled)

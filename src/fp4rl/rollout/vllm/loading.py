@@ -241,9 +241,7 @@ def _from_fields(state: LayerState) -> list[Part] | None:
         raise VLLMError(f"packed fp4rl weights arrived for parts {sorted(state.incoming)} of "
                         f"a layer of {len(state.shards)}; a checkpoint must hold every one")
     fmt = state.fmt
-    if not isinstance(fmt, NumberFormat):
-        raise VLLMError("packed fp4rl weights arrived for a layer whose rollout weights are "
-                        "not quantized; load its weight instead")
+    assert isinstance(fmt, NumberFormat)  # only quantized layers register packed fields
     parts: list[Part] = []
     for index, rows in enumerate(state.shards):
         fields = dict(state.incoming[index])
