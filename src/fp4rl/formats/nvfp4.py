@@ -170,14 +170,14 @@ class NVFP4FourOverSix(NVFP4):
     """NVFP4 with Four Over Six block scales (see the module docstring): each block scaled
     to a largest magnitude of 6 or of 4, whichever errs less, under a tensor scale of
     range ``6 * 256``. Each block's squared error is added pairwise in a fixed order
-    (:func:`_pairwise_sum`), which the Triton kernel follows, so a tie is a tie on every
-    path. Triton quantizes it; the C kernel and the fast row encoder implement NVFP4's
-    rule alone (the CPU takes the reference path)."""
+    (:func:`_pairwise_sum`), which both kernels follow, so a tie is a tie on every path.
+    The C kernel (CPU) and Triton quantize it; the fast row encoder implements NVFP4's
+    rule alone."""
 
     name = "nvfp4_4o6"
     label = "NVFP4 4/6"
     tensor_range = FOUR_OVER_SIX_RANGE
-    kernels = FormatKernels(FormatCode.NVFP4_4O6, triton=QUANTIZE)
+    kernels = FormatKernels(FormatCode.NVFP4_4O6, c=QUANTIZE, triton=QUANTIZE)
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()
@@ -211,14 +211,13 @@ class NVFP4Tiles(NVFP4):
     either axis, so ``Q(W)`` in the forward and ``Q(W^T)`` in the input-gradient GEMM
     agree. A tensor of more dimensions is tiled over its vectors along the quantized axis
     (16 of them) and 16 values along it. Stored in NVFP4's layout (each tile's scale
-    repeated on its 16 rows), which any NVFP4 decoder reads. Triton quantizes it (a
-    program's rows start at a tile, and its 16 rows' blocks share their largest); the C
-    kernel and the fast row encoder implement 1-D blocks alone (the CPU takes the
-    reference path)."""
+    repeated on its 16 rows), which any NVFP4 decoder reads. The C kernel (CPU) and
+    Triton quantize it (each C task and each Triton program starts at a tile, and the
+    tile's 16 rows share their largest); the fast row encoder implements 1-D blocks alone."""
 
     name = "nvfp4_2d"
     label = "NVFP4 16x16"
-    kernels = FormatKernels(FormatCode.NVFP4_TILES, triton=QUANTIZE)
+    kernels = FormatKernels(FormatCode.NVFP4_TILES, c=QUANTIZE, triton=QUANTIZE)
 
     def block_scales(self, blocks: torch.Tensor
                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:

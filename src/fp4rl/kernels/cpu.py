@@ -29,8 +29,10 @@ SOURCE = Path(__file__).with_name("quant.c")
 #: below this many elements a kernel runs on one thread: a parallel region costs a few
 #: microseconds, which a 32-row decode step of a 576-wide model (18k values) already repays
 PARALLEL_MIN_ELEMENTS = 1 << 13
+#: ``-ffp-contract=off``: a product and a sum are rounded one by one, as the reference's
+#: float64 steps are (a fused multiply-add would round them once, together)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math", *c_defines())
+         "-fno-trapping-math", "-ffp-contract=off", *c_defines())
 
 
 def _cpu_model() -> str:

@@ -20,9 +20,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* FMT_HIF4, FMT_MXFP4, FMT_NVFP4, FMT_MXFP8: given by the compiler's -D flags, from the one
+/* FMT_HIF4, ..., FMT_NVFP4_TILES: given by the compiler's -D flags, from the one
  * declaration of the codes (fp4rl/kernels/codes.py, FormatCode; c_defines() prints them). */
-#if !defined(FMT_HIF4) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) || !defined(FMT_MXFP8)
+#if !defined(FMT_HIF4) || !defined(FMT_MXFP4) || !defined(FMT_NVFP4) || !defined(FMT_MXFP8) || \
+    !defined(FMT_NVFP4_4O6) || !defined(FMT_NVFP4_TILES)
 #error "compile with the format codes: fp4rl.kernels.codes.c_defines() gives the -D flags"
 #endif
 
@@ -213,7 +214,41 @@ static void nvfp4_block(const float *x, float *y, int n, const float *u, float g
     store_block(buf, mag, y, n, g);
 }
 
-static const int BLOCK[4] = {64, 32, 16, 32};
+/*
+ * Four Over Six: the block scaled to a largest magnitude of 6 (NVFP4's rule) or of 4,
+ * whichever leaves the smaller squared error, 6 on a tie; both candidates round with the
+ * same draws. Each candidate's 16 squared errors are added pairwise (neighbours, then
+ * pairs, ...), the reference's order; the build turns floating-point contraction off, so
+ * every square and every sum is rounded on its own, as there.
+ */
+static double nvfp4_candidate(const float *buf, double *mag, double s, const float *u, int n)
+{
+    double sq[16];
+    for (int i = 0; i < 16; i++) {  /* the padding (i >= n) is 0 and stays 0 */
+        const double a = (double)fabsf(buf[i]);
+        mag[i] = s > 0.0 ? round_minifloat(a / s, 1, 0, 6.0, i < n ? u : NULL, i) * s : 0.0;
+        const double d = mag[i] - a;
+        sq[i] = d * d;
+    }
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) sq[i] = sq[2 * i] + sq[2 * i + 1];
+    return sq[0];
+}
+
+static void nvfp4_4o6_block(const float *x, float *y, int n, const float *u, float g)
+{
+    float buf[16], mag[16], amax;
+    if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
+    const double four = (double)amax / 4.0;
+    const double s4 = round_minifloat(four > 448.0 ? 448.0 : four, 3, -6, 448.0, NULL, 0);
+    double m6[16], m4[16];
+    const double e6 = nvfp4_candidate(buf, m6, nvfp4_scale(amax), u, n);
+    const double e4 = nvfp4_candidate(buf, m4, s4, u, n);
+    for (int i = 0; i < 16; i++) mag[i] = (float)(e4 < e6 ? m4[i] : m6[i]);
+    store_block(buf, mag, y, n, g);
+}
+
+static const int BLOCK[6] = {64, 32, 16, 32, 16, 16};
 
 static void quantize_block(int fmt, const float *xb, float *yb, int n, const float *ub, float g)
 {
@@ -221,14 +256,74 @@ static void quantize_block(int fmt, const float *xb, float *yb, int n, const flo
     case FMT_HIF4: hif4_block(xb, yb, n, ub); break;
     case FMT_MXFP4: mx_block(xb, yb, n, ub, 1, 0, 6.0, 2); break;
     case FMT_NVFP4: nvfp4_block(xb, yb, n, ub, g); break;
+    case FMT_NVFP4_4O6: nvfp4_4o6_block(xb, yb, n, ub, g); break;
     default: mx_block(xb, yb, n, ub, 3, -6, 448.0, 8); break;
+    }
+}
+
+/*
+ * NVFP4 in 16 x 16 tiles: one E4M3 scale for 16 neighbouring vectors' blocks. Value j of
+ * vector v lies at x[v * vstride + j * pstride] (rows: vstride = len, pstride = 1;
+ * columns: the other way round), its draw at noise[v * noise_stride + j]. A tile holding
+ * a NaN or an Inf becomes NaN.
+ */
+static void nvfp4_tile(const float *x, float *y, int64_t vstride, int64_t pstride, int nv,
+                       int np, const float *noise, int64_t noise_stride, float g)
+{
+    float buf[16][16];
+    uint32_t m = 0;
+    for (int v = 0; v < nv; v++)
+        for (int j = 0; j < np; j++) {
+            const float a = x[v * vstride + j * pstride];
+            buf[v][j] = g != 0.0f ? a / g : a;
+            uint32_t b;
+            memcpy(&b, &buf[v][j], 4);
+            b &= 0x7FFFFFFFu;
+            m = b > m ? b : m;
+        }
+    float amax;
+    memcpy(&amax, &m, 4);
+    const int bad = m >= 0x7F800000u;
+    const double s = bad ? 0.0 : nvfp4_scale(amax);
+    for (int v = 0; v < nv; v++)
+        for (int j = 0; j < np; j++) {
+            float out = NAN;
+            if (!bad) {
+                const float *u = noise ? noise + v * noise_stride : NULL;
+                const double a = (double)fabsf(buf[v][j]);
+                const double q = s > 0.0 ? round_minifloat(a / s, 1, 0, 6.0, u, j) * s : 0.0;
+                out = copysignf((float)q, buf[v][j]);
+                out = g != 0.0f ? out * g : out;
+            }
+            y[v * vstride + j * pstride] = out;
+        }
+}
+
+/* Every tile of `nvec` vectors of `len` values (the layout of nvfp4_tile). */
+static void quantize_tiles(const float *x, float *y, int64_t nvec, int64_t len, int64_t vstride,
+                           int64_t pstride, const float *noise, int64_t noise_stride, float g,
+                           int nthreads)
+{
+    const int64_t across = (len + 15) / 16, total = ((nvec + 15) / 16) * across;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < total; t++) {
+        const int64_t v0 = (t / across) * 16, j0 = (t % across) * 16;
+        const int nv = (int)(nvec - v0 < 16 ? nvec - v0 : 16);
+        const int np = (int)(len - j0 < 16 ? len - j0 : 16);
+        const int64_t at = v0 * vstride + j0 * pstride;
+        nvfp4_tile(x + at, y + at, vstride, pstride, nv, np,
+                   noise ? noise + v0 * noise_stride + j0 : NULL, noise_stride, g);
     }
 }
 
 int fp4rl_quantize(int fmt, const float *x, float *y, int64_t rows, int64_t len,
                    const float *noise, int64_t noise_stride, float tensor_scale, int nthreads)
 {
-    if (fmt < 0 || fmt > 3) return -1;
+    if (fmt < 0 || fmt > FMT_NVFP4_TILES) return -1;
+    if (fmt == FMT_NVFP4_TILES) {
+        quantize_tiles(x, y, rows, len, len, 1, noise, noise_stride, tensor_scale, nthreads);
+        return 0;
+    }
     const int bs = BLOCK[fmt];
     const int64_t nb = (len + bs - 1) / bs;
     const int64_t total = rows * nb;
@@ -359,9 +454,9 @@ static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, i
 }
 
 /*
- * Stochastic rounding along axis 0 keeps the per-block functions: a tile of COL_TILE
- * columns is gathered row by row, its blocks quantized, and scattered back.
- * `noise` is laid out as rows along the axis: (cols x noise_stride).
+ * Stochastic rounding along axis 0 (and Four Over Six) keeps the per-block functions: a
+ * tile of COL_TILE columns is gathered row by row, its blocks quantized, and scattered
+ * back. `noise` (or NULL) is laid out as rows along the axis: (cols x noise_stride).
  */
 enum { COL_TILE = 64 };
 
@@ -372,7 +467,7 @@ static void quantize_tile_noisy(int fmt, const float *x, float *y, int64_t cols,
     for (int i = 0; i < n; i++)
         for (int t = 0; t < w; t++) in[t][i] = x[i * cols + t];
     for (int t = 0; t < w; t++)
-        quantize_block(fmt, in[t], out[t], n, noise + t * noise_stride, g);
+        quantize_block(fmt, in[t], out[t], n, noise ? noise + t * noise_stride : NULL, g);
     for (int i = 0; i < n; i++)
         for (int t = 0; t < w; t++) y[i * cols + t] = out[t][i];
 }
@@ -381,8 +476,14 @@ int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t
                         const float *noise, int64_t noise_stride, float tensor_scale,
                         int nthreads)
 {
-    if (fmt < 0 || fmt > 3) return -1;
-    const int bs = BLOCK[fmt], width = noise ? COL_TILE : LANES;
+    if (fmt < 0 || fmt > FMT_NVFP4_TILES) return -1;
+    if (fmt == FMT_NVFP4_TILES) {
+        quantize_tiles(x, y, cols, rows, 1, cols, noise, noise_stride, tensor_scale, nthreads);
+        return 0;
+    }
+    /* Four Over Six has no lane kernel: its blocks are gathered as stochastic ones are */
+    const int gather = noise || fmt == FMT_NVFP4_4O6;
+    const int bs = BLOCK[fmt], width = gather ? COL_TILE : LANES;
     const int64_t stripes = (rows + bs - 1) / bs, tiles = (cols + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < stripes * tiles; b++) {
@@ -390,9 +491,10 @@ int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t
         const int n = (int)(rows - row0 < bs ? rows - row0 : bs);
         const int w = (int)(cols - col0 < width ? cols - col0 : width);
         const int64_t at = row0 * cols + col0;
-        if (noise)
+        if (gather)
             quantize_tile_noisy(fmt, x + at, y + at, cols, n, w,
-                                noise + col0 * noise_stride + row0, noise_stride, tensor_scale);
+                                noise ? noise + col0 * noise_stride + row0 : NULL, noise_stride,
+                                tensor_scale);
         else
             quantize_stripe(fmt, x + at, y + at, cols, n, w, tensor_scale);
     }
