@@ -440,7 +440,8 @@ def write_report(exp: Experiment, cells: list[Cell], results: Results,
     claims = [c for c in grid_claims(exp.kind, exp.formats)
               if c.better in names and c.worse in names]
     rows = claim_rows(results, claims, benches)
-    lines += ["## The paper's claims (paired, as the rollout policy)", "",
+    whose = "The comparisons" if exp.kind == "field" else "The paper's claims"  # it predates them
+    lines += [f"## {whose} (paired, as the rollout policy)", "",
               *claims_table(rows), ""]
     for policy, label in SCORED_AS:
         lines += [f"## Accuracy (%), {label}", ""]
