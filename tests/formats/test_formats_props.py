@@ -43,9 +43,11 @@ def fast_rows_vs_reference(fmt, x, **opts):
 
 # NVFP4's E4M3 block scale is amax / 6 rounded to nearest, so a block whose maximum was
 # rounded down can re-derive a smaller scale: it is idempotent where the re-derived scale
-# field equals the first. MXFP4/MXFP8 (floor(log2 amax)) and bf16 are idempotent
-# everywhere. HiF4 is not idempotent at all under formats.md (see the pinned test below).
-SCALE_ROUNDED = {"nvfp4"}
+# field equals the first. The same holds of its tiles, and of Four Over Six (amax / 6 or
+# / 4), whose blocks far below their tensor's or token's largest value take E4M3's coarse
+# subnormal scales. MXFP4/MXFP8 (floor(log2 amax)) and bf16 are idempotent everywhere.
+# HiF4 is not idempotent at all under formats.md (see the pinned test below).
+SCALE_ROUNDED = {"nvfp4", "nvfp4_4o6", "nvfp4_per_token_4o6", "nvfp4_2d"}
 
 
 def scale_unchanged_rows(fmt: str, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
