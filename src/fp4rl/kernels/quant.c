@@ -142,11 +142,18 @@ static inline int mx_scale_exp(float amax, int scale_offset)
     return E < -127 ? -127 : E;
 }
 
-/* NVFP4's E4M3 block scale: amax / 6, at most 448, rounded to E4M3. */
-static inline double nvfp4_scale(float amax)
+/* NVFP4's E4M3 block scale mapping amax to `top` (6, or 4 for Four Over Six): amax / top,
+ * at most 448, rounded to E4M3. */
+static inline double nvfp4_scale(float amax, double top)
 {
-    const double s = (double)amax / 6.0;
+    const double s = (double)amax / top;
     return round_minifloat(s > 448.0 ? 448.0 : s, 3, -6, 448.0, NULL, 0);
+}
+
+/* An NVFP4 element magnitude of |x| = a under block scale s: E2M1(a / s) * s (0 if s is). */
+static inline double nvfp4_element(double a, double s, const float *u, int i)
+{
+    return s > 0.0 ? round_minifloat(a / s, 1, 0, 6.0, u, i) * s : 0.0;
 }
 
 /*
@@ -206,11 +213,8 @@ static void nvfp4_block(const float *x, float *y, int n, const float *u, float g
 {
     float buf[16], mag[16], amax;
     if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
-    const double s = nvfp4_scale(amax);
-    for (int i = 0; i < n; i++) {
-        double v = s > 0.0 ? (double)fabsf(buf[i]) / s : 0.0;
-        mag[i] = (float)(round_minifloat(v, 1, 0, 6.0, u, i) * s);
-    }
+    const double s = nvfp4_scale(amax, 6.0);
+    for (int i = 0; i < n; i++) mag[i] = (float)nvfp4_element((double)fabsf(buf[i]), s, u, i);
     store_block(buf, mag, y, n, g);
 }
 
@@ -226,7 +230,7 @@ static double nvfp4_candidate(const float *buf, double *mag, double s, const flo
     double sq[16];
     for (int i = 0; i < 16; i++) {  /* the padding (i >= n) is 0 and stays 0 */
         const double a = (double)fabsf(buf[i]);
-        mag[i] = s > 0.0 ? round_minifloat(a / s, 1, 0, 6.0, i < n ? u : NULL, i) * s : 0.0;
+        mag[i] = nvfp4_element(a, s, i < n ? u : NULL, i);
         const double d = mag[i] - a;
         sq[i] = d * d;
     }
@@ -239,11 +243,9 @@ static void nvfp4_4o6_block(const float *x, float *y, int n, const float *u, flo
 {
     float buf[16], mag[16], amax;
     if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
-    const double four = (double)amax / 4.0;
-    const double s4 = round_minifloat(four > 448.0 ? 448.0 : four, 3, -6, 448.0, NULL, 0);
     double m6[16], m4[16];
-    const double e6 = nvfp4_candidate(buf, m6, nvfp4_scale(amax), u, n);
-    const double e4 = nvfp4_candidate(buf, m4, s4, u, n);
+    const double e6 = nvfp4_candidate(buf, m6, nvfp4_scale(amax, 6.0), u, n);
+    const double e4 = nvfp4_candidate(buf, m4, nvfp4_scale(amax, 4.0), u, n);
     for (int i = 0; i < 16; i++) mag[i] = (float)(e4 < e6 ? m4[i] : m6[i]);
     store_block(buf, mag, y, n, g);
 }
@@ -284,15 +286,13 @@ static void nvfp4_tile(const float *x, float *y, int64_t vstride, int64_t pstrid
     float amax;
     memcpy(&amax, &m, 4);
     const int bad = m >= 0x7F800000u;
-    const double s = bad ? 0.0 : nvfp4_scale(amax);
+    const double s = bad ? 0.0 : nvfp4_scale(amax, 6.0);
     for (int v = 0; v < nv; v++)
         for (int j = 0; j < np; j++) {
             float out = NAN;
             if (!bad) {
                 const float *u = noise ? noise + v * noise_stride : NULL;
-                const double a = (double)fabsf(buf[v][j]);
-                const double q = s > 0.0 ? round_minifloat(a / s, 1, 0, 6.0, u, j) * s : 0.0;
-                out = copysignf((float)q, buf[v][j]);
+                out = copysignf((float)nvfp4_element((double)fabsf(buf[v][j]), s, u, j), buf[v][j]);
                 out = g != 0.0f ? out * g : out;
             }
             y[v * vstride + j * pstride] = out;
@@ -406,12 +406,10 @@ static void mx_lanes(const lanes_f *buf, lanes_f *mag, const float *amax, int el
 static void nvfp4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
 {
     double s[LANES];
-    for (int c = 0; c < LANES; c++) s[c] = nvfp4_scale(amax[c]);
+    for (int c = 0; c < LANES; c++) s[c] = nvfp4_scale(amax[c], 6.0);
     for (int i = 0; i < 16; i++)
-        for (int c = 0; c < LANES; c++) {
-            const double v = s[c] > 0.0 ? (double)fabsf(buf[i][c]) / s[c] : 0.0;
-            mag[i][c] = (float)(round_minifloat(v, 1, 0, 6.0, NULL, 0) * s[c]);
-        }
+        for (int c = 0; c < LANES; c++)
+            mag[i][c] = (float)nvfp4_element((double)fabsf(buf[i][c]), s[c], NULL, 0);
 }
 
 /* One stripe: n (<= bs) rows by w (<= LANES) columns at x, rows `stride` apart. */
@@ -460,7 +458,7 @@ static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, i
  */
 enum { COL_TILE = 64 };
 
-static void quantize_tile_noisy(int fmt, const float *x, float *y, int64_t cols, int n, int w,
+static void quantize_tile_gathered(int fmt, const float *x, float *y, int64_t cols, int n, int w,
                                 const float *noise, int64_t noise_stride, float g)
 {
     float in[COL_TILE][64], out[COL_TILE][64];
@@ -492,7 +490,7 @@ int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t
         const int w = (int)(cols - col0 < width ? cols - col0 : width);
         const int64_t at = row0 * cols + col0;
         if (gather)
-            quantize_tile_noisy(fmt, x + at, y + at, cols, n, w,
+            quantize_tile_gathered(fmt, x + at, y + at, cols, n, w,
                                 noise ? noise + col0 * noise_stride + row0 : NULL, noise_stride,
                                 tensor_scale);
         else
