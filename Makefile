@@ -5,10 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
+# pip's cache would keep a second, compressed copy of every download (several GB for verl's
+# CUDA build of torch) on the disk the environments need; each wheel is installed once here.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: setup demo test test-fast test-vllm test-verl test-long lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/need_space.py
+	$(PYTHON) scripts/need_space.py 4 $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to the CPU build; a looser spec would pull CUDA wheels.
@@ -26,7 +30,8 @@ VLLM_VENV ?= .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VSTAMP := $(VLLM_VENV)/.fp4rl-installed
 
-$(VSTAMP): pyproject.toml Makefile
+$(VSTAMP): pyproject.toml Makefile scripts/need_space.py
+	$(PYTHON) scripts/need_space.py 5 $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
@@ -47,7 +52,8 @@ VERL_VENV ?= .venv-verl
 WPY := $(VERL_VENV)/bin/python
 WSTAMP := $(VERL_VENV)/.fp4rl-installed
 
-$(WSTAMP): pyproject.toml Makefile scripts/requires.py scripts/dist_alias.py
+$(WSTAMP): pyproject.toml Makefile scripts/requires.py scripts/dist_alias.py scripts/need_space.py
+	$(PYTHON) scripts/need_space.py 11 $(VERL_VENV)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(WPY) -m pip install -q --upgrade pip packaging
 	$(WPY) -m pip install -q torch==2.11.0
