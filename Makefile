@@ -53,7 +53,7 @@ WPY := $(VERL_VENV)/bin/python
 WSTAMP := $(VERL_VENV)/.fp4rl-installed
 
 $(WSTAMP): pyproject.toml Makefile scripts/requires.py scripts/dist_alias.py scripts/need_space.py
-	$(PYTHON) scripts/need_space.py 11 $(VERL_VENV)
+	$(PYTHON) scripts/need_space.py 8 $(VERL_VENV)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(WPY) -m pip install -q --upgrade pip packaging
 	$(WPY) -m pip install -q torch==2.11.0
