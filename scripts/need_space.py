@@ -1,4 +1,4 @@
-"""Stop a build with one line when its disk is short: ``python scripts/need_space.py GB DIR``.
+"""Stop a build with one line when its disk is short: ``python scripts/need_space.py GIB DIR``.
 
 The test environments are large (verl's stack pulls PyPI's CUDA build of torch, several GB
 unpacked, beside its download); pip fills the disk halfway through and stops with an

@@ -459,7 +459,7 @@ static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, i
 enum { COL_TILE = 64 };
 
 static void quantize_tile_gathered(int fmt, const float *x, float *y, int64_t cols, int n, int w,
-                                const float *noise, int64_t noise_stride, float g)
+                                   const float *noise, int64_t noise_stride, float g)
 {
     float in[COL_TILE][64], out[COL_TILE][64];
     for (int i = 0; i < n; i++)
@@ -491,8 +491,8 @@ int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t
         const int64_t at = row0 * cols + col0;
         if (gather)
             quantize_tile_gathered(fmt, x + at, y + at, cols, n, w,
-                                noise ? noise + col0 * noise_stride + row0 : NULL, noise_stride,
-                                tensor_scale);
+                                   noise ? noise + col0 * noise_stride + row0 : NULL,
+                                   noise_stride, tensor_scale);
         else
             quantize_stripe(fmt, x + at, y + at, cols, n, w, tensor_scale);
     }
