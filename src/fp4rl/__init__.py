@@ -2,8 +2,15 @@
 
 from fp4rl import formats
 from fp4rl.formats import get_format, quantize
-from fp4rl.nn import Recipe, quantize_model, rollout_mode, train_mode
+from fp4rl.nn import (
+    Recipe,
+    batch_invariant,
+    quantize_model,
+    rollout_mode,
+    set_batch_invariant,
+    train_mode,
+)
 from fp4rl.version import __version__
 
-__all__ = ["Recipe", "__version__", "formats", "get_format", "quantize", "quantize_model",
-           "rollout_mode", "train_mode"]
+__all__ = ["Recipe", "__version__", "batch_invariant", "formats", "get_format", "quantize",
+           "quantize_model", "rollout_mode", "set_batch_invariant", "train_mode"]

@@ -1,6 +1,7 @@
-"""Build and call the fused C quantization kernel (``quant.c``) through ctypes.
+"""Build and call the fused C kernels through ctypes: quantization (``quant.c``) and the
+batch-invariant GEMM and row reductions (``invariant.c``).
 
-The kernel is compiled on first use with the system C compiler and cached under
+The library is compiled on first use with the system C compiler and cached under
 ``$FP4RL_CACHE/kernels`` (default ``~/.cache/fp4rl``), keyed by the source, the
 compiler flags and the CPU model, so a cached build never runs on a CPU it was
 not built for. If no compiler is available the callers fall back to the
@@ -26,6 +27,9 @@ from fp4rl.kernels.codes import c_defines
 from fp4rl.paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant.c")
+#: the batch-invariant GEMM, softmax and mean (fp4rl.nn.invariant), built into the same library
+INVARIANT_SOURCE = Path(__file__).with_name("invariant.c")
+SOURCES = (SOURCE, INVARIANT_SOURCE)
 #: below this many elements a kernel runs on one thread: a parallel region costs a few
 #: microseconds, which a 32-row decode step of a 576-wide model (18k values) already repays
 PARALLEL_MIN_ELEMENTS = 1 << 13
@@ -47,7 +51,8 @@ def _cpu_model() -> str:
 
 def _library_path() -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _cpu_model().encode(),
+    parts = [src.read_bytes() for src in SOURCES]
+    for part in (*parts, " ".join(FLAGS).encode(), _cpu_model().encode(),
                  platform.machine().encode()):
         key.update(part)
     return cache_root() / "kernels" / f"quant-{key.hexdigest()[:16]}.so"
@@ -60,10 +65,11 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr}")
+            names = " and ".join(src.name for src in SOURCES)
+            raise RuntimeError(f"compiling {names} failed:\n{proc.stderr}")
         os.replace(out, target)  # atomic: a concurrent reader sees all or nothing
 
 
@@ -99,6 +105,14 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_quantize_bf16.restype = ctypes.c_int
     lib.fp4rl_quantize_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.fp4rl_bi_gemm.restype = ctypes.c_int
+    lib.fp4rl_bi_gemm.argtypes = [i64, i64, i64, i64, ptr, flag, i64, i64, i64,
+                                  ptr, flag, i64, i64, i64, ptr, ptr, flag, i64, i64, i64, flag]
+    lib.fp4rl_bi_softmax.restype = ctypes.c_int
+    lib.fp4rl_bi_softmax.argtypes = [ptr, flag, ptr, flag, i64, i64, flag, flag]
+    lib.fp4rl_bi_row_mean.restype = ctypes.c_int
+    lib.fp4rl_bi_row_mean.argtypes = [ptr, flag, ptr, flag, i64, i64, flag]
     return lib
 
 
@@ -162,3 +176,74 @@ def quantize_rows_cpu(code: int, rows: torch.Tensor, noise: torch.Tensor | None,
     ran = _run(kernel, code, rows.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
                noise_ptr, noise_stride, tensor_scale or 0.0, _threads(rows))
     return out if ran else None
+
+
+#: the run of k's the batch-invariant GEMM sums apart (a linear layer's reduction)
+BI_CHUNK = 64
+#: dtypes the batch-invariant kernels take, as the C side's bf16 flag
+_BI_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def bi_supported(*tensors: torch.Tensor) -> bool:
+    """Whether the batch-invariant kernels take these tensors: on the CPU, float32 or
+    bfloat16, and the library built."""
+    return all(t.device.type == "cpu" and t.dtype in _BI_DTYPES for t in tensors) and \
+        load_library() is not None
+
+
+def bi_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, chunk: int = BI_CHUNK) -> torch.Tensor:
+    """``a @ b (+ bias)`` for 2-D or batched 3-D ``a`` (.., M, K) and ``b`` (.., K, N) of
+    any strides, each output's products summed in increasing k (see ``invariant.c``):
+    a row's result is the same bits whatever else is computed beside it. ``bias`` (N,) is
+    added in float32 before the one rounding to ``out_dtype`` (default ``a``'s dtype).
+    ``chunk``: the run of k's summed apart before joining the total (a fixed order set by
+    K alone); 0 for one sequential sum, which zeros anywhere along k leave unchanged
+    (attention's masked keys)."""
+    lib = load_library()
+    assert lib is not None, "check bi_supported() first"
+    batched = a.dim() == 3
+    a3, b3 = (a, b) if batched else (a[None], b[None])
+    batch, m, k = a3.shape
+    n = b3.shape[2]
+    dtype = out_dtype or a.dtype
+    out = torch.empty((batch, m, n), dtype=dtype)
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    threads = torch.get_num_threads() if batch * m * n * k >= PARALLEL_MIN_ELEMENTS * 64 else 1
+    status = lib.fp4rl_bi_gemm(
+        batch, m, n, k,
+        a3.data_ptr(), _BI_DTYPES[a.dtype], a3.stride(0), a3.stride(1), a3.stride(2),
+        b3.data_ptr(), _BI_DTYPES[b.dtype], b3.stride(0), b3.stride(1), b3.stride(2),
+        None if bias32 is None else bias32.data_ptr(), out.data_ptr(), _BI_DTYPES[dtype],
+        out.stride(0), out.stride(1), chunk, threads)
+    if status != 0:
+        raise MemoryError("the batch-invariant GEMM could not allocate its panel buffer")
+    return out if batched else out[0]
+
+
+def bi_softmax(x: torch.Tensor, log: bool, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """Softmax (or log-softmax) along the last axis, each row on its own (see
+    ``invariant.c``)."""
+    lib = load_library()
+    assert lib is not None, "check bi_supported() first"
+    rows = x.contiguous()
+    out = torch.empty(rows.shape, dtype=out_dtype or x.dtype)
+    length = rows.shape[-1] if rows.dim() else 1
+    count = rows.numel() // max(length, 1)
+    lib.fp4rl_bi_softmax(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
+                         _BI_DTYPES[out.dtype], count, length, int(log), _threads(rows))
+    return out
+
+
+def bi_row_mean(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The mean along the last axis, the axis kept (size 1), each row on its own."""
+    lib = load_library()
+    assert lib is not None, "check bi_supported() first"
+    rows = x.contiguous()
+    length = rows.shape[-1]
+    out = torch.empty((*rows.shape[:-1], 1), dtype=out_dtype or x.dtype)
+    lib.fp4rl_bi_row_mean(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
+                          _BI_DTYPES[out.dtype], rows.numel() // max(length, 1), length,
+                          _threads(rows))
+    return out

@@ -1,5 +1,6 @@
 """FP4 linear layers, model patching and policy switching."""
 
+from fp4rl.nn.invariant import batch_invariant, is_batch_invariant, set_batch_invariant
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.patch import (
     PatchError,
@@ -21,6 +22,7 @@ from fp4rl.nn.recipe import (
 )
 
 __all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError",
-           "RolloutPrecision", "TrainPrecision", "begin_step", "fp4_layers",
-           "get_recipe", "in_transformer_block", "load_rollout_states", "quantize_model",
-           "rollout_mode", "rollout_states", "train_mode"]
+           "RolloutPrecision", "TrainPrecision", "batch_invariant", "begin_step",
+           "fp4_layers", "get_recipe", "in_transformer_block", "is_batch_invariant",
+           "load_rollout_states", "quantize_model", "rollout_mode", "rollout_states",
+           "set_batch_invariant", "train_mode"]

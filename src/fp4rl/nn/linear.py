@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp4rl.formats import NumberFormat
 from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
+from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
     BackwardOperands,
@@ -224,8 +226,21 @@ class FP4Linear(nn.Linear):
         with torch.no_grad():
             return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]  # unpacked: an Operand
 
+    def _without_padding(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the rows of padding tokens zeroed where this mode's activations take
+        one scale for the whole tensor (NVFP4's): a pad row then sets no scale, in the
+        engine as in the trainer. A pad row's own output is never read (attention masks
+        it), and it gets no gradient either way."""
+        rows = token_rows()
+        fmt = (self.recipe.train if self.mode is Mode.TRAIN else self.recipe.rollout).activations
+        if rows is None or not isinstance(fmt, NumberFormat) or not fmt.has_tensor_scale or \
+                fmt.vector_scales or x.dim() < 2 or rows.numel() != x[..., 0].numel():
+            return x
+        return x.masked_fill(~rows.reshape(x.shape[:-1])[..., None], 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)
+        x = self._without_padding(x)
         with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
                 return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype,

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from torch import nn
 
 from fp4rl.errors import UserError
+from fp4rl.nn.invariant import install_forward_hooks, set_batch_invariant
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.nn.select import BLOCK_INDEX
@@ -33,7 +34,8 @@ def in_transformer_block(module: nn.Module, name: str) -> bool:
 
 
 def quantize_model(model: nn.Module, recipe: Recipe | str,
-                   filter_fn: FilterFn | None = None) -> nn.Module:
+                   filter_fn: FilterFn | None = None,
+                   batch_invariant: bool | None = None) -> nn.Module:
     """Replace the targeted linear layers by :class:`FP4Linear` layers running ``recipe``.
 
     Targets are the ``nn.Linear`` modules for which ``filter_fn(module, name)`` is true
@@ -41,7 +43,11 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     (regexes, block positions, kinds: :mod:`fp4rl.nn.select`). Parameters are shared,
     not copied, so names, the state_dict and any optimizer keep working. Patching an
     already patched model installs the new recipe (and puts back a plain ``nn.Linear``
-    where a layer is no longer targeted). Returns ``model``.
+    where a layer is no longer targeted). ``batch_invariant``: every forward of the model
+    gives a token the same logits bits at any batch, padding and decode step
+    (:func:`fp4rl.nn.invariant.set_batch_invariant`; None leaves it as it is). Each
+    forward tells the FP4 layers which token rows are padding, which a per-tensor scale
+    then leaves out. Returns ``model``.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     keep = filter_fn or in_transformer_block
@@ -62,6 +68,9 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
         else:
             _replace(model, name, FP4Linear.from_linear(module, recipe, seed))
     model.fp4rl_recipe = recipe  # type: ignore[assignment]  # fp4rl's attribute on the model
+    install_forward_hooks(model)
+    if batch_invariant is not None:
+        set_batch_invariant(model, batch_invariant)
     return model
 
 

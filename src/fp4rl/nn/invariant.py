@@ -1,0 +1,220 @@
+"""On-policy to the bit: a forward whose logits for a token do not depend on its batch.
+
+A GEMM library picks its blocking, its vector path and its reduction order by the shape it
+is given, so the same row multiplied alone (a decode step), beside 11 others (a prefill)
+or beside T others (the trainer's forward) can come out with different last bits. In
+bf16 or fp32 that is noise of 1e-7; under 4-bit rounding a value near a rounding boundary
+flips, the next layer flips more, and through the KV cache the engine and the trainer
+score the same sampled token tenths of a nat apart, although the recipe makes their two
+policies one function.
+
+:class:`BatchInvariantMode` routes every op whose reduction order a library chooses to a
+kernel whose order is fixed by the reduced length alone (``fp4rl/kernels/invariant.c``):
+
+- ``mm`` / ``addmm`` (every linear layer, FP4 or not, and ``lm_head``): products summed
+  in increasing k, in runs of 64, in float32, bf16 operands widened exactly;
+- ``bmm`` (attention's ``Q K^T`` and ``P V``, under the eager attention the mode puts the
+  model on): one sequential sum, so that masked keys (probability exactly 0) change
+  nothing: the same bits at any left padding, and for a query decoded alone against its
+  KV cache as for the same query in a prefill;
+- ``_softmax`` / ``_log_softmax`` / ``mean`` along the last axis (attention, RMSNorm):
+  each row on its own, sums in float64.
+
+Everything else a transformer runs is elementwise, hence row-local already. Sampling is
+unchanged. On other devices (a GPU) the mode passes the ops through: there a batch-invariant
+Triton matmul is the tool (vLLM's batch-invariant mode), not this one.
+
+:func:`set_batch_invariant` makes a model run every forward under the mode (through its
+forward hooks, so that any host calling the model gets it: fp4rl's trainer and engine, TRL,
+a user's script). The same hooks tell the FP4 layers which token rows are padding, so that
+pad rows stay out of a per-tensor NVFP4 scale (:func:`token_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp4rl.kernels.cpu import BI_CHUNK, bi_gemm, bi_row_mean, bi_softmax, bi_supported
+
+aten = torch.ops.aten
+
+#: the model attribute that records that its forwards run batch-invariant
+_FLAG = "fp4rl_batch_invariant"
+#: the model attribute holding the forward hooks' handles (installed once)
+_HOOKS = "_fp4rl_forward_hooks"
+#: the attention implementation under the mode: its matmuls and softmax are ops the mode
+#: routes (SDPA's fused CPU kernel is one op with an order of its own)
+INVARIANT_ATTENTION = "eager"
+
+_token_rows: contextvars.ContextVar[torch.Tensor | None] = \
+    contextvars.ContextVar("fp4rl_token_rows", default=None)
+
+
+def _last_axis(x: torch.Tensor, dim: int) -> bool:
+    return x.dim() > 0 and dim % x.dim() == x.dim() - 1
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    if a.dtype != b.dtype or not bi_supported(a, b):
+        return None
+    return bi_gemm(a, b, chunk=BI_CHUNK)
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor | None:
+    vector = bias.dim() == 1 or (bias.dim() == 2 and bias.shape[0] == 1)
+    if beta != 1 or alpha != 1 or not vector or bias.shape[-1] != b.shape[1] or \
+            a.dtype != b.dtype or bias.dtype != a.dtype or not bi_supported(a, b, bias):
+        return None
+    return bi_gemm(a, b, bias.reshape(-1), chunk=BI_CHUNK)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    if a.dtype != b.dtype or not bi_supported(a, b):
+        return None
+    return bi_gemm(a, b, chunk=0)
+
+
+def _softmax(log: bool) -> Callable[..., torch.Tensor | None]:
+    def handler(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor | None:
+        if not _last_axis(x, dim) or not bi_supported(x):
+            return None
+        return bi_softmax(x, log, torch.float32 if half_to_float else x.dtype)
+    return handler
+
+
+def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *,
+          dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    if dim is None or len(dim) != 1 or not _last_axis(x, dim[0]) or not bi_supported(x) or \
+            (dtype is not None and dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    out = bi_row_mean(x, dtype or x.dtype)
+    return out if keepdim else out.squeeze(-1)
+
+
+#: the ops the mode computes itself; a handler returns None to pass an op through
+_HANDLERS: dict[Any, Callable[..., torch.Tensor | None]] = {
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.bmm.default: _bmm,
+    aten._softmax.default: _softmax(log=False),
+    aten._log_softmax.default: _softmax(log=True),
+    aten.mean.dim: _mean,
+}
+
+
+class BatchInvariantMode(TorchDispatchMode):
+    """Computes the ops whose reduction order a library would choose by shape with
+    fixed-order CPU kernels (see the module docstring); every other op, and every op on
+    another device, runs as it is."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def batch_invariant() -> contextlib.AbstractContextManager[Any]:
+    """Context manager: every op run inside it that reduces along an axis does so in an
+    order fixed by that axis' length (see :class:`BatchInvariantMode`). A model's
+    attention goes through it only under eager attention: :func:`set_batch_invariant`
+    sets that up and enters this around each forward."""
+    return BatchInvariantMode()
+
+
+def token_rows() -> torch.Tensor | None:
+    """Within a patched model's forward, which of the flattened token rows its linear
+    layers see are real tokens (bool, ``batch * length``): the attention mask's columns for
+    the tokens fed. None where the forward was given no mask."""
+    return _token_rows.get()
+
+
+@contextlib.contextmanager
+def tokens_fed(mask: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, :func:`token_rows` is ``mask`` (bool, flattened token rows)."""
+    reset = _token_rows.set(mask)
+    try:
+        yield
+    finally:
+        _token_rows.reset(reset)
+
+
+def _rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The flattened token rows of a causal LM's forward: its attention mask's last
+    ``length`` columns, ``length`` the tokens fed (``input_ids`` or ``inputs_embeds``)."""
+    mask = kwargs.get("attention_mask")
+    fed = kwargs.get("input_ids")
+    if fed is None and args and isinstance(args[0], torch.Tensor):
+        fed = args[0]
+    if fed is None:
+        fed = kwargs.get("inputs_embeds")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(fed, torch.Tensor):
+        return None
+    length = fed.shape[1] if fed.dim() >= 2 else 1
+    if mask.shape[1] < length or mask.shape[0] != fed.shape[0]:
+        return None
+    return mask[:, -length:].reshape(-1).bool()
+
+
+class _ForwardScope:
+    """The state one forward of a patched model runs in, entered by its pre-hook and left
+    by its post-hook (which runs even where the forward raises)."""
+
+    def __init__(self) -> None:
+        self.stack: list[contextlib.ExitStack] = []
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        scope = contextlib.ExitStack()
+        scope.enter_context(tokens_fed(_rows_of(args, kwargs)))
+        if getattr(module, _FLAG, False):
+            scope.enter_context(batch_invariant())
+        self.stack.append(scope)
+
+    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop().close()
+
+
+def install_forward_hooks(model: nn.Module) -> None:
+    """Give ``model`` the hooks that scope each of its forwards (pad rows known to the FP4
+    layers; the batch-invariant mode where it is on). Installed once."""
+    if getattr(model, _HOOKS, None) is not None:
+        return
+    scope = _ForwardScope()  # bound methods, not closures: the model still pickles
+    handles = (model.register_forward_pre_hook(scope.enter, with_kwargs=True),
+               model.register_forward_hook(scope.leave, with_kwargs=True, always_call=True))
+    object.__setattr__(model, _HOOKS, handles)
+
+
+def set_batch_invariant(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make every forward of ``model`` batch-invariant (or not again): its eager attention
+    and its forwards under :class:`BatchInvariantMode`. Returns ``model``."""
+    install_forward_hooks(model)
+    if enabled:
+        setter = getattr(model, "set_attn_implementation", None)
+        if callable(setter):
+            setter(INVARIANT_ATTENTION)
+    object.__setattr__(model, _FLAG, bool(enabled))
+    return model
+
+
+def is_batch_invariant(model: nn.Module) -> bool:
+    """Whether :func:`set_batch_invariant` is on for ``model``."""
+    return bool(getattr(model, _FLAG, False))
+
+
+__all__ = ["INVARIANT_ATTENTION", "BatchInvariantMode", "batch_invariant",
+           "install_forward_hooks", "is_batch_invariant", "set_batch_invariant",
+           "token_rows", "tokens_fed"]
