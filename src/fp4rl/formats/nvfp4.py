@@ -14,11 +14,25 @@ block whose near-maximal values would round across that gap loses less scaled to
 tensor scale maps the largest magnitude to ``6 * 256`` instead of ``6 * 448``, so that a
 block scale of ``max / 4`` still fits E4M3 (at most 384). The codes and scales are
 NVFP4's: any NVFP4 decoder reads them.
+
+The FP32 second-level scale follows a :class:`ScaleRule`. ``dynamic`` (the field's
+definition) is ``amax / range``, a continuous function of the input: one ulp more in a
+row's amax changes every value's scale, and the GEMM multiplies it into every output, so
+float noise upstream never stops at an NVFP4 GEMM (a power-of-two scale erases it).
+``pow2`` rounds that scale up to a power of two (the blocks then see a largest magnitude
+in ``(range / 2, range]``); ``static`` takes one scale a caller fixed (a layer's, per
+weight version: :func:`static_scale`) and computes the dynamic one only where none is
+fixed. Each rule is a format of its own (``nvfp4_pow2``, ``nvfp4_static``, ...,
+:func:`scale_variants`), so that it travels with the data as the formats do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
+from enum import StrEnum
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +56,30 @@ E4M3_NAN = 0x7F
 TENSOR_RANGE = 6.0 * E4M3_MAX
 #: the tensor scale's range under Four Over Six: a block scale of max / 4 stays within E4M3
 FOUR_OVER_SIX_RANGE = 6.0 * 256.0
+
+
+class ScaleRule(StrEnum):
+    """How an NVFP4 format's FP32 second-level scale follows its input (module
+    docstring); a member equals its spelling in configs."""
+
+    DYNAMIC = "dynamic"
+    POW2 = "pow2"
+    STATIC = "static"
+
+
+_static_scale: contextvars.ContextVar[torch.Tensor | None] = \
+    contextvars.ContextVar("fp4rl_static_scale", default=None)
+
+
+@contextlib.contextmanager
+def static_scale(scale: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, a ``static`` NVFP4 format's second-level scale is ``scale`` (a
+    0-dim float32 tensor; None: the dynamic one)."""
+    reset = _static_scale.set(scale)
+    try:
+        yield
+    finally:
+        _static_scale.reset(reset)
 
 
 def e4m3_round(v: torch.Tensor, noise: torch.Tensor | None = None,
@@ -82,6 +120,8 @@ class NVFP4(BlockFormat):
     has_tensor_scale = True
     #: the magnitude the tensor scale maps the largest value to (what the blocks then see)
     tensor_range: float = TENSOR_RANGE
+    #: how the second-level scale follows the input (:class:`ScaleRule`)
+    scale_rule: ClassVar[ScaleRule] = ScaleRule.DYNAMIC
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         s, q = _scaled_to(blocks.abs(), 6.0, noise)
@@ -132,7 +172,11 @@ class NVFP4(BlockFormat):
         stall on it and a CUDA graph captures it."""
         if not opts.per_tensor_scale:
             return None
-        return _scale_of(finite_amax(rows), self.tensor_range)
+        if self.scale_rule is ScaleRule.STATIC:
+            fixed = _static_scale.get()
+            if fixed is not None:
+                return fixed
+        return _scale_of(finite_amax(rows), self.tensor_range, self.scale_rule)
 
 
 class NVFP4PerToken(NVFP4):
@@ -161,9 +205,9 @@ class NVFP4PerToken(NVFP4):
         if not opts.per_tensor_scale:
             return None
         if x.dim() == 0:
-            return _scale_of(finite_amax(x), self.tensor_range)
+            return _scale_of(finite_amax(x), self.tensor_range, self.scale_rule)
         amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim, keepdim=True)
-        return _scale_of(amax.float(), self.tensor_range)
+        return _scale_of(amax.float(), self.tensor_range, self.scale_rule)
 
 
 class NVFP4FourOverSix(NVFP4):
@@ -303,10 +347,46 @@ def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _scale_of(amax: torch.Tensor, tensor_range: float = TENSOR_RANGE) -> torch.Tensor:
-    """``amax / tensor_range`` in float32, 1 where ``amax`` is 0."""
+def _scale_of(amax: torch.Tensor, tensor_range: float = TENSOR_RANGE,
+              rule: ScaleRule = ScaleRule.DYNAMIC) -> torch.Tensor:
+    """``amax / tensor_range`` in float32, 1 where ``amax`` is 0; under ``pow2`` rounded up
+    to a power of two (exactly: the exponent of its float32 bits, one up unless the
+    mantissa is bare)."""
     g = divide(amax, tensor_range)
+    if rule is ScaleRule.POW2:
+        mantissa, exponent = torch.frexp(g)  # g = mantissa * 2^exponent, mantissa in [0.5, 1)
+        g = torch.where(mantissa == 0.5, g, torch.ldexp(torch.ones_like(g), exponent))
     return torch.where(g > 0, g, torch.ones_like(g))
+
+
+#: the scale rules each NVFP4 activation format takes beyond ``dynamic`` (``static``
+#: needs one scale per tensor: a per-token scale is the token's own already)
+_RULES_OF = {NVFP4: (ScaleRule.POW2, ScaleRule.STATIC), NVFP4PerToken: (ScaleRule.POW2,),
+             NVFP4PerTokenFourOverSix: (ScaleRule.POW2,)}
+
+
+def scale_variants() -> list[NVFP4]:
+    """One format object per NVFP4 format and non-dynamic scale rule it takes: the same
+    blocks, codes and kernels, named ``<base>_<rule>`` (``nvfp4_pow2``)."""
+    out: list[NVFP4] = []
+    for base, rules in _RULES_OF.items():
+        for rule in rules:
+            variant = type(f"{base.__name__}{rule.value.capitalize()}", (base,), {
+                "name": f"{base.name}_{rule.value}",
+                "label": f"{base.label or base.name.upper()} {rule.value}",
+                "scale_rule": rule, "__module__": __name__,
+                "__doc__": f"{base.name} with the {rule.value} second-level scale "
+                           "(:class:`ScaleRule`)."})
+            out.append(variant())
+    return out
+
+
+def scale_rule_name(fmt: NVFP4, rule: ScaleRule) -> str:
+    """The registered name of ``fmt`` under ``rule`` (``nvfp4`` -> ``nvfp4_pow2``; the
+    base's own name for ``dynamic``)."""
+    base = fmt.name if fmt.scale_rule is ScaleRule.DYNAMIC else \
+        fmt.name.removesuffix(f"_{fmt.scale_rule.value}")
+    return base if rule is ScaleRule.DYNAMIC else f"{base}_{rule.value}"
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from fp4rl.formats.nvfp4 import (
     NVFP4PerToken,
     NVFP4PerTokenFourOverSix,
     NVFP4Tiles,
+    scale_variants,
 )
 from fp4rl.registry import Registry
 
@@ -70,5 +71,5 @@ def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,
 
 
 for _builtin in (HiF4(), MXFP4(), NVFP4(), NVFP4PerToken(), NVFP4FourOverSix(),
-                 NVFP4PerTokenFourOverSix(), NVFP4Tiles(), MXFP8(), BF16()):
+                 NVFP4PerTokenFourOverSix(), NVFP4Tiles(), MXFP8(), BF16(), *scale_variants()):
     register_format(_builtin)

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from fp4rl.formats import NumberFormat
-from fp4rl.gemm import UNQUANTIZED, Operand, mm, quantize_operand
+from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, static_scale
+from fp4rl.gemm import UNQUANTIZED, Operand, OperandFormat, mm, quantize_operand
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
@@ -166,6 +167,8 @@ class FP4Linear(nn.Linear):
             weight_format=recipe.rollout.weights)
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
         self._received: tuple[tuple[int, int, int], Operand] | None = None
+        #: a static NVFP4 activation scale and the weight version it belongs to
+        self._fixed_scale: tuple[tuple[int, int, int], torch.Tensor] | None = None
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
 
@@ -232,15 +235,38 @@ class FP4Linear(nn.Linear):
         engine as in the trainer. A pad row's own output is never read (attention masks
         it), and it gets no gradient either way."""
         rows = token_rows()
-        fmt = (self.recipe.train if self.mode is Mode.TRAIN else self.recipe.rollout).activations
+        fmt = self._activation_format()
         if rows is None or not isinstance(fmt, NumberFormat) or not fmt.has_tensor_scale or \
                 fmt.vector_scales or x.dim() < 2 or rows.numel() != x[..., 0].numel():
             return x
         return x.masked_fill(~rows.reshape(x.shape[:-1])[..., None], 0)
 
+    def _activation_format(self) -> OperandFormat:
+        return (self.recipe.train if self.mode is Mode.TRAIN else self.recipe.rollout).activations
+
+    def _static_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A ``static`` NVFP4 activation format's one scale for this weight version: fixed
+        by the first forward that meets the version (in an RL step, the engine's first
+        prefill) from its real tokens, then shared by every forward of either policy
+        until the weight changes. None for any other format."""
+        fmt = self._activation_format()
+        if not isinstance(fmt, NVFP4) or fmt.scale_rule is not ScaleRule.STATIC:
+            return None
+        key = self._weight_key()
+        if self._fixed_scale is None or self._fixed_scale[0] != key:
+            with torch.no_grad(), static_scale(None):
+                scale = fmt.tensor_scale(x.detach().reshape(-1, x.shape[-1]).float())
+            assert scale is not None  # a static format has a per-tensor scale
+            self._fixed_scale = (key, scale)
+        return self._fixed_scale[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)
         x = self._without_padding(x)
+        with static_scale(self._static_scale(x)):
+            return self._forward(x, dtype)
+
+    def _forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
                 return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype,

@@ -37,6 +37,7 @@ from pydantic import (
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import NumberFormat, get_format, list_formats
+from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, scale_rule_name
 from fp4rl.gemm import UNQUANTIZED, NotQuantized, OperandFormat, operand_format
 from fp4rl.nn.select import Selector, block_count
 from fp4rl.recovery import Recovery
@@ -296,6 +297,46 @@ class Recipe(Settings):
     def from_yaml(cls, path: str | Path) -> Recipe:
         """Load from a YAML file (a full training config's extra keys are ignored there)."""
         return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+    def with_nvfp4_scale(self, rule: ScaleRule | str) -> Recipe:
+        """This recipe with its NVFP4 activations' second-level scale under ``rule``
+        (``dynamic``, ``pow2``, ``static``; :class:`fp4rl.formats.nvfp4.ScaleRule`), in
+        both policies: weights and gradients keep theirs (a weight's amax does not depend
+        on a batch). Refused in one line where there is no NVFP4 activation to change, a
+        per-token scale is asked to be static, or ``static`` meets a recovery method (its
+        residual would take the activation's scale)."""
+        try:
+            rule = ScaleRule(rule)
+        except ValueError:
+            raise RecipeError(f"nvfp4_scale must be one of {', '.join(ScaleRule)}, got "
+                              f"{rule!r}") from None
+        acts = {"train": self.train.activations, "rollout": self.rollout.activations}
+        nvfp4 = {k: f for k, f in acts.items() if isinstance(f, NVFP4)}
+        if not nvfp4:
+            if rule is ScaleRule.DYNAMIC:
+                return self
+            raise RecipeError(f"nvfp4_scale={rule} changes NVFP4 activations' scale; this "
+                              "recipe's activations are "
+                              f"{' and '.join(sorted({str(f) for f in acts.values()}))}")
+        if rule is ScaleRule.STATIC and self.rollout.recovery.method != "none" and \
+                "rollout" in nvfp4:
+            raise RecipeError(f"nvfp4_scale=static takes no rollout recovery method (got "
+                              f"{self.rollout.recovery.label}): its residual would be "
+                              "quantized with the activation's fixed scale")
+        changed: dict[str, OperandFormat] = {}
+        for where, fmt in nvfp4.items():
+            name = scale_rule_name(fmt, rule)
+            if name not in list_formats():
+                why = " (a per-token scale is the token's own already)" \
+                    if fmt.vector_scales else ""
+                base = scale_rule_name(fmt, ScaleRule.DYNAMIC)
+                raise RecipeError(f"{where}.activations: {base} takes no {rule} "
+                                  f"second-level scale{why}")
+            changed[where] = get_format(name)
+        return self.replace(
+            train=self.train.replace(activations=changed.get("train", self.train.activations)),
+            rollout=self.rollout.replace(
+                activations=changed.get("rollout", self.rollout.activations)))
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML mapping :meth:`from_dict` reads back (``ignore`` only when set)."""

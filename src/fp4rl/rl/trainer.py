@@ -60,6 +60,7 @@ from fp4rl.rl.resume import Checkpointer
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rl.rundir import RunDir, check_same_run
 from fp4rl.rollout import (
+    KVCacheEngine,
     RolloutBatch,
     RolloutEngine,
     RolloutSetup,
@@ -152,7 +153,7 @@ class Trainer:
         if note:
             log(note)
         self.recipe = config.recipe()
-        quantize_model(self.model, self.recipe)
+        quantize_model(self.model, self.recipe, batch_invariant=config.batch_invariant)
         self.model.eval()  # no dropout in either policy; gradients still flow
         #: the rollout policy's model: the training model itself, or under FSDP an
         #: unsharded copy refreshed from the shards once per step (generation runs many
@@ -236,7 +237,9 @@ class Trainer:
         serve this run (the config has already refused recipes it cannot run) is one
         line, before any step."""
         cfg = self.cfg
-        name = resolve_engine(cfg.rollout_engine, self.device, self.recipe)
+        # batch_invariant runs fp4rl's own engine (the config refuses another by name)
+        name = KVCacheEngine.name if cfg.batch_invariant else \
+            resolve_engine(cfg.rollout_engine, self.device, self.recipe)
         engine = get_engine(name)
         engine.check(self.recipe, self.device, self.dist.world_size)
         return build_engine(name, RolloutSetup(
@@ -358,6 +361,12 @@ class Trainer:
         start = time.perf_counter()
         old_logp = None if self.on_policy else self._no_grad_logprobs(self.model, seqs)
         ref_logp = self._no_grad_logprobs(self.ref_model, seqs) if self.ref_model else None
+        # rows that train (zero advantage and no KL term: no gradient, skipped)
+        trains = torch.ones(n, dtype=torch.bool) if ref_logp is not None else advantages != 0
+        idle = (~trains).nonzero().squeeze(-1)
+        idle_logp = None  # NeMo-RL measures every token: pi_old of the rows that skip too
+        if old_logp is None and g.mismatch_tokens == "all" and idle.numel():
+            idle_logp = self._no_grad_logprobs(self.model, seqs, idle)
         logprob_time = time.perf_counter() - start
         seen = _OldLogprobs(mask, old_logp)
         data = _UpdateBatch(batch, seqs, advantages, mask, seen, ref_logp)
@@ -374,7 +383,14 @@ class Trainer:
                 tokens += self._mini_step(data, mini, stats)
         update_time = time.perf_counter() - start
         out = {k: float(np.mean(v)) for k, v in stats.items()}
-        out.update(mismatch_stats(seen.logp, batch.logprobs, seen.mask, g.tis_imp_ratio_cap))
+        trained = mask & trains.to(mask.device)[:, None]
+        if idle_logp is not None:
+            seen.fill(idle.to(mask.device), idle_logp)
+        measured = seen.mask if g.mismatch_tokens == "all" or not seen.given else trained
+        out.update(mismatch_stats(seen.logp, batch.logprobs, measured, g.tis_imp_ratio_cap))
+        out.update({k.replace("mismatch/", "mismatch/trained/"): v for k, v in mismatch_stats(
+            seen.logp, batch.logprobs, trained & seen.mask, g.tis_imp_ratio_cap).items()
+            if k.startswith("mismatch/")})
         return UpdateResult(out, tokens, logprob_time, update_time)
 
     @property
@@ -386,12 +402,15 @@ class Trainer:
         return g.ppo_epochs == 1 and (g.mini_batch_size or g.batch_size) >= g.batch_size
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences) -> torch.Tensor:
-        """Log-probs of every row; each rank computes its micro-batches, then all share.
-        On FSDP2-sharded layers every rank runs as many forwards as the busiest one (an
-        idle rank a discarded pass), as their all-gathers need."""
+    def _no_grad_logprobs(self, model: torch.nn.Module, seqs: _Sequences,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Log-probs of ``rows`` (default every row), in their order; each rank computes
+        its micro-batches, then all share. On FSDP2-sharded layers every rank runs as many
+        forwards as the busiest one (an idle rank a discarded pass), as their all-gathers
+        need."""
         d = self.dist
-        micros = self._micro_batches(torch.arange(seqs.ids.shape[0]))
+        micros = self._micro_batches(torch.arange(seqs.ids.shape[0]) if rows is None
+                                     else rows.cpu())
         mine = {i: self._logprobs(model, seqs, r)[0]
                 for i, r in enumerate(micros) if i % d.world_size == d.rank}
         if is_fsdp(model):
@@ -558,9 +577,13 @@ class _OldLogprobs:
         """The old log-probs of ``rows``, whose current ones are ``logp``."""
         if self.given:
             return self.logp[rows]
+        self.fill(rows, logp)
+        return self.logp[rows]
+
+    def fill(self, rows: torch.Tensor, logp: torch.Tensor) -> None:
+        """Record ``logp`` as the old log-probs of ``rows`` (of a pass of their own)."""
         self.logp[rows] = logp.detach().to(self.logp.dtype)
         self.mask[rows] = self.response[rows]
-        return self.logp[rows]
 
 
 @dataclass(frozen=True)

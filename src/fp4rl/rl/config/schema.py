@@ -22,6 +22,7 @@ from pydantic import (
 
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import RecipeError, UserError, did_you_mean
+from fp4rl.formats.nvfp4 import ScaleRule
 from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
 from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
@@ -101,6 +102,11 @@ class GRPOConfig(LossConfig):
     max_prompt_length: int = Field(512, ge=1, description="longest prompt, in tokens "
                                    "(longer ones are refused)")
     max_response_length: int = Field(256, ge=1, description="most tokens a response takes")
+    mismatch_tokens: Literal["all", "trained"] = Field(
+        "all", description="the tokens NeMo-RL's mismatch/* metrics average over: all = every "
+        "valid generated token, as NeMo-RL (on-policy, one more no-grad forward over the rows "
+        "that do not train); trained = the rows that train alone (also logged as "
+        "mismatch/trained/*)")
 
     @model_validator(mode="after")
     def _batches_divide(self) -> GRPOConfig:
@@ -246,6 +252,15 @@ class TrainConfig(_Section):
         "= bf16 where the device runs it natively; masters and optimizer are always FP32")
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda or "
                         "cuda:N")
+    batch_invariant: bool = Field(
+        False, description="on-policy to the bit: the engine's prefill and decode steps "
+        "and the trainer's forwards give a token the same logits bits at any batch, "
+        "padding and micro-batch size (fixed-order CPU kernels; docs/training.md)")
+    nvfp4_scale: ScaleRule = Field(
+        ScaleRule.DYNAMIC, description="NVFP4 activations' FP32 second-level scale, in both "
+        "policies: dynamic = amax / 2688 (the field's), pow2 = rounded up to a power of two "
+        "(float noise stops at the GEMM), static = one per layer, fixed by the first forward "
+        "of each weight version and shared by both policies (docs/training.md)")
     train: TrainPrecision = Field(
         default_factory=TrainPrecision, description="the training policy's formats "
         "(docs/layers.md). A whole recipe by name instead: recipe=NAME (e.g. "
@@ -277,6 +292,10 @@ class TrainConfig(_Section):
         except RecipeError as err:
             raise ValueError(str(err)) from None
         chosen = self.rollout.engine
+        if self.batch_invariant and chosen != AUTO and get_engine(chosen).name != "hf":
+            raise ValueError(f"batch_invariant=true runs fp4rl's own engine (rollout.engine="
+                             f"hf), not {chosen}: vLLM's forward has a batch-invariant mode "
+                             "of its own (VLLM_BATCH_INVARIANT=1, on a GPU)")
         for name in list_engines():
             if chosen in (name, AUTO):
                 try:
@@ -299,18 +318,20 @@ class TrainConfig(_Section):
         return settings.model_dump() if settings is not None else {}
 
     def recipe(self) -> Recipe:
-        return Recipe(train=self.train, rollout=self.rollout.policy(), ignore=self.ignore)
+        recipe = Recipe(train=self.train, rollout=self.rollout.policy(), ignore=self.ignore)
+        return recipe.with_nvfp4_scale(self.nvfp4_scale)
 
 
 def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
     """The quantization recipe of a training config (as a run saves it): its ``train``,
     ``rollout`` and ``ignore``. ``rollout.engine`` says where the rollout ran, not what
     policy it ran (nor do the engines' settings, ``rollout.<engine>``), so it is not part
-    of the recipe."""
+    of the recipe; ``nvfp4_scale`` is."""
     rollout = {k: v for k, v in (config.get("rollout") or {}).items()
                if k in RolloutPrecision.model_fields}
-    return Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
-                             "ignore": config.get("ignore")}, strict=strict)
+    recipe = Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
+                               "ignore": config.get("ignore")}, strict=strict)
+    return recipe.with_nvfp4_scale(config.get("nvfp4_scale") or ScaleRule.DYNAMIC)
 
 
 __all__ = ["DataConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig",
