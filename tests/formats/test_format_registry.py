@@ -21,7 +21,8 @@ from fp4rl.kernels.codes import FormatCode
 from fp4rl.recovery import resq_activation, sparsify
 
 BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "nvfp4_4o6", "nvfp4_per_token_4o6",
-            "nvfp4_2d", "mxfp8_e4m3", "bf16"]
+            "nvfp4_2d", "mxfp8_e4m3", "bf16", "nvfp4_pow2", "nvfp4_static",
+            "nvfp4_per_token_pow2", "nvfp4_per_token_4o6_pow2"]
 
 
 class RenamedHiF4(HiF4):

@@ -184,11 +184,15 @@ def test_several_updates_per_rollout_batch(tmp_path):
         s["step"].item() for s in trainer.optimizer.state.values()) == 4 * 3
 
 
-def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
-    """One epoch, one optimizer step: no separate old-log-prob pass (the model runs one
-    forward per micro-batch, not two); the rollout-mismatch metrics over the rows that
-    train equal an independent no-grad pass over them, taken on the batch the step hands
-    its update, before the update."""
+@pytest.mark.parametrize("tokens", ["all", "trained"])
+def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path, tokens):
+    """One epoch, one optimizer step: no separate old-log-prob pass over the rows that
+    train (the model runs one forward per micro-batch of them, plus, for NeMo-RL's
+    metrics over every token, one no-grad forward per micro-batch of the rows that do
+    not); the rollout-mismatch metrics equal an independent no-grad pass, taken on the
+    batch the step hands its update, before the update: ``mismatch/*`` over every token
+    (or the rows that train, ``grpo.mismatch_tokens=trained``), ``mismatch/trained/*``
+    over the rows that train."""
     from fp4rl.nn import train_mode
     from fp4rl.rl import rewards
     from fp4rl.rl.grpo import mismatch_stats
@@ -198,7 +202,8 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
     rewards.register_reward("odd_parity", lambda c, r: float(len(c) % 2) * (int(r[-1]) % 2),
                             replace=True)
     model, tok = tiny_model("llama")
-    cfg = load_config(None, [*OVERRIDES, "data.reward=odd_parity", "grpo.batch_size=4"])
+    cfg = load_config(None, [*OVERRIDES, "data.reward=odd_parity", "grpo.batch_size=4",
+                             f"grpo.mismatch_tokens={tokens}"])
     trainer = Trainer(cfg, tmp_path, model, tok, log=lambda m: None)
     seen: dict[str, object] = {}
     update = trainer.update
@@ -209,10 +214,13 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
         with torch.no_grad(), train_mode(model), trainer.compute():  # the run's dtype
             old, _ = response_logprobs(model, ids, attention, ids.shape[1] -
                                        batch.response_ids.shape[1])
-        mask = batch.response_mask.bool() & trains[:, None]
+        every = batch.response_mask.bool()
+        trained = every & trains[:, None]
+        cap = cfg.grpo.tis_imp_ratio_cap
         seen["trains"] = trains
-        seen["expected"] = mismatch_stats(old, batch.logprobs, mask,
-                                          cfg.grpo.tis_imp_ratio_cap)
+        seen["expected"] = mismatch_stats(old, batch.logprobs,
+                                          every if tokens == "all" else trained, cap)
+        seen["expected_trained"] = mismatch_stats(old, batch.logprobs, trained, cap)
         forwards = []
         hook = model.register_forward_hook(lambda *_: forwards.append(1))
         try:
@@ -220,16 +228,22 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(tmp_path):
         finally:
             hook.remove()
         seen["forwards"], seen["stats"] = len(forwards), result.stats
-        seen["micro_batches"] = -(-int(trains.sum()) // cfg.grpo.micro_batch_size)
+        micro = cfg.grpo.micro_batch_size
+        seen["micro_batches"] = -(-int(trains.sum()) // micro) + \
+            (-(-int((~trains).sum()) // micro) if tokens == "all" else 0)
         return result
 
     trainer.update = spy
     trainer.train_step()
     trains = seen["trains"]
     assert 0 < trains.sum() < len(trains), "the check needs rows that train and rows that not"
-    assert seen["forwards"] == seen["micro_batches"]  # no pass of its own
+    assert seen["forwards"] == seen["micro_batches"]  # no pass of its own for trained rows
     for key, value in seen["expected"].items():
         assert seen["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for key, value in seen["expected_trained"].items():
+        if key.startswith("mismatch/"):
+            trained_key = key.replace("mismatch/", "mismatch/trained/")
+            assert seen["stats"][trained_key] == pytest.approx(value, rel=1e-4, abs=1e-6)
     assert seen["stats"]["clip_ratio/region_mean"] == 0  # ratio exactly 1
 
 

@@ -24,9 +24,17 @@ from fp4rl.recovery.ops import TracedActivation
 RECIPES = {"hif4": "hif4", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
            "nvfp4_per_token": "nvfp4_per_token", "nvfp4_4o6": "nvfp4_4o6",
            "nvfp4_per_token_4o6": "nvfp4_per_token_4o6", "nvfp4_2d": "nvfp4_2d",
-           "mxfp8_e4m3": "hif4:fp4/w4a8"}
+           "mxfp8_e4m3": "hif4:fp4/w4a8", "nvfp4_pow2": "nvfp4_pow2",
+           "nvfp4_static": "nvfp4_static", "nvfp4_per_token_pow2": "nvfp4_per_token_pow2",
+           "nvfp4_per_token_4o6_pow2": "nvfp4_per_token_4o6_pow2"}
 #: the formats whose scale is the whole batch's (a tile's: 16 tokens)
-BATCH_SCALED = {"nvfp4", "nvfp4_4o6", "nvfp4_2d"}
+BATCH_SCALED = {"nvfp4", "nvfp4_4o6", "nvfp4_2d", "nvfp4_pow2"}
+#: batch-scaled, but to a power of two: rows of a similar range beside them leave it as it
+#: is as often as not, so only the row-local formats' equality is asserted
+POW2_SCALED = {"nvfp4_pow2"}
+#: a static scale is a layer's, fixed by its first forward: a layer's rows are their own
+#: after it, an operator's (which keeps no scale) see the batch's
+OPERATOR_BATCH_SCALED = BATCH_SCALED | {"nvfp4_static"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -38,6 +46,8 @@ def test_every_quantized_format_is_covered():
 @pytest.mark.parametrize("recovery", ["", "+resq-2:4"])
 @pytest.mark.parametrize("fmt", RECIPES)
 def test_real_rows_logits_do_not_see_the_rows_padded_beside_them(fmt, recovery, dtype):
+    if fmt == "nvfp4_static" and recovery:
+        pytest.skip("a static scale takes no recovery method (the recipe refuses it)")
     torch.manual_seed(0)
     model = quantize_model(tiny_model("llama")[0].eval(), get_recipe(RECIPES[fmt] + recovery))
     ids = torch.randint(0, 128, (3, 12))
@@ -46,7 +56,8 @@ def test_real_rows_logits_do_not_see_the_rows_padded_beside_them(fmt, recovery, 
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         alone = model(ids).logits
         padded = model(torch.cat([ids, garbage])).logits[:3]
-    assert torch.equal(alone, padded) is (fmt not in BATCH_SCALED)
+    if fmt not in POW2_SCALED:
+        assert torch.equal(alone, padded) is (fmt not in BATCH_SCALED)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -63,4 +74,5 @@ def test_the_engines_activation_operator_is_row_wise(fmt, spec, dtype):
     w = quantize_operand(torch.randn(32, 64, generator=g), "hif4").to(dtype)
     alone = mm(op(x.to(dtype), dtype), w.t(), dtype)
     padded = mm(op(torch.cat([x, stale]).to(dtype), dtype), w.t(), dtype)[:5]
-    assert torch.equal(alone, padded) is (fmt not in BATCH_SCALED)
+    if fmt not in POW2_SCALED:
+        assert torch.equal(alone, padded) is (fmt not in OPERATOR_BATCH_SCALED)

@@ -17,9 +17,13 @@ from fp4rl.rollout.registry import ALIASES, list_engines
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``bench`` command's options."""
     bench = sub.add_parser("bench", help="speed benchmarks (ratios measured side by side)")
-    bench.add_argument("what", choices=["formats", "linear", "rollout", "train", "engine"],
+    bench.add_argument("what", choices=["formats", "linear", "rollout", "train", "engine",
+                                        "invariant"],
                        help="engine: the vLLM rollout engine's memory, refit bytes and "
-                       "speed, bf16 against the fp4rl method's two weight storages")
+                       "speed, bf16 against the fp4rl method's two weight storages; "
+                       "invariant: the batch-invariant forward against the default one")
+    bench.add_argument("--recipe", default="hif4", help="invariant: the recipe (default "
+                       "hif4)")
     bench.add_argument("--model", default="smollm2-135m", help="model for rollout / train")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",
@@ -50,8 +54,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     check_outputs(json=args.json)
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
-    if args.what not in ("rollout", "engine") and args.batch is not None:
-        raise UserError("--batch applies to bench rollout and bench engine only")
+    if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
+        raise UserError("--batch applies to bench rollout, engine and invariant only")
     # vLLM missing: one line, before any loading
     engines = check_engines(["vllm"] if args.what == "engine" else args.engine)
     device = resolve_device(args.device)
@@ -129,6 +133,25 @@ def _train(args: argparse.Namespace, console: Console, device: torch.device,
     return common.report(results, benchmark="train", size=args.size)
 
 
+def _invariant(args: argparse.Namespace, console: Console, device: torch.device,
+               engines: tuple[str, ...]) -> dict:
+    from fp4rl.bench import common
+    from fp4rl.bench import invariant as bench
+    from fp4rl.nn import get_recipe
+
+    if device.type != "cpu":
+        raise UserError("bench invariant times the CPU kernels (--device cpu); on a GPU "
+                        "vLLM's batch-invariant mode is the tool")
+    get_recipe(args.recipe)  # an unknown recipe: one line, before loading
+    batch, new_tokens = args.batch or 8, args.tokens or 32
+    with status(console, "benchmarking the batch-invariant forward"):
+        results, tokens = bench.run(args.model, args.recipe, batch=batch,
+                                    new_tokens=new_tokens, repeats=args.repeats)
+    bench.render(results, console, args.recipe, batch, new_tokens, tokens)
+    return common.report(results, benchmark="invariant", recipe=args.recipe, batch=batch,
+                         new_tokens=new_tokens, score_tokens=tokens)
+
+
 #: each benchmark: run it, print its table, return what ``--json`` writes
 _BENCHMARKS = {"formats": _formats, "rollout": _rollout, "engine": _engine,
-               "linear": _linear, "train": _train}
+               "linear": _linear, "train": _train, "invariant": _invariant}

@@ -375,6 +375,8 @@ def scale_variants() -> list[NVFP4]:
                 "name": f"{base.name}_{rule.value}",
                 "label": f"{base.label or base.name.upper()} {rule.value}",
                 "scale_rule": rule, "__module__": __name__,
+                # the rule is an activation's: a weight's amax does not depend on a batch
+                "weight_format": base.weight_format or base.name,
                 "__doc__": f"{base.name} with the {rule.value} second-level scale "
                            "(:class:`ScaleRule`)."})
             out.append(variant())

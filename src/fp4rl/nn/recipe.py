@@ -119,6 +119,9 @@ def _weight_format(value: Any, where: str) -> OperandFormat:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
     fmt = _operand_format(value, where)
+    if isinstance(fmt, NVFP4) and fmt.scale_rule is ScaleRule.STATIC:
+        raise RecipeError(f"{where}: {fmt} fixes an activation's scale per layer; a weight "
+                          f"takes {fmt.weight_format}")
     if isinstance(fmt, NumberFormat) and fmt.vector_scales:
         raise RecipeError(f"{where}: {fmt} scales each token's vector, which a weight "
                           f"cannot take; use {fmt.weight_format or 'another format'} for the "
@@ -264,6 +267,18 @@ class Recipe(Settings):
     def model_post_init(self, context: Any) -> None:
         self._selectors = tuple(Selector.parse(p) for p in self.ignore)
 
+    @model_validator(mode="after")
+    def _static_scale_without_recovery(self) -> Recipe:
+        """A static activation scale and a rollout recovery method do not go together: the
+        method's residual would be quantized with the activation's fixed scale."""
+        act = self.rollout.activations
+        if isinstance(act, NVFP4) and act.scale_rule is ScaleRule.STATIC and \
+                self.rollout.recovery.method != "none":
+            raise RecipeError(f"rollout.activations {act} takes no recovery method (got "
+                              f"{self.rollout.recovery.label}): its residual would be "
+                              "quantized with the activation's fixed scale")
+        return self
+
     def ignores(self, module_name: str, blocks: int | None = None) -> bool:
         """Whether ``ignore`` leaves the module called ``module_name`` unquantized, in a
         model of ``blocks`` transformer blocks (needed by ``last:`` only)."""
@@ -318,11 +333,6 @@ class Recipe(Settings):
             raise RecipeError(f"nvfp4_scale={rule} changes NVFP4 activations' scale; this "
                               "recipe's activations are "
                               f"{' and '.join(sorted({str(f) for f in acts.values()}))}")
-        if rule is ScaleRule.STATIC and self.rollout.recovery.method != "none" and \
-                "rollout" in nvfp4:
-            raise RecipeError(f"nvfp4_scale=static takes no rollout recovery method (got "
-                              f"{self.rollout.recovery.label}): its residual would be "
-                              "quantized with the activation's fixed scale")
         changed: dict[str, OperandFormat] = {}
         for where, fmt in nvfp4.items():
             name = scale_rule_name(fmt, rule)

@@ -1,0 +1,87 @@
+"""``fp4rl bench invariant``: what on-policy to the bit costs, the batch-invariant forward
+against the default one, side by side in one run.
+
+Two models, the same weights and recipe, one with ``batch_invariant`` on: the trainer's
+no-grad scoring pass (``micro_batch`` sequences of prompt + response, one forward) and the
+engine's rollout (``batch`` prompts, a prefill then one decode step per token, greedy, EOS
+off), in fp32 and under bf16 autocast. Every candidate is interleaved inside each repeat.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from statistics import median
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
+from fp4rl.bench.common import Comparison, compare, measure
+from fp4rl.nn import get_recipe, quantize_model, rollout_mode, train_mode
+from fp4rl.rl.logprobs import response_logprobs
+from fp4rl.rollout.batch import SamplingConfig
+from fp4rl.rollout.kv_cache import generate
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: the GPU design's expected cost (docs/training.md): vLLM reports 20-35% for its
+#: batch-invariant Triton kernels on an H100
+GPU_EXPECTATION = "GPU (Triton, fixed tiles): ~1.2-1.35x expected, not measured here"
+
+
+def run(model_name: str, recipe: str = "hif4", batch: int = 8, new_tokens: int = 32,
+        repeats: int = 3) -> tuple[list[Comparison], int]:
+    """The ratios (batch-invariant over default) of a scoring pass and of a rollout, and
+    the scoring pass's tokens."""
+    from fp4rl.models import load_model
+
+    model, tok = load_model(model_name)
+    model.eval()
+    default = quantize_model(model, get_recipe(recipe))
+    invariant = quantize_model(copy.deepcopy(model), get_recipe(recipe), batch_invariant=True)
+    encoded = [p.reshape(-1).tolist() for p in encode_prompts(tok, BUILTIN_PROMPTS)]
+    prompts = list(itertools.islice(itertools.cycle(encoded), batch))
+    sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    with torch.no_grad(), rollout_mode(default):
+        sample = generate(default, prompts, sampling, pad_token_id=pad, eos_token_ids=[-1])
+    ids, attention = sample.sequences()
+    width = sample.prompt_ids.shape[1]
+
+    def score(net: torch.nn.Module, dtype: torch.dtype) -> None:
+        with torch.no_grad(), train_mode(net), _autocast(dtype):
+            response_logprobs(net, ids, attention, width)
+
+    def rollout(net: torch.nn.Module, dtype: torch.dtype) -> None:
+        with torch.no_grad(), rollout_mode(net), _autocast(dtype):
+            generate(net, prompts, sampling, pad_token_id=pad, eos_token_ids=[-1])
+
+    fns = {}
+    for label, dtype in DTYPES.items():
+        for kind, fn in (("score", score), ("rollout", rollout)):
+            fns[f"{kind}.{label}.default"] = (lambda f=fn, d=dtype: f(default, d))
+            fns[f"{kind}.{label}.invariant"] = (lambda f=fn, d=dtype: f(invariant, d))
+    timings = measure(fns, repeats)
+    return [compare(f"invariant.{kind}.{label}", timings, f"{kind}.{label}.invariant",
+                    f"{kind}.{label}.default") for kind in ("score", "rollout")
+            for label in DTYPES], int(attention.sum())
+
+
+def _autocast(dtype: torch.dtype) -> torch.autocast:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+
+def render(results: list[Comparison], console: Console, recipe: str, batch: int,
+           new_tokens: int, tokens: int) -> None:
+    table = Table(title=f"batch-invariant forward against the default ({recipe}; scoring: "
+                        f"{batch} sequences, {tokens} tokens; rollout: {batch} prompts x "
+                        f"{new_tokens} new tokens; median s)")
+    for col in ("pass", "compute", "default", "batch-invariant", "ratio"):
+        table.add_column(col, justify="right")
+    for r in results:
+        _, kind, label = r.name.split(".")
+        table.add_row(kind, label, f"{median(r.baseline_times):.3f}",
+                      f"{median(r.candidate_times):.3f}", f"{r.ratio:.2f}x")
+    console.print(table)
+    console.print(GPU_EXPECTATION)
