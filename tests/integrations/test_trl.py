@@ -142,6 +142,31 @@ def test_identical_policies_give_unit_ratios(tmp_path):
         assert metrics[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(1, abs=1e-5)
 
 
+@pytest.mark.parametrize(("engine", "recipe", "bf16"), [
+    ("fp4rl", "hif4", False), ("fp4rl", "nvfp4_per_token", True),
+    ("transformers", "mxfp4", False)])
+def test_batch_invariant_policies_score_with_the_engines_bits(tmp_path, engine, recipe, bf16):
+    """``fp4_batch_invariant=True``: TRL's pi_old of every sampled token is the engine's
+    mu to the bit (TRL scores with ``x - logsumexp(x)``, the engine with a log-softmax:
+    the same kernel), so NeMo-RL's metrics are exactly 1 and 0."""
+    model, tok = tiny_model("llama")
+    args = config(tmp_path, max_steps=2, temperature=0.7, bf16=bf16)
+    trainer = make_trainer(model, tok, args, fp4_recipe=recipe, fp4_rollout_engine=engine,
+                           fp4_batch_invariant=True)
+    trainer.train()
+    metrics = logged(trainer)
+    assert metrics["sampling/sampling_logp_difference/max"] == 0
+    assert metrics["mismatch/token_mult_prob_error"] == 1
+    assert metrics["mismatch/gen_kl_error"] == 0
+
+
+def test_batch_invariance_is_refused_with_vllm_in_one_line(tmp_path):
+    model, tok = tiny_model("llama")
+    with pytest.raises(UserError, match="VLLM_BATCH_INVARIANT"):
+        make_trainer(model, tok, config(tmp_path, use_vllm=True, vllm_mode="colocate"),
+                     fp4_batch_invariant=True)
+
+
 def test_the_correction_weights_the_loss(tmp_path):
     """Masking every sequence (all ratios are near 1, above clip_max) zeroes TRL's loss,
     so the step leaves the weights as they were."""

@@ -155,3 +155,21 @@ def test_rollout_weight_quantized_once_per_version():
     assert second is not first and not torch.equal(second.values, first.values)
     assert torch.equal(second.dense(), fp4rl.quantize(layer.weight.detach(), "hif4"))
     assert layer.rollout_weight() is second
+
+
+@pytest.mark.parametrize("options", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+def test_any_optimizer_step_makes_the_cached_rollout_weight_stale(options):
+    """A fused AdamW writes the parameter's storage without bumping its version counter:
+    the rollout policy must still see the new weights at its next forward."""
+    from fp4rl.gemm import quantize_operand
+
+    layer = FP4Linear(64, 32, recipe=get_recipe("hif4"))
+    layer.mode = Mode.ROLLOUT
+    x = torch.randn(3, 64)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, **options)
+    with torch.no_grad():
+        layer(x)  # caches Q(W)
+    layer.weight.grad = torch.randn_like(layer.weight)
+    opt.step()
+    assert torch.equal(layer.rollout_weight().values,
+                       quantize_operand(layer.weight.detach(), "hif4").values)

@@ -52,6 +52,8 @@ from torch import nn
 
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
+from fp4rl.nn.invariant import invariant_for
+from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
 from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
@@ -263,7 +265,8 @@ def sample_with_transformers(model: PreTrainedModel, prompt_ids: Sequence[Sequen
                          generation_config=generation_config, output_scores=True,
                          return_dict_in_generate=True)
     tokens = out.sequences[:, ids.shape[1]:]
-    logp = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
+    with invariant_for(model):  # the scorer's kernel, where the policy is batch-invariant
+        logp = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
     logprobs = logp.gather(-1, tokens[..., None]).squeeze(-1)
     return _trim(tokens, logprobs, _lengths_through_eos(tokens, eos_token_ids))
 
@@ -286,15 +289,26 @@ class FP4GRPOTrainer(GRPOTrainer):
     ``bf16=True`` runs training and rollout under accelerate's bf16 autocast, which FP4
     layers follow (their operands are exact in bf16). If ``beta > 0``, TRL's reference
     model gets the same recipe, so the KL compares two training policies.
+
+    ``fp4_batch_invariant=True`` makes the policy on-policy to the bit (docs/training.md):
+    fp4rl's engine (or ``generate``) and TRL's scoring give a sampled token the same
+    log-prob bits, so TRL's ``sampling/*`` and NeMo-RL's ``mismatch/*`` measure the recipe's
+    designed mismatch alone.
     """
 
     args: GRPOConfig  # GRPOTrainer's arguments (its stubs say TrainingArguments)
 
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any = None,
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
-                 fp4_rollout_engine: TRLEngine = "hf", **kwargs: Any) -> None:
+                 fp4_rollout_engine: TRLEngine = "hf", fp4_batch_invariant: bool = False,
+                 **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
         on_vllm = args is not None and args.use_vllm
+        if fp4_batch_invariant and on_vllm:
+            raise UserError("fp4_batch_invariant=True runs fp4rl's rollout engines, not "
+                            "use_vllm=True: vLLM has a batch-invariant mode of its own "
+                            "(VLLM_BATCH_INVARIANT=1, on a GPU)")
+        self.fp4_batch_invariant = fp4_batch_invariant
         # vLLM's sampler applies every generation option of GRPOConfig
         engine = _check_engine(fp4_rollout_engine, None if on_vllm else args)
         if args is not None:
@@ -317,9 +331,40 @@ class FP4GRPOTrainer(GRPOTrainer):
     def _patch_policies(self, recipe: Recipe) -> None:
         policy = self.accelerator.unwrap_model(self.model)
         _require_fp32_masters(policy)
-        quantize_model(policy, recipe)
+        invariant = self.fp4_batch_invariant
+        quantize_model(policy, recipe, batch_invariant=invariant)
         if self.ref_model is not None:
-            quantize_model(self.accelerator.unwrap_model(self.ref_model), recipe)
+            quantize_model(self.accelerator.unwrap_model(self.ref_model), recipe,
+                           batch_invariant=invariant)
+
+    def _get_per_token_logps_and_entropies(
+            self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
+            compute_aux_loss: bool = False, **multimodal: Any
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's scoring; where the policy is batch-invariant, fp4rl's trainer's instead
+        (``fp4rl.rl.logprobs.response_logprobs``: positions from the attention mask, the
+        logits divided by the temperature, one log-softmax), which gives a sampled token
+        the engine's bits. TRL's own path (a fused head folding vocabulary tiles into an
+        online log-sum-exp, the logits multiplied by ``1 / T``) computes the same value in
+        another order, and so other last bits."""
+        if not self.fp4_batch_invariant or compute_aux_loss or \
+                any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size,
+                compute_entropy, compute_aux_loss, **multimodal)
+        size = batch_size or input_ids.size(0)
+        width = input_ids.size(1) - logits_to_keep
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), size):
+            with self.accelerator.autocast():
+                logp, entropy = response_logprobs(
+                    model, input_ids[start:start + size], attention_mask[start:start + size],
+                    width, self.temperature, with_entropy=compute_entropy)
+            logps.append(logp)
+            if entropy is not None:
+                entropies.append(entropy)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     @contextlib.contextmanager
     def _rollout_policy(self) -> Iterator[nn.Module]:

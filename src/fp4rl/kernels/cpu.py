@@ -236,6 +236,20 @@ def bi_softmax(x: torch.Tensor, log: bool, out_dtype: torch.dtype | None = None
     return out
 
 
+def bi_logsumexp(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``max + log(sum(exp(x - max)))`` along the last axis, the axis kept (size 1), each
+    row on its own: what :func:`bi_softmax`'s log-softmax subtracts."""
+    lib = load_library()
+    assert lib is not None, "check bi_supported() first"
+    rows = x.contiguous()
+    length = rows.shape[-1]
+    out = torch.empty((*rows.shape[:-1], 1), dtype=out_dtype or x.dtype)
+    lib.fp4rl_bi_softmax(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
+                         _BI_DTYPES[out.dtype], rows.numel() // max(length, 1), length, 2,
+                         _threads(rows))
+    return out
+
+
 def bi_row_mean(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The mean along the last axis, the axis kept (size 1), each row on its own."""
     lib = load_library()

@@ -167,9 +167,10 @@ static double row_max(const void *x, int bf16, int64_t base, int64_t len)
 }
 
 /*
- * Softmax (log_ = 0) or log-softmax (log_ = 1) of each row: y = exp(x - max) / s or
- * (x - max) - log(s), s = sum exp(x - max), in float32 with s in float64. A row of -inf
- * gives NaN, as torch does.
+ * Softmax (log_ = 0), log-softmax (log_ = 1) or log-sum-exp (log_ = 2: one value a row) of
+ * each row, s = sum exp(x - max) in float64, then in float32: exp(x - max) / s, or
+ * x - lse with lse = max + log(s). A log-prob taken as x - logsumexp(x) (TRL's) and one
+ * taken from log_softmax(x) are then the same bits. A row of -inf gives NaN, as torch's.
  */
 int fp4rl_bi_softmax(const void *x, int x_bf16, void *y, int y_bf16, int64_t rows,
                      int64_t len, int log_, int threads)
@@ -180,10 +181,14 @@ int fp4rl_bi_softmax(const void *x, int x_bf16, void *y, int y_bf16, int64_t row
         const float m = (float)row_max(x, x_bf16, base, len);
         double s = 0.0;
         for (int64_t i = 0; i < len; i++) s += (double)expf(load(x, x_bf16, base + i) - m);
-        const float fs = (float)s, ls = logf(fs);
+        const float fs = (float)s, lse = m + logf(fs);
+        if (log_ == 2) {
+            store(y, y_bf16, r, lse);
+            continue;
+        }
         for (int64_t i = 0; i < len; i++) {
-            const float d = load(x, x_bf16, base + i) - m;
-            store(y, y_bf16, base + i, log_ ? d - ls : expf(d) / fs);
+            const float v = load(x, x_bf16, base + i);
+            store(y, y_bf16, base + i, log_ ? v - lse : expf(v - m) / fs);
         }
     }
     return 0;

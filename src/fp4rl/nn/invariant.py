@@ -17,8 +17,10 @@ kernel whose order is fixed by the reduced length alone (``fp4rl/kernels/invaria
   model on): one sequential sum, so that masked keys (probability exactly 0) change
   nothing: the same bits at any left padding, and for a query decoded alone against its
   KV cache as for the same query in a prefill;
-- ``_softmax`` / ``_log_softmax`` / ``mean`` along the last axis (attention, RMSNorm):
-  each row on its own, sums in float64.
+- ``_softmax`` / ``_log_softmax`` / ``logsumexp`` / ``mean`` along the last axis
+  (attention, RMSNorm, log-probs): each row on its own, sums in float64; a log-softmax is
+  ``x - logsumexp(x)``, so that a host scoring a token as ``x[t] - logsumexp(x)`` (TRL)
+  gets the bits of ``log_softmax(x)[t]``.
 
 Everything else a transformer runs is elementwise, hence row-local already. Sampling is
 unchanged. On other devices (a GPU) the mode passes the ops through: there a batch-invariant
@@ -41,7 +43,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp4rl.kernels.cpu import BI_CHUNK, bi_gemm, bi_row_mean, bi_softmax, bi_supported
+from fp4rl.kernels.cpu import (
+    BI_CHUNK,
+    bi_gemm,
+    bi_logsumexp,
+    bi_row_mean,
+    bi_softmax,
+    bi_supported,
+)
 
 aten = torch.ops.aten
 
@@ -90,6 +99,14 @@ def _softmax(log: bool) -> Callable[..., torch.Tensor | None]:
     return handler
 
 
+def _logsumexp(x: torch.Tensor, dim: list[int], keepdim: bool = False
+               ) -> torch.Tensor | None:
+    if len(dim) != 1 or not _last_axis(x, dim[0]) or not bi_supported(x) or x.numel() == 0:
+        return None
+    out = bi_logsumexp(x)
+    return out if keepdim else out.squeeze(-1)
+
+
 def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *,
           dtype: torch.dtype | None = None) -> torch.Tensor | None:
     if dim is None or len(dim) != 1 or not _last_axis(x, dim[0]) or not bi_supported(x) or \
@@ -106,6 +123,7 @@ _HANDLERS: dict[Any, Callable[..., torch.Tensor | None]] = {
     aten.bmm.default: _bmm,
     aten._softmax.default: _softmax(log=False),
     aten._log_softmax.default: _softmax(log=True),
+    aten.logsumexp.default: _logsumexp,
     aten.mean.dim: _mean,
 }
 
@@ -132,6 +150,14 @@ def batch_invariant() -> contextlib.AbstractContextManager[Any]:
     attention goes through it only under eager attention: :func:`set_batch_invariant`
     sets that up and enters this around each forward."""
     return BatchInvariantMode()
+
+
+def invariant_for(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """The batch-invariant mode where ``model`` runs batch-invariant (else nothing): for
+    what a host computes from the model's logits outside its forward (the sampled tokens'
+    log-probs in the engine, the scored tokens' in the trainer and in TRL), so that both
+    sides take them with the same kernel."""
+    return batch_invariant() if is_batch_invariant(model) else contextlib.nullcontext()
 
 
 def token_rows() -> torch.Tensor | None:
@@ -216,5 +242,5 @@ def is_batch_invariant(model: nn.Module) -> bool:
 
 
 __all__ = ["INVARIANT_ATTENTION", "BatchInvariantMode", "batch_invariant",
-           "install_forward_hooks", "is_batch_invariant", "set_batch_invariant",
-           "token_rows", "tokens_fed"]
+           "install_forward_hooks", "invariant_for", "is_batch_invariant",
+           "set_batch_invariant", "token_rows", "tokens_fed"]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4rl.formats import NumberFormat
 from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, static_scale
@@ -50,6 +51,24 @@ from fp4rl.nn.recipe import (
 from fp4rl.precision import active_compute_dtype, autocast_off
 from fp4rl.recovery import RolloutRecovery, make_recovery
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
+
+
+class _OptimizerSteps:
+    """How many optimizer steps any ``torch.optim`` optimizer has taken in this process.
+
+    A weight's version counter misses an update that a fused optimizer writes straight
+    into the parameter's storage (``AdamW(fused=True)``, transformers' default
+    ``adamw_torch_fused``), so the quantized-weight caches key on this count too: any
+    optimizer step makes every cached ``Q(W)`` stale."""
+
+    count = 0
+
+    @classmethod
+    def bump(cls, *_: object) -> None:
+        cls.count += 1
+
+
+register_optimizer_step_post_hook(_OptimizerSteps.bump)
 
 
 class Mode(StrEnum):
@@ -166,9 +185,9 @@ class FP4Linear(nn.Linear):
             recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed,
             weight_format=recipe.rollout.weights)
         self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
-        self._received: tuple[tuple[int, int, int], Operand] | None = None
+        self._received: tuple[tuple[int, int, int, int], Operand] | None = None
         #: a static NVFP4 activation scale and the weight version it belongs to
-        self._fixed_scale: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        self._fixed_scale: tuple[tuple[int, int, int, int], torch.Tensor] | None = None
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
 
@@ -220,8 +239,9 @@ class FP4Linear(nn.Linear):
             self._wgrad_signs = self._wgrad_signs.to(device)
         return self._wgrad_signs
 
-    def _weight_key(self) -> tuple[int, int, int]:
-        return (self.weight._version, self.weight.data_ptr(), self.recovery.version)
+    def _weight_key(self) -> tuple[int, int, int, int]:
+        return (self.weight._version, self.weight.data_ptr(), self.recovery.version,
+                _OptimizerSteps.count)
 
     def _quantized_rollout_weight(self) -> Operand:
         if self._received is not None and self._received[0] == self._weight_key():

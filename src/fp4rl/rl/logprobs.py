@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fp4rl.nn.invariant import invariant_for
 from fp4rl.rollout import position_ids
 
 
@@ -20,7 +21,8 @@ def response_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids(attention_mask), use_cache=False).logits
     logits = logits[:, prompt_width - 1: -1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    with invariant_for(model):  # the engine's kernel, where the model is batch-invariant
+        logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids[:, prompt_width:]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     entropy = None

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from fp4rl.nn import fp4_layers, rollout_mode
+from fp4rl.nn.invariant import invariant_for
 from fp4rl.precision import autocast
 from fp4rl.progress import LogProgress, progress_bar
 from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
@@ -82,7 +83,8 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         out.logits = out.logits[inverse]
     for step in range(steps):
         gen = [generator[i] for i in rows.tolist()] if isinstance(generator, list) else generator
-        tokens, token_logprobs = sample_next(out.logits[:, -1], config, gen)
+        with invariant_for(model):  # the trainer's log-softmax, where batch-invariant
+            tokens, token_logprobs = sample_next(out.logits[:, -1], config, gen)
         response_ids[rows, step] = tokens
         logprobs[rows, step] = token_logprobs
         lengths[rows] = step + 1
