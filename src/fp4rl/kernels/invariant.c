@@ -26,8 +26,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NR 16 /* columns a micro-tile computes: one AVX-512 or two AVX2 vectors */
-#define MR 6  /* rows a micro-tile computes */
+/* The register tile: NR columns (vectorized) by MR rows. It sets the speed alone: every
+ * output's sequence of operations is the same at any tile, so the bits are too. */
+#if defined(__AVX512F__)
+#define NR 32 /* two AVX-512 vectors a row, four rows: 8 accumulators */
+#define MR 4
+#else
+#define NR 16 /* two AVX2 vectors a row, six rows: 12 accumulators */
+#define MR 6
+#endif
 
 static inline float bf16_to_f32(uint16_t h)
 {
