@@ -126,6 +126,14 @@ CASES = [
     ("diagnose missing prompts", ["diagnose", "--prompts", "/missing.txt", "--output",
                                   "{tmp}/diag"], "prompt file /missing.txt does not exist"),
     ("diagnose read-only output", ["diagnose", "--output", "{ro}/diag"], "cannot write"),
+    ("diagnose recipe without sensitivity", ["diagnose", "--recipe", "hif4"],
+     "only with --sensitivity: --recipe, --nudge"),
+    ("diagnose unknown scale rule", ["diagnose", "--sensitivity", "--recipe", "nvfp4@fixed"],
+     "nvfp4_scale must be one of dynamic, pow2, static"),
+    ("diagnose two diagnoses", ["diagnose", "--sensitivity", "--gradients"],
+     "two diagnoses: choose one"),
+    ("bench invariant unknown recipe", ["bench", "invariant", "--recipe", "bogus"],
+     "unknown recipe 'bogus'"),
 ]
 
 

@@ -1,5 +1,6 @@
 """``fp4rl diagnose``: zero collapse, outlier blocks and residual sparsity of the
-activations, or (``--gradients``) the training GEMMs and the update on one GRPO batch."""
+activations, or (``--gradients``) the training GEMMs and the update on one GRPO batch, or
+(``--sensitivity``) how far float noise moves each recipe's log-probs."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     diag.add_argument("--gradients", action="store_true",
                       help="diagnose the training GEMMs and the update on one GRPO batch "
                       "instead (docs/diagnostics.md)")
+    diag.add_argument("--sensitivity", action="store_true",
+                      help="per recipe, how far a 1e-7 nudge of the input embeddings moves "
+                      "the rollout policy's log-probs (float noise a recipe amplifies; "
+                      "docs/diagnostics.md)")
+    diag.add_argument("--recipe", dest="recipes", action="append",
+                      help="--sensitivity: a recipe, NAME or NAME@pow2|static for its NVFP4 "
+                      "activations' scale (repeatable; default a set covering each kind)")
+    diag.add_argument("--nudge", type=positive_float,
+                      help="--sensitivity: the relative nudge (default 1e-7)")
     diag.add_argument("--n", type=positive_int, help="--gradients: arithmetic prompts (default 8)")
     diag.add_argument("--num-generations", type=int_at_least(2),
                       help="--gradients: responses per prompt (default 4)")
@@ -62,6 +72,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     check_outputs(output=args.out, json=args.json)
     if args.gradients:
         return _diagnose_gradients(args, console)
+    if args.sensitivity:
+        return _diagnose_sensitivity(args, console)
     from fp4rl.analysis import diagnose, plots, tables
     from fp4rl.analysis.activations import capture_linear_inputs
     from fp4rl.analysis.prompts import encode_prompts, load_prompts
@@ -101,6 +113,17 @@ def _check_diagnose_args(args: argparse.Namespace) -> None:
     """Each of the two diagnoses takes only its own options; fill in the defaults."""
 
     given = [k for k in GRADIENT_OPTIONS if getattr(args, k) is not None]
+    if args.gradients and args.sensitivity:
+        raise UserError("--gradients and --sensitivity are two diagnoses: choose one")
+    if not args.sensitivity and (args.recipes or args.nudge is not None):
+        raise UserError("only with --sensitivity: --recipe, --nudge")
+    if args.sensitivity and args.formats:
+        raise UserError("--sensitivity takes recipes (--recipe NAME), not --format")
+    if args.sensitivity:
+        from fp4rl.analysis.sensitivity import parse_recipe
+
+        for spec in args.recipes or []:
+            parse_recipe(spec)  # an unknown recipe or rule: one line, before loading
     if args.gradients and args.prompts:
         raise UserError("--prompts chooses the prompts of the activation diagnosis; "
                         "--gradients samples the built-in arithmetic task (use --n, --levels)")
@@ -120,6 +143,38 @@ def _check_gradient_values(args: argparse.Namespace) -> None:
 
     if not args.levels or set(args.levels) - set(LEVELS):
         raise UserError(f"--levels: choose among {sorted(LEVELS)}")
+
+
+def _diagnose_sensitivity(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from fp4rl.analysis import sensitivity
+    from fp4rl.analysis.prompts import encode_prompts, load_prompts
+    from fp4rl.models import load_model
+    from fp4rl.precision import resolve_device
+
+    nudge = args.nudge if args.nudge is not None else 1e-7
+    specs = args.recipes or list(sensitivity.DEFAULT_RECIPES)
+    with status(console, f"loading {args.model}"):
+        model, tok = load_model(args.model, device=resolve_device(args.device))
+    prompts = encode_prompts(tok, load_prompts(args.prompts))
+    rows = [sensitivity.sensitivity(model, prompts, spec, nudge)
+            for spec in track(specs, "scoring each recipe twice", console)]
+    table = Table(title=f"{args.model}: log-prob change under a {nudge:g} nudge of the "
+                        f"input embeddings ({rows[0].tokens} prompt tokens, rollout policy, "
+                        "fp32)")
+    for col in ("recipe", "mean nat", "max nat", "tokens moved"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.recipe, f"{r.mean_nat:.3g}", f"{r.max_nat:.3g}",
+                      f"{100 * r.changed_fraction:.1f}%")
+    console.print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else out / "sensitivity.json"
+    write_json(json_path, sensitivity.report(args.model, nudge, rows))
+    console.print(f"data in {json_path}")
+    return 0
 
 
 def _diagnose_gradients(args: argparse.Namespace, console: Console) -> int:
