@@ -77,7 +77,7 @@ def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):
     assert main(["bench", "linear", "--engine", "vllm"]) == 2
     assert "--engine applies to bench rollout and bench train only" in capsys.readouterr().err
     assert main(["bench", "train", "--batch", "4"]) == 2
-    assert "--batch applies to bench rollout and bench engine only" in capsys.readouterr().err
+    assert "--batch applies to bench rollout, engine and invariant only" in capsys.readouterr().err
 
 
 def test_bench_linear_reports_both_baselines(tmp_path):

@@ -20,9 +20,9 @@ from rich.table import Table
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.bench.common import Comparison, compare, measure
 from fp4rl.nn import get_recipe, quantize_model, rollout_mode, train_mode
-from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout.batch import SamplingConfig
 from fp4rl.rollout.kv_cache import generate
+from fp4rl.rollout.logprobs import response_logprobs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: the GPU design's expected cost (docs/training.md): vLLM reports 20-35% for its

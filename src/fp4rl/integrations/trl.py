@@ -53,8 +53,8 @@ from torch import nn
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
 from fp4rl.nn.invariant import invariant_for
-from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
+from fp4rl.rollout.logprobs import response_logprobs
 from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
