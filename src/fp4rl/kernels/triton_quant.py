@@ -311,7 +311,7 @@ class Variant:
                 POINTER_TYPES[next(types)] if name.endswith("_ptr") else "i32"
                 for name in self.kernel.arg_names}
 
-    def launch(self, grid: tuple[int], *args: Any) -> None:
+    def launch(self, grid: tuple[int, ...], *args: Any) -> None:
         """Run the kernel; the tensors must be of :attr:`pointers`' types, so that this
         variant describes the launch exactly."""
         got = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))

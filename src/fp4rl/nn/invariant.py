@@ -23,8 +23,12 @@ kernel whose order is fixed by the reduced length alone (``fp4rl/kernels/invaria
   gets the bits of ``log_softmax(x)[t]``.
 
 Everything else a transformer runs is elementwise, hence row-local already. Sampling is
-unchanged. On other devices (a GPU) the mode passes the ops through: there a batch-invariant
-Triton matmul is the tool (vLLM's batch-invariant mode), not this one.
+unchanged. On a GPU the GEMMs go to a Triton kernel of one tile configuration that never
+splits K (``fp4rl::bi_mm``, :mod:`fp4rl.kernels.triton_invariant`, as vLLM's
+batch-invariant mode does; interpreted, compiled for sm_90 and sm_100 and traced on
+``meta`` here, not yet run on a GPU); softmax and the row mean pass through to torch's
+CUDA kernels, which reduce each row within one thread block. Other devices and dtypes pass
+through.
 
 :func:`set_batch_invariant` makes a model run every forward under the mode (through its
 forward hooks, so that any host calling the model gets it: fp4rl's trainer and engine, TRL,
@@ -70,9 +74,28 @@ def _last_axis(x: torch.Tensor, dim: int) -> bool:
     return x.dim() > 0 and dim % x.dim() == x.dim() - 1
 
 
+#: devices whose GEMMs go to the Triton kernel (``meta``: its fake, for shapes and device
+#: discipline without a GPU)
+_TRITON_DEVICES = ("cuda", "meta")
+
+
+def _on_gpu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
+    """``fp4rl::bi_mm`` (the Triton kernel, :mod:`fp4rl.kernels.triton_invariant`) for
+    float32 / bfloat16 operands on a GPU; None where Triton is absent."""
+    if a.device.type not in _TRITON_DEVICES or a.dtype not in (torch.float32, torch.bfloat16) \
+            or any(t.dtype != a.dtype for t in (b, *(() if bias is None else (bias,)))):
+        return None
+    try:
+        from fp4rl.kernels import triton_invariant  # noqa: F401  # registers fp4rl::bi_mm
+    except ImportError:
+        return None
+    return torch.ops.fp4rl.bi_mm(a, b, bias)
+
+
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.dtype != b.dtype or not bi_supported(a, b):
-        return None
+        return _on_gpu(a, b)
     return bi_gemm(a, b, chunk=BI_CHUNK)
 
 
@@ -80,14 +103,16 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float 
            alpha: float = 1) -> torch.Tensor | None:
     vector = bias.dim() == 1 or (bias.dim() == 2 and bias.shape[0] == 1)
     if beta != 1 or alpha != 1 or not vector or bias.shape[-1] != b.shape[1] or \
-            a.dtype != b.dtype or bias.dtype != a.dtype or not bi_supported(a, b, bias):
+            a.dtype != b.dtype or bias.dtype != a.dtype:
         return None
+    if not bi_supported(a, b, bias):
+        return _on_gpu(a, b, bias.reshape(-1))
     return bi_gemm(a, b, bias.reshape(-1), chunk=BI_CHUNK)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     if a.dtype != b.dtype or not bi_supported(a, b):
-        return None
+        return _on_gpu(a, b)
     return bi_gemm(a, b, chunk=0)
 
 
