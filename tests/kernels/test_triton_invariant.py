@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
-from fp4rl.kernels import triton_invariant  # noqa: E402
-from fp4rl.nn.invariant import batch_invariant  # noqa: E402
+from fp4rl.kernels import triton_invariant
+from fp4rl.nn.invariant import batch_invariant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

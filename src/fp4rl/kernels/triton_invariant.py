@@ -6,8 +6,8 @@ This kernel takes one tile configuration for every shape and never splits K: eac
 tile walks K in ``BLOCK_K`` steps, in order, accumulating ``tl.dot`` products in float32,
 so an output's sequence of operations depends on K alone (vLLM's batch-invariant mode does
 the same). bf16 operands multiply on the tensor cores as TF32, in which every bf16 value is
-exact, with float32 accumulation; float32 operands in IEEE precision (no TF32 rounding). The bias joins the float32 accumulator; the output
-is rounded once.
+exact, with float32 accumulation; float32 operands in IEEE precision (no TF32 rounding).
+The bias joins the float32 accumulator; the output is rounded once.
 
 The launcher is the ``fp4rl::bi_mm`` operator (a fake implementation gives shapes on the
 ``meta`` device and under ``torch.compile``), which
@@ -45,7 +45,7 @@ def _bi_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, 
                     mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
-        if IEEE:  # noqa: SIM108  (a constexpr branch: Triton compiles one side)
+        if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:  # bf16 values are exact in TF32 (10 mantissa bits): tensor cores, no rounding
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
