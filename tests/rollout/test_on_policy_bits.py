@@ -114,6 +114,66 @@ def test_resq_the_rollout_policy_scored_by_the_trainer_reproduces_the_engine(dty
     assert not torch.equal(train_scored[mask], engine)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "scale", "dtype"), [
+    ("hif4", "dynamic", torch.float32), ("torchao-nvfp4", "static", torch.bfloat16)])
+def test_the_embedded_model_scores_the_engines_tokens_with_its_bits(recipe, scale, dtype):
+    """SmolLM2-135M: four built-in prompts of different lengths, three samples each."""
+    from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
+    from fp4rl.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    quantize_model(model.eval(), get_recipe(recipe).with_nvfp4_scale(scale),
+                   batch_invariant=True)
+    prompts = [p.reshape(-1).tolist() for p in encode_prompts(tok, BUILTIN_PROMPTS[:4])]
+    prompts = [p for p in prompts for _ in range(3)]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with torch.no_grad(), fp4rl.rollout_mode(model), autocast:
+        batch = generate(model, prompts, SamplingConfig(max_new_tokens=16),
+                         pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
+                         generator=row_generators(range(len(prompts))))
+    ids, attention = batch.sequences()
+    mask = batch.response_mask.bool()
+    with torch.no_grad(), fp4rl.train_mode(model), autocast:
+        for size in (12, 5):
+            scored = torch.cat([response_logprobs(model, ids[i:i + size],
+                                                  attention[i:i + size],
+                                                  batch.prompt_ids.shape[1])[0]
+                                for i in range(0, len(ids), size)])
+            assert torch.equal(scored[mask], batch.logprobs[mask])
+
+
+def test_the_gemms_a_gpu_runs_are_the_ops_vllms_batch_invariant_mode_replaces():
+    """fp4rl's GEMM (the vLLM method's on a GPU, where no prepacked CPU kernel applies)
+    issues ``aten.mm`` / ``aten.addmm`` alone: the ops vLLM's batch-invariant mode
+    (``VLLM_BATCH_INVARIANT=1``) replaces, so the method is batch-invariant under it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp4rl.gemm import mm, quantize_operand
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
+    bias = torch.randn(32, generator=g)
+    for fmt in ("hif4", "nvfp4", "nvfp4_per_token"):
+        for dtype in (torch.bfloat16, torch.float32):
+            qx = quantize_operand(x, fmt).to(dtype)
+            qw = quantize_operand(w, get_recipe(fmt).rollout.weights).to(dtype)
+            with Ops() as ops:
+                mm([qx, qx], qw.t(), dtype, bias.to(dtype))  # ResQ's two terms
+                mm(qx, qw.t(), dtype, bias.to(dtype))
+            gemms = {op for op in ops.seen if "mm" in op or "matmul" in op or "dot" in op}
+            assert gemms and gemms <= {"aten.mm", "aten.addmm"}, (fmt, dtype, gemms)
+
+
 def _gemm_depends_on_rows() -> bool:
     """Whether this machine's default fp32 GEMM gives one row different bits alone than
     beside others, at the tiny model's shapes (most BLAS libraries do)."""
