@@ -15,7 +15,11 @@ the device's name. The stages:
 5. ``vllm``: an engine per recipe with the fp4rl method (compiled, CUDA graphs on), its
    greedy log-probs against fp4rl's rollout policy before and after a refit (skipped
    where vLLM is not installed; each recipe's figures are printed as they exist);
-6. ``demo``: ``fp4rl demo`` on the device, its wall clock and report.
+6. ``demo``: ``fp4rl demo`` on the device, its wall clock and report;
+7. ``invariant``: on-policy to the bit on the device: a tiny Llama with ``batch_invariant``
+   (the Triton GEMM ``fp4rl::bi_mm``; torch's CUDA softmax and mean), the engine's
+   log-probs against the trainer's for ``bf16`` and ``hif4`` in fp32 and bf16, and the
+   GEMM's time against ``torch.mm`` at 512 x 2048 -> 11008.
 
 ``--only`` and ``--skip`` choose stages. docs/gpu.md says how to carry vLLM and the embedded
 model to a GPU machine without network, and holds the runs.
@@ -113,6 +117,49 @@ def stage_train(device: str, quick: bool) -> dict[str, Any]:
                "grpo.max_response_length": 4} if quick else None
     return common.report(train.run(repeats=1 if quick else 3, changes=changes,
                                    device=device))
+
+
+def stage_invariant(device: str, quick: bool) -> dict[str, Any]:
+    import fp4rl
+    from fp4rl.models import tiny_model
+    from fp4rl.nn import get_recipe, quantize_model
+    from fp4rl.rollout.batch import SamplingConfig
+    from fp4rl.rollout.kv_cache import generate
+    from fp4rl.rollout.logprobs import response_logprobs
+    from fp4rl.rollout.sampling import row_generators
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 128, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    prompts = [p for p in prompts for _ in range(3)]
+    equal: dict[str, object] = {}
+    for recipe in ("bf16", "hif4"):
+        for label, mp in (("fp32", "no"), ("bf16", "bf16")):
+            model = quantize_model(tiny_model("llama")[0].eval().to(device), get_recipe(recipe),
+                                   batch_invariant=True)
+            with torch.no_grad(), fp4rl.rollout_mode(model), autocast(torch.device(device), mp):
+                batch = generate(model, prompts, SamplingConfig(max_new_tokens=12),
+                                 pad_token_id=3, eos_token_ids=[2, 7, 9],
+                                 generator=row_generators(range(9), device))
+            ids, att = batch.sequences()
+            mask = batch.response_mask.bool()
+            with torch.no_grad(), fp4rl.train_mode(model), autocast(torch.device(device), mp):
+                diffs = [(torch.cat([response_logprobs(model, ids[i:i + n], att[i:i + n],
+                                                       batch.prompt_ids.shape[1])[0]
+                                     for i in range(0, 9, n)])[mask]
+                          - batch.logprobs[mask]).abs().max().item() for n in (9, 4, 1)]
+            equal[f"{recipe}.{label}"] = {"max_abs_diff_by_micro_batch": diffs,
+                                          "bit_equal": all(d == 0 for d in diffs)}
+    timing: dict[str, float] = {}
+    if device.startswith("cuda") and not quick:
+        from fp4rl.kernels import triton_invariant
+
+        a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
+        w = torch.randn(11008, 2048, device=device, dtype=torch.bfloat16)
+        times = common.measure({"torch.mm": lambda: a @ w.t(),
+                                "fp4rl::bi_mm": lambda: triton_invariant.bi_mm(a, w.t())},
+                               repeats=20)
+        timing = {k: t.median for k, t in times.items()}
+    return {"engine_vs_trainer": equal, "gemm_seconds": timing}
 
 
 def stage_demo(device: str, quick: bool, output: Path) -> dict[str, Any]:
@@ -262,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "linear": lambda: stage_linear(d, q), "rollout": lambda: stage_rollout(d, q),
         "train": lambda: stage_train(d, q),
         "vllm": lambda: stage_vllm(d, q, tuple(args.vllm_recipes)),
-        "demo": lambda: stage_demo(d, q, out)}
+        "demo": lambda: stage_demo(d, q, out), "invariant": lambda: stage_invariant(d, q)}
     records = {name: run_stage(name, fn, out) for name, fn in stages.items()
                if name not in args.skip and (not args.only or name in args.only)}
     summary = {"device": d, "device_name": device_name(d), "quick": q,
