@@ -105,3 +105,15 @@ def test_a_static_scale_is_fixed_per_weight_version_and_shared_by_both_policies(
     assert torch.equal(layer._fixed_scale[1], get_format("nvfp4").tensor_scale(louder))
     assert float(get_format("nvfp4").tensor_scale(louder)) == \
         pytest.approx(float(louder.abs().max()) / TENSOR_RANGE)
+
+
+def test_the_vllm_plugin_refuses_a_static_scale_in_one_line():
+    """vLLM's method scales each call's activations; it keeps no layer scale, so a static
+    one would silently run dynamic there."""
+    from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
+
+    with pytest.raises(VLLMError, match="need the layer's fixed scale"):
+        rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale("static"))
+    assert rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale("pow2"))
+    with pytest.raises(ConfigError, match="need the layer's fixed scale"):
+        load_config(None, ["recipe=nvfp4", "nvfp4_scale=static", "rollout.engine=vllm"])

@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from fp4rl.errors import UserError
+from fp4rl.formats.nvfp4 import NVFP4, ScaleRule
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.version import __version__
@@ -72,6 +73,11 @@ def rollout_recipe(recipe: Recipe | str) -> Recipe:
                         f"plug-in supports {', '.join(supported_recovery())} (ResQ with "
                         "dense, n:m, channel or block sparsity); use rollout.engine=hf for "
                         f"{method}")
+    act = recipe.rollout.activations
+    if isinstance(act, NVFP4) and act.scale_rule is ScaleRule.STATIC:
+        raise VLLMError(f"rollout activations {act} need the layer's fixed scale, which the "
+                        "vLLM plug-in does not keep (it scales each call's activations): use "
+                        "rollout.engine=hf, or nvfp4_scale=pow2 or dynamic")
     return recipe
 
 
