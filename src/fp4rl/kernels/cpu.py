@@ -221,43 +221,35 @@ def bi_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return out if batched else out[0]
 
 
+def _row_kernel(kernel: str, x: torch.Tensor, reduce: bool, out_dtype: torch.dtype | None,
+                *flags: int) -> torch.Tensor:
+    """Run the C row kernel ``kernel`` over the rows along ``x``'s last axis, writing a
+    row of the same length or (``reduce``) one value a row, the axis kept."""
+    lib = load_library()
+    assert lib is not None, "check bi_supported() first"
+    rows = x.contiguous()
+    length = rows.shape[-1] if rows.dim() else 1
+    out = torch.empty((*rows.shape[:-1], 1) if reduce else rows.shape,
+                      dtype=out_dtype or x.dtype)
+    getattr(lib, kernel)(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
+                         _BI_DTYPES[out.dtype], rows.numel() // max(length, 1), length, *flags,
+                         _threads(rows))
+    return out
+
+
 def bi_softmax(x: torch.Tensor, log: bool, out_dtype: torch.dtype | None = None
                ) -> torch.Tensor:
     """Softmax (or log-softmax) along the last axis, each row on its own (see
     ``invariant.c``)."""
-    lib = load_library()
-    assert lib is not None, "check bi_supported() first"
-    rows = x.contiguous()
-    out = torch.empty(rows.shape, dtype=out_dtype or x.dtype)
-    length = rows.shape[-1] if rows.dim() else 1
-    count = rows.numel() // max(length, 1)
-    lib.fp4rl_bi_softmax(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
-                         _BI_DTYPES[out.dtype], count, length, int(log), _threads(rows))
-    return out
+    return _row_kernel("fp4rl_bi_softmax", x, False, out_dtype, int(log))
 
 
 def bi_logsumexp(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``max + log(sum(exp(x - max)))`` along the last axis, the axis kept (size 1), each
     row on its own: what :func:`bi_softmax`'s log-softmax subtracts."""
-    lib = load_library()
-    assert lib is not None, "check bi_supported() first"
-    rows = x.contiguous()
-    length = rows.shape[-1]
-    out = torch.empty((*rows.shape[:-1], 1), dtype=out_dtype or x.dtype)
-    lib.fp4rl_bi_softmax(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
-                         _BI_DTYPES[out.dtype], rows.numel() // max(length, 1), length, 2,
-                         _threads(rows))
-    return out
+    return _row_kernel("fp4rl_bi_softmax", x, True, out_dtype, 2)
 
 
 def bi_row_mean(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The mean along the last axis, the axis kept (size 1), each row on its own."""
-    lib = load_library()
-    assert lib is not None, "check bi_supported() first"
-    rows = x.contiguous()
-    length = rows.shape[-1]
-    out = torch.empty((*rows.shape[:-1], 1), dtype=out_dtype or x.dtype)
-    lib.fp4rl_bi_row_mean(rows.data_ptr(), _BI_DTYPES[rows.dtype], out.data_ptr(),
-                          _BI_DTYPES[out.dtype], rows.numel() // max(length, 1), length,
-                          _threads(rows))
-    return out
+    return _row_kernel("fp4rl_bi_row_mean", x, True, out_dtype)
