@@ -100,9 +100,11 @@ def test_bench_train_splits_a_step_into_phases(tmp_path, tiny_llama_dir):
     assert main(["bench", "train", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    # on-policy: no old-log-prob pass, no row for it
+    # on-policy: the old-log-prob pass scores the rows that do not train alone (NeMo-RL's
+    # every-token metrics)
     assert [r["name"] for r in results] == [f"train.{p}.fp4_vs_bf16" for p in
-                                            ("rollout", "reward", "update", "step")]
+                                            ("rollout", "reward", "old_logprob", "update",
+                                             "step")]
     step = results[-1]
     parts = sum(r["candidate_times"][0] for r in results[:-1])
     assert step["candidate_times"][0] == pytest.approx(parts, abs=1e-4)

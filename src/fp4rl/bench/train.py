@@ -6,8 +6,9 @@ three training GEMMs, HiF4 + ResQ-2:4 rollout). Their steps are interleaved, so 
 same machine load; each phase's time is the median over the repeats. The phases are the
 trainer's own timers: rollout (KV-cache sampling in the rollout policy), reward, old-log-
 prob recomputation (teacher forcing in the training policy; on-policy, the default, the
-update's own forward gives them and this phase has no row) and update (loss, backward,
-optimizer step).
+update's own forward gives them for the rows that train, and this phase scores the rows
+that do not, for NeMo-RL's every-token metrics; with ``grpo.mismatch_tokens: trained`` it
+has no row) and update (loss, backward, optimizer step).
 
 Both trainers do the same work, so that the ratios compare precisions and not luck: every
 response runs to the length limit (no EOS) and the reward is a fixed pseudo-random sequence,
@@ -88,11 +89,14 @@ def run(model_name: str = "smollm2-135m", repeats: int = 3,
                 for phase in PHASES:
                     times[key][phase].append(m.get(f"time/{phase}", 0.0))
                 times[key]["step"].append(sum(m.get(f"time/{p}", 0.0) for p in PHASES))
-        # an on-policy step (the default) runs no old-log-prob pass, fp4rl's engine no
-        # refit: no row for what neither side ran
-        # the refit has no counterpart in fp4rl's engine: no ratio row, its time is named
-        # on the step's row (which includes it)
-        skip = {"old_logprob", "refit"} if trainers[cand].on_policy else {"refit"}
+        # an on-policy step measuring the rows that train alone runs no old-log-prob pass
+        # (with NeMo-RL's every-token metrics, the default, it scores the rows that do
+        # not train): no row for what neither side ran; the refit has no counterpart in
+        # fp4rl's engine: no ratio row, its time is named on the step's row (which
+        # includes it)
+        no_pass = trainers[cand].on_policy and \
+            trainers[cand].cfg.grpo.mismatch_tokens == "trained"
+        skip = {"old_logprob", "refit"} if no_pass else {"refit"}
         done = [p for p in (*PHASES, "step") if p not in skip]
     refit = median(times[cand]["refit"])
     return [Comparison(f"train.{phase}.{cand}_vs_{base}", cand, base, times[cand][phase],
