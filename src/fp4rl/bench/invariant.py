@@ -25,9 +25,9 @@ from fp4rl.rollout.kv_cache import generate
 from fp4rl.rollout.logprobs import response_logprobs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: the GPU design's expected cost (docs/training.md): vLLM reports 20-35% for its
-#: batch-invariant Triton kernels on an H100
-GPU_EXPECTATION = "GPU (Triton, fixed tiles): ~1.2-1.35x expected, not measured here"
+#: what the table does not cover (docs/training.md)
+GPU_EXPECTATION = ("GPU (the Triton GEMM fp4rl::bi_mm): not timed here; "
+                   "benchmarks/gpu_check.py --only invariant times it on a GPU")
 
 
 def run(model_name: str, recipe: str = "hif4", batch: int = 8, new_tokens: int = 32,
