@@ -18,7 +18,7 @@ from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, get_recipe, quantize_model
 from fp4rl.nn.invariant import batch_invariant, is_batch_invariant, tokens_fed
 from fp4rl.rl.logprobs import response_logprobs
-from fp4rl.rollout.batch import SamplingConfig
+from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
 from fp4rl.rollout.kv_cache import generate
 from fp4rl.rollout.sampling import row_generators
 
@@ -46,27 +46,44 @@ def _prompts() -> list[list[int]]:
     return [p for p in prompts for _ in range(3)]
 
 
-def _engine_and_trainer(model: torch.nn.Module, dtype: torch.dtype,
-                        micro_batches: tuple[int, ...] = (9, 4, 1)
-                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The engine's log-probs of its sampled tokens, and the trainer's log-probs of the
-    same tokens at each micro-batch size (the response tokens alone)."""
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
-    with torch.no_grad(), fp4rl.rollout_mode(model), autocast:
-        batch = generate(model, _prompts(), sampling, pad_token_id=3, eos_token_ids=EOS,
-                         generator=row_generators(range(9)))
-    assert not bool(batch.finished.all()) and bool(batch.finished.any())  # EOS mid-batch
+def _autocast(dtype: torch.dtype) -> torch.autocast:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+
+def _rollout(model: torch.nn.Module, dtype: torch.dtype, prompts: list[list[int]],
+             pad: int = 3, eos: list[int] = EOS, new_tokens: int = 12) -> RolloutBatch:
+    """The engine's rollout of ``prompts`` (one prefill per distinct prompt, then KV-cache
+    decode steps, rows dropping out at EOS), each row under its own seed."""
+    with torch.no_grad(), fp4rl.rollout_mode(model), _autocast(dtype):
+        return generate(model, prompts, SamplingConfig(max_new_tokens=new_tokens), pad_token_id=pad,
+                        eos_token_ids=eos, generator=row_generators(range(len(prompts))))
+
+
+def _scored(model: torch.nn.Module, batch: RolloutBatch, dtype: torch.dtype,
+            micro_batches: tuple[int, ...], policy=fp4rl.train_mode) -> list[torch.Tensor]:
+    """The log-probs of ``batch``'s sampled tokens as the trainer scores them, in ``policy``,
+    at each micro-batch size (the response tokens alone)."""
     ids, attention = batch.sequences()
     mask = batch.response_mask.bool()
     scored = []
-    with torch.no_grad(), fp4rl.train_mode(model), autocast:
+    with torch.no_grad(), policy(model), _autocast(dtype):
         for size in micro_batches:
             parts = [response_logprobs(model, ids[i:i + size], attention[i:i + size],
                                        batch.prompt_ids.shape[1])[0]
                      for i in range(0, len(ids), size)]
             scored.append(torch.cat(parts)[mask])
-    return batch.logprobs[mask], scored
+    return scored
+
+
+def _engine_and_trainer(model: torch.nn.Module, dtype: torch.dtype,
+                        micro_batches: tuple[int, ...] = (9, 4, 1)
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The engine's log-probs of its sampled tokens, and the trainer's log-probs of the
+    same tokens at each micro-batch size."""
+    batch = _rollout(model, dtype, _prompts())
+    assert not bool(batch.finished.all()) and bool(batch.finished.any())  # EOS mid-batch
+    return batch.logprobs[batch.response_mask.bool()], _scored(model, batch, dtype,
+                                                               micro_batches)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -99,19 +116,12 @@ def test_resq_the_rollout_policy_scored_by_the_trainer_reproduces_the_engine(dty
     """ResQ's two policies differ by design: the trainer scoring with the rollout policy
     reproduces the engine to the bit, so what is left is that designed mismatch."""
     model = _model("hif4+resq-2:4", "dynamic", True)
-    engine, _ = _engine_and_trainer(model, dtype, ())
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
-    with torch.no_grad(), fp4rl.rollout_mode(model), autocast:
-        batch = generate(model, _prompts(), sampling, pad_token_id=3, eos_token_ids=EOS,
-                         generator=row_generators(range(9)))
-        ids, attention = batch.sequences()
-        rollout_scored = response_logprobs(model, ids, attention, batch.prompt_ids.shape[1])[0]
-    with torch.no_grad(), fp4rl.train_mode(model), autocast:
-        train_scored = response_logprobs(model, ids, attention, batch.prompt_ids.shape[1])[0]
-    mask = batch.response_mask.bool()
-    assert torch.equal(rollout_scored[mask], engine)
-    assert not torch.equal(train_scored[mask], engine)
+    batch = _rollout(model, dtype, _prompts())
+    engine = batch.logprobs[batch.response_mask.bool()]
+    [rollout_scored] = _scored(model, batch, dtype, (9,), fp4rl.rollout_mode)
+    [train_scored] = _scored(model, batch, dtype, (9,))
+    assert torch.equal(rollout_scored, engine)
+    assert not torch.equal(train_scored, engine)
 
 
 @pytest.mark.slow
@@ -126,21 +136,11 @@ def test_the_embedded_model_scores_the_engines_tokens_with_its_bits(recipe, scal
     quantize_model(model.eval(), get_recipe(recipe).with_nvfp4_scale(scale),
                    batch_invariant=True)
     prompts = [p.reshape(-1).tolist() for p in encode_prompts(tok, BUILTIN_PROMPTS[:4])]
-    prompts = [p for p in prompts for _ in range(3)]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    with torch.no_grad(), fp4rl.rollout_mode(model), autocast:
-        batch = generate(model, prompts, SamplingConfig(max_new_tokens=16),
-                         pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
-                         generator=row_generators(range(len(prompts))))
-    ids, attention = batch.sequences()
-    mask = batch.response_mask.bool()
-    with torch.no_grad(), fp4rl.train_mode(model), autocast:
-        for size in (12, 5):
-            scored = torch.cat([response_logprobs(model, ids[i:i + size],
-                                                  attention[i:i + size],
-                                                  batch.prompt_ids.shape[1])[0]
-                                for i in range(0, len(ids), size)])
-            assert torch.equal(scored[mask], batch.logprobs[mask])
+    batch = _rollout(model, dtype, [p for p in prompts for _ in range(3)], tok.pad_token_id,
+                     [tok.eos_token_id], 16)
+    engine = batch.logprobs[batch.response_mask.bool()]
+    for scored in _scored(model, batch, dtype, (12, 5)):
+        assert torch.equal(scored, engine)
 
 
 def test_the_gemms_a_gpu_runs_are_the_ops_vllms_batch_invariant_mode_replaces():

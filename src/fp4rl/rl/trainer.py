@@ -369,7 +369,7 @@ class Trainer:
             idle_logp = self._no_grad_logprobs(self.model, seqs, idle)
         logprob_time = time.perf_counter() - start
         seen = _OldLogprobs(mask, old_logp)
-        data = _UpdateBatch(batch, seqs, advantages, mask, seen, ref_logp)
+        data = _UpdateBatch(batch, seqs, advantages, mask, seen, ref_logp, trains)
         stats: dict[str, list[float]] = {}
         tokens = 0
         start = time.perf_counter()
@@ -437,7 +437,7 @@ class Trainer:
         batch, seqs, advantages, mask, ref_logp = (data.batch, data.seqs, data.advantages,
                                                    data.mask, data.ref_logp)
         self.optimizer.zero_grad(set_to_none=True)
-        active = rows if ref_logp is not None else rows[advantages[rows] != 0]
+        active = rows[data.trains[rows]]
         seq_mode = loss_cfg.loss_agg_mode == "seq-mean-token-mean"
         denominator = len(rows) if seq_mode else mask[rows].sum().clamp_min(1).item()
         micros = self._micro_batches(active)
@@ -589,8 +589,9 @@ class _OldLogprobs:
 @dataclass(frozen=True)
 class _UpdateBatch:
     """What every mini-batch step of one update reads: the step's rollout batch, its
-    sequences, advantages and response mask, the old policy's log-probs and the
-    reference policy's (None without a KL term)."""
+    sequences, advantages and response mask, the old policy's log-probs, the reference
+    policy's (None without a KL term) and which rows train (a non-zero advantage, or every
+    row with a KL term)."""
 
     batch: RolloutBatch
     seqs: _Sequences
@@ -598,6 +599,7 @@ class _UpdateBatch:
     mask: torch.Tensor
     old: _OldLogprobs
     ref_logp: torch.Tensor | None
+    trains: torch.Tensor
 
 
 def _fp32_masters(model: torch.nn.Module, log: Callable[[str], None]) -> torch.nn.Module:
