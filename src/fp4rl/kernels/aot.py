@@ -59,7 +59,8 @@ def compile_variant(variant: Any, target: str, keep_ir: bool = False) -> Compile
               "pointers": tuple(str(p).removeprefix("torch.") for p in variant.pointers)}
     try:
         source = ASTSource(variant.kernel, variant.signature(), constexprs=consts)
-        done = triton.compile(source, target=GPUTarget("cuda", arch, warp))
+        done = triton.compile(source, target=GPUTarget("cuda", arch, warp),
+                              options=dict(variant.options))
     except Exception as err:  # the compiler's refusal is the result
         return Compiled(**record, error=f"{type(err).__name__}: {err}"[:2000])
     return Compiled(**record, cubin_bytes=len(done.asm["cubin"]),

@@ -2,10 +2,11 @@
 
 A serving engine that keeps ``Q(W)`` as the format's codes and scales decodes them on
 every forward; on a GPU that must be one pass over the codes, not the reference decoder's
-float64 tensors. Each value is formed from its bit fields in float64, where every
-product of an element and its scale(s) is exact, and then rounded to float32 as the
-reference decoder rounds its float64 values: bit for bit the reference's output (tests
-compare them under ``TRITON_INTERPRET=1``). The fields are laid out as
+float64 tensors. Each value is formed from its bit fields in float32, where every
+product of an element and its scale(s) is exact (a few significant bits each; MXFP4's
+2^E is applied in two halves so that a subnormal value rounds once), so the output is
+the reference's float64 value rounded to float32, bit for bit (tests compare them under
+``TRITON_INTERPRET=1``), with no float64 instruction. The fields are laid out as
 :meth:`fp4rl.gemm.PackedOperand.row_fields` gives them: per row, the blocks' bytes in
 order.
 """
@@ -25,16 +26,16 @@ from fp4rl.kernels.triton_quant import Variant, _format, _pow2, _rows_per_progra
 
 @triton.jit
 def _e2m1(i):
-    """E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 of 3-bit indices, as float64."""
-    f = i.to(tl.float64)
+    """E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 of 3-bit indices, as float32."""
+    f = i.to(tl.float32)
     return tl.where(i < 4, 0.5 * f, tl.where(i < 6, f - 2.0, 2.0 * f - 8.0))
 
 
 @triton.jit
 def _e4m3(b):
-    """float64 value of E4M3 (fn) bytes (the NaN codes are masked by the caller)."""
+    """float32 value of E4M3 (fn) bytes (the NaN codes are masked by the caller)."""
     e = (b >> 3) & 0xF
-    m = (b & 7).to(tl.float64)
+    m = (b & 7).to(tl.float32)
     mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _pow2(e - 10))  # 2^-9 subnormals
     return tl.where((b & 0x80) != 0, -mag, mag)
 
@@ -57,16 +58,18 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
         l3 = tl.load(l3_ptr + rows * (blocks * 2) + block * 2 + quad // 8, mask=live,
                      other=0).to(tl.int32)
         d = ((l2 >> (within // 8)) & 1) + ((l3 >> (quad % 8)) & 1)
-        scale = (4.0 + (s & 3).to(tl.float64)) * _pow2((s >> 2) - 50)
-        mag = (code & 7).to(tl.float64) * _pow2(d - 2) * scale
+        scale = (4.0 + (s & 3).to(tl.float32)) * _pow2((s >> 2) - 50)
+        mag = (code & 7).to(tl.float32) * _pow2(d - 2) * scale
         nan = s == 0xFF
     elif FMT == 1:  # MXFP4: E2M1 * 2^(e - 127)
-        mag = _e2m1(code & 7) * _pow2(s - 127)
+        e = s - 127
+        half = e >> 1  # 2^e in two normal halves: 2^-127 itself is subnormal
+        mag = (_e2m1(code & 7) * _pow2(half)) * _pow2(e - half)
         nan = s == 0xFF
     else:  # NVFP4: E2M1 * E4M3 block scale (the per-tensor scale stays outside)
         nan = (s & 0x7F) == 0x7F
         mag = _e2m1(code & 7) * _e4m3(tl.where(nan, 0, s))
-    value = tl.where(neg, -mag, mag).to(tl.float32)
+    value = tl.where(neg, -mag, mag)
     quiet = tl.full(value.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     value = tl.where(nan, quiet, value)
     tl.store(y_ptr + rows * length + cols, value.to(y_ptr.dtype.element_ty),

@@ -1,11 +1,18 @@
 """Triton kernels: block fake quantization (HiF4, MXFP4, NVFP4 with its Four Over Six and
 16 x 16 tile variants, MXFP8) and fused ResQ.
 
-The arithmetic mirrors ``quant.c`` step for step and is exact: scales and products are
-formed in float64, where they fit without rounding, and the round-to-grid steps work
-on the bits of those exact values, so the output is bit-identical to the float64
-reference in :mod:`fp4rl.formats`. Float32 divisions use ``div_rn`` (Triton's default
-float32 division is approximate on GPUs).
+The arithmetic is exact and stays in float32 and int32 (a GPU runs float64 at a
+fraction of the rate, and a kernel near memory bandwidth has a budget of a few dozen
+instructions per value): the values are small integers times powers of two, so
+power-of-two scalings are exact, roundings of those work on the bits, a product that
+does not fit 24 bits is carried as two floats (TwoProd, one ``tl.fma``), a sum as two
+(TwoSum), and every decision that depends on an exact value (a rounding direction, a
+level, an E4M3 scale, an E2M1 element of ``x / s``) compares the exact value with a
+threshold that is itself exact, so no division is needed where its rounding could
+matter. The output is bit-identical to the float64 reference in :mod:`fp4rl.formats`.
+The one float64 step left is Four Over Six's choice, which compares two rounded
+float64 sums of squared errors as the reference does. Float32 divisions use ``div_rn``
+(Triton's default float32 division is approximate on GPUs).
 
 One program quantizes a tile of ``ROWS`` independent rows by one block of ``BS``
 values along the quantization axis. The axis is a stride, so a matrix is quantized
@@ -27,9 +34,10 @@ from fp4rl.kernels import QUANTIZE, KernelFormat
 from fp4rl.kernels.codes import FormatCode
 
 TILE_ELEMENTS = 2048
-#: 2^52: (t + 2^52) - 2^52 rounds 0 <= t < 2^52 to nearest even. A ``tl.constexpr``: the
-#: compiler refuses a plain Python global inside ``@triton.jit`` (the interpreter allows it).
-MAGIC = tl.constexpr(4503599627370496.0)
+#: 2^23: (t + 2^23) - 2^23 rounds 0 <= t < 2^23 to nearest even in float32. A
+#: ``tl.constexpr``: the compiler refuses a plain Python global inside ``@triton.jit`` (the
+#: interpreter allows it).
+MAGIC = tl.constexpr(8388608.0)
 #: the format codes (:class:`~fp4rl.kernels.codes.FormatCode`) as the kernels compare them
 #: (NVFP4 is what none of the others is)
 HIF4, MXFP4, MXFP8, NVFP4_4O6, NVFP4_TILES = (
@@ -47,47 +55,110 @@ TOKEN_SIZES = ("n_rows", "length", "snr")
 MAX_GROUP = 8
 #: what the ResQ kernel reads to form its two bf16 terms
 RESQ_TERMS_INPUTS = (torch.float32, torch.bfloat16)
+#: How every quantize, ResQ and decode kernel is compiled: without contracting a product
+#: and a sum into one fused multiply-add. The kernels' exact arithmetic (TwoProd, TwoSum,
+#: threshold comparisons) needs each written operation to round as written; where a fused
+#: multiply-add is wanted it is written as ``tl.fma``.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 #: CUDA's limit on the programs of a one-dimensional grid
 MAX_PROGRAMS = 2**31 - 1
 
 
 @triton.jit
 def _pow2(e):
-    """2^e as float64 for integer e in the normal range."""
-    return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    """2^e as float32 for integer e in [-126, 127] (a normal number, formed from its bits)."""
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _floor_log2(v):
-    """floor(log2 v) of a positive normal float64."""
-    return ((v.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
+    """floor(log2 v) of a positive normal float32; -127 for zero and subnormals (every
+    caller clamps its exponent at or above -127)."""
+    return ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
 @triton.jit
 def _round_frac_bits(v, FRAC: tl.constexpr):
-    """Round a non-negative float64 to FRAC fraction bits, ties to even."""
-    DROP: tl.constexpr = 52 - FRAC
-    u = v.to(tl.int64, bitcast=True)
+    """Round a non-negative normal float32 (or zero) to FRAC fraction bits, ties to even:
+    on its bits, so that no arithmetic rounds."""
+    DROP: tl.constexpr = 23 - FRAC
+    u = v.to(tl.int32, bitcast=True)
     u = u + ((1 << (DROP - 1)) - 1) + ((u >> DROP) & 1)
-    u = (u >> DROP) << DROP
-    return tl.where(v == 0.0, 0.0, u.to(tl.float64, bitcast=True))
+    return ((u >> DROP) << DROP).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _round_step(t, noise, HAS_NOISE: tl.constexpr):
-    """Nearest-even integer of t >= 0, or floor(t + u) for stochastic rounding."""
-    if HAS_NOISE:
-        return tl.floor(t + noise)
+def _rint(t):
+    """Nearest-even integer of float32 0 <= t < 2^23 (exact: the sum rounds once, to an
+    integer, and the difference is exact)."""
     return (t + MAGIC) - MAGIC
+
+
+@triton.jit
+def _two_prod(a, b):
+    """a * b as p + e exactly (p the rounded product, e its error, by one fused
+    multiply-add), for products clear of the subnormal range."""
+    p = a * b
+    return p, tl.fma(a, b, -p)
+
+
+@triton.jit
+def _two_sum(a, b):
+    """a + b as s + e exactly (Knuth's branch-free TwoSum: additions only, which the
+    compiler neither reassociates nor fuses)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@triton.jit
+def _at_least(p, e, c):
+    """Whether the exact value p + e (p = RN(p + e)) is >= the float32 c: RN is
+    monotone, so p decides unless p == c, where the sign of e does."""
+    return (p > c) | ((p == c) & (e >= 0.0))
+
+
+@triton.jit
+def _below(p, e, c):
+    """Whether the exact value p + e (p = RN(p + e)) is < the float32 c."""
+    return (p < c) | ((p == c) & (e < 0.0))
+
+
+@triton.jit
+def _floor_half_up(p, e):
+    """floor(p + e + 0.5) of the exact value p + e >= 0 (p = RN(p + e), below 2^22). The
+    float32 candidate k = floor(RN(p + 0.5)) is never too small (an integer below p + 0.5
+    is below its rounding too, and p + e >= n + 1/2 makes p >= n + 1/2), and at most one
+    too large, which one exact comparison finds."""
+    k = tl.floor(p + 0.5)
+    return k - _below(p, e, k - 0.5).to(tl.float32)
+
+
+@triton.jit
+def _floor_plus_noise(p, e, u):
+    """floor(p + e + u) exactly: p + e >= 0 exact (p = RN(p + e), below 2^22), u in [0, 1).
+    Two TwoSums carry the whole sum as s + d + dl; floor(s) is off by at most one, and
+    the comparison of d + dl with the distance from s to each integer is exact."""
+    s, es = _two_sum(p, u)
+    d, dl = _two_sum(es, e)
+    n = tl.floor(s)
+    up = _at_least(d, dl, (n + 1.0) - s)  # exact where it can hold: s >= 0.5
+    down = _below(d, dl, n - s)  # n - s exact (Sterbenz)
+    return n + up.to(tl.float32) - down.to(tl.float32)
 
 
 @triton.jit
 def _round_minifloat(v, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr,
                      HAS_NOISE: tl.constexpr):
-    """Minifloat rounding of v >= 0 with MBITS fraction bits and min normal exponent EMIN."""
-    e = tl.maximum(tl.where(v > 0.0, _floor_log2(v), EMIN), EMIN)
-    q = _round_step(v * _pow2(MBITS - e), noise, HAS_NOISE) * _pow2(e - MBITS)
-    return tl.minimum(q, VMAX)
+    """Minifloat rounding of float32 v >= 0 with MBITS fraction bits and min normal
+    exponent EMIN: v / step is exact (a power of two), so is its rounding."""
+    e = tl.maximum(_floor_log2(v), EMIN)
+    t = v * _pow2(MBITS - e)
+    if HAS_NOISE:  # noqa: SIM108 (a compile-time branch: one side is compiled)
+        q = _floor_plus_noise(t, 0.0, noise)
+    else:
+        q = _rint(t)
+    return tl.minimum(q * _pow2(e - MBITS), VMAX)
 
 
 @triton.jit
@@ -97,54 +168,120 @@ def _expand(v, ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _hif4_scale(amax):
+    """HiF4's group scale: amax * 73/512 rounded to 8 significant bits, clamped to
+    [2^-48, 49152], rounded to 3 (formats.md). The product is exact as p + e, and the
+    first rounding reads e only where p lies on a tie."""
+    p, e = _two_prod(amax, 0.142578125)
+    u = p.to(tl.int32, bitcast=True)
+    tie = (u & 0xFFFF) == 0x8000
+    cut = (u >> 16) << 16
+    s = tl.where(tie & (e > 0.0), cut + 0x10000,
+                 tl.where(tie & (e < 0.0), cut, _round_frac_bits(p, 7).to(tl.int32, bitcast=True)))
+    s = s.to(tl.float32, bitcast=True)  # below 2^-126 the product's error is not exact,
+    s = tl.minimum(tl.maximum(s, 3.552713678800501e-15), 49152.0)  # but the clamp decides
+    return _round_frac_bits(s, 2)
+
+
+@triton.jit
 def _hif4_mag(a, noise, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
-    """|Q(x)| of finite (ROWS, 64) blocks of |x| (formats.md, HiF4)."""
-    v16 = tl.max(tl.reshape(a, (ROWS, 16, 4)), axis=2).to(tl.float64)
+    """|Q(x)| of finite (ROWS, 64) blocks of |x| (formats.md, HiF4), in float32: every
+    product of a value and the 8-bit reciprocal is carried exactly (TwoProd), and each
+    comparison and rounding reads the exact value."""
+    v16 = tl.max(tl.reshape(a, (ROWS, 16, 4)), axis=2)
     v8 = tl.max(tl.reshape(v16, (ROWS, 8, 2)), axis=2)
-    amax = tl.max(v8, axis=1)
-    s = _round_frac_bits(amax * 0.142578125, 7)
-    s = _round_frac_bits(tl.minimum(tl.maximum(s, 3.552713678800501e-15), 49152.0), 2)
-    r = _round_frac_bits(1.0 / s, 7)
-    c8 = _expand(tl.where(v8 * r[:, None] >= 4.0, 1.0, 0.0), ROWS, 8, 2)
-    d = c8 + tl.where(v16 * r[:, None] >= 2.0 + 2.0 * c8, 1.0, 0.0)
-    fin = _expand(4.0 * r[:, None] * (1.0 - 0.5 * d + 0.125 * d * (d - 1.0)), ROWS, 16, 4)
-    fout = _expand(0.25 * s[:, None] * (1.0 + d + 0.5 * d * (d - 1.0)), ROWS, 16, 4)
-    if HAS_NOISE:
-        q = tl.floor(a.to(tl.float64) * fin + noise)  # stochastic: floor(t + u)
+    s = _hif4_scale(tl.max(v8, axis=1))
+    r = _round_frac_bits(tl.math.div_rn(tl.zeros_like(s) + 1.0, s), 7)[:, None]
+    p8, e8 = _two_prod(v8, r)
+    c8 = _at_least(p8, e8, 4.0).to(tl.float32)
+    c8e = _expand(c8, ROWS, 8, 2)
+    p16, e16 = _two_prod(v16, r)
+    d = c8e + _at_least(p16, e16, 2.0 + 2.0 * c8e).to(tl.float32)
+    # x * r * 2^(2 - d), and the output step s * 2^(d - 2): d = 0, 1, 2 levels down
+    d4 = _expand(d, ROWS, 16, 4)
+    fin = r * tl.where(d4 == 0.0, 4.0, tl.where(d4 == 1.0, 2.0, 1.0))
+    fout = s[:, None] * tl.where(d4 == 0.0, 0.25, tl.where(d4 == 1.0, 0.5, 1.0))
+    p, e = _two_prod(a, fin)
+    if HAS_NOISE:  # noqa: SIM108 (a compile-time branch: one side is compiled)
+        q = _floor_plus_noise(p, e, noise)  # stochastic: floor(t + u)
     else:
-        q = tl.floor(a.to(tl.float64) * fin + 0.5)  # round half away (values are >= 0)
-    return (tl.minimum(q, 7.0) * fout).to(tl.float32)
+        q = _floor_half_up(p, e)  # round half away (values are >= 0)
+    return tl.minimum(q, 7.0) * fout
 
 
 @triton.jit
 def _mx_mag(a, amax, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.constexpr,
             SCALE_OFFSET: tl.constexpr, HAS_NOISE: tl.constexpr):
-    """|Q(x)| of finite MX blocks: shared power-of-two scale, minifloat elements."""
-    am = amax.to(tl.float64)
-    e = tl.maximum(tl.where(am > 0.0, _floor_log2(am) - SCALE_OFFSET, -127), -127)[:, None]
-    v = a.to(tl.float64) * _pow2(-e)
-    return (_round_minifloat(v, noise, MBITS, EMIN, VMAX, HAS_NOISE) * _pow2(e)).to(tl.float32)
+    """|Q(x)| of finite MX blocks: shared power-of-two scale 2^E, minifloat elements.
+    x * 2^-E is exact (or far below the element grid); 2^E is applied in two exact
+    halves so that a subnormal result rounds once, as the reference's cast does."""
+    e = tl.maximum(_floor_log2(amax) - SCALE_OFFSET, -127)[:, None]
+    v = a * _pow2(-e)
+    q = _round_minifloat(v, noise, MBITS, EMIN, VMAX, HAS_NOISE)
+    half = e >> 1
+    return (q * _pow2(half)) * _pow2(e - half)
+
+
+@triton.jit
+def _e4m3_scale(amax, TOP: tl.constexpr):
+    """The E4M3 block scale min(amax / TOP, 448) rounded to nearest even, of the exact
+    quotient. The float32 quotient rounds to the same E4M3 value: TOP is 4 (exact) or 6,
+    and an E4M3 midpoint M has 5 significant bits, so 6M is a float32 and the float32
+    amax nearest to it but not it lies an ulp of 6M (at least 4 ulps of M) away; its
+    quotient is then at least 2/3 of an ulp of M from M, which the quotient's rounding
+    (half an ulp) cannot reach or cross. A midpoint is hit only when it is exact."""
+    m = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + TOP), 448.0)
+    em = tl.maximum(_floor_log2(m), -6)
+    return _rint(m * _pow2(3 - em)) * _pow2(em - 3)
+
+
+@triton.jit
+def _e2m1_value(k):
+    """E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 of float indices 0-7."""
+    return tl.where(k <= 4.0, 0.5 * k, tl.where(k == 7.0, 6.0, k - 2.0))
 
 
 @triton.jit
 def _nvfp4_scaled(a, amax, noise, TOP: tl.constexpr, HAS_NOISE: tl.constexpr):
-    """|Q(x)| in float64 of finite NVFP4 blocks whose E4M3 scale maps amax to TOP."""
-    s = tl.minimum(amax.to(tl.float64) / TOP, 448.0)
-    s = _round_minifloat(s, 0.0, 3, -6, 448.0, False)[:, None]
-    v = tl.where(s > 0.0, a.to(tl.float64) / tl.where(s > 0.0, s, 1.0), 0.0)
-    return _round_minifloat(v, noise, 1, 0, 6.0, HAS_NOISE) * s
+    """|Q(x)| of finite NVFP4 blocks whose E4M3 scale s maps amax to TOP, without a
+    division: the E2M1 rounding of a / s compares a with grid midpoints times s (exact
+    products), ties to even; stochastic rounding compares a * 2^(1 - e) + u * s, carried
+    exactly, with multiples of s."""
+    s = _e4m3_scale(amax, TOP)[:, None]
+    if HAS_NOISE:
+        e = (a >= 2.0 * s).to(tl.float32) + (a >= 4.0 * s).to(tl.float32)
+        ae = a * tl.where(e == 0.0, 2.0, tl.where(e == 1.0, 1.0, 0.5))  # a * 2^(1 - e)
+        pu, eu = _two_prod(noise, s)
+        w, ew = _two_sum(ae, pu)
+        d, dl = _two_sum(ew, eu)
+        k = _at_least(d, dl, s - w).to(tl.float32)
+        k += _at_least(d, dl, 2.0 * s - w).to(tl.float32)
+        k += _at_least(d, dl, 3.0 * s - w).to(tl.float32)
+        k += _at_least(d, dl, 4.0 * s - w).to(tl.float32)
+        mag = tl.minimum(k * tl.where(e == 0.0, 0.5, tl.where(e == 1.0, 1.0, 2.0)), 6.0)
+    else:
+        k = (a > 0.25 * s).to(tl.float32) + (a >= 0.75 * s).to(tl.float32)
+        k += (a > 1.25 * s).to(tl.float32) + (a >= 1.75 * s).to(tl.float32)
+        k += (a > 2.5 * s).to(tl.float32) + (a >= 3.5 * s).to(tl.float32)
+        k += (a > 5.0 * s).to(tl.float32)
+        mag = _e2m1_value(k)
+    return tl.where(s > 0.0, mag * s, 0.0)
 
 
 @triton.jit
 def _nvfp4_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
     """|Q(x)| of finite NVFP4 blocks: E4M3 scale of amax / 6, E2M1 elements."""
-    return _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE).to(tl.float32)
+    return _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE)
 
 
 @triton.jit
 def _squared_error(q, a, ROWS: tl.constexpr):
     """Each (ROWS, 16) block's sum of (q - a)^2 in float64, added pairwise (neighbours,
-    then neighbouring pairs, ...): the order the reference adds in, so ties stay ties."""
+    then neighbouring pairs, ...): the order the reference adds in, so ties stay ties.
+    The one float64 step left in the quantizers: the reference compares two rounded
+    float64 sums, which float32 arithmetic cannot reproduce bit for bit."""
+    q = q.to(tl.float64)
+    a = a.to(tl.float64)
     e = (q - a) * (q - a)
     e = tl.sum(tl.reshape(e, (ROWS, 8, 2)), axis=2)
     e = tl.sum(tl.reshape(e, (ROWS, 4, 2)), axis=2)
@@ -156,11 +293,10 @@ def _squared_error(q, a, ROWS: tl.constexpr):
 def _nvfp4_4o6_mag(a, amax, noise, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
     """|Q(x)| of finite NVFP4 blocks under Four Over Six: the block scaled to a largest
     magnitude of 4 where that errs less than 6 (6 on a tie), the same noise for both."""
-    a64 = a.to(tl.float64)
     q6 = _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE)
     q4 = _nvfp4_scaled(a, amax, noise, 4.0, HAS_NOISE)
-    four = _squared_error(q4, a64, ROWS) < _squared_error(q6, a64, ROWS)
-    return tl.where(four[:, None], q4, q6).to(tl.float32)
+    four = _squared_error(q4, a, ROWS) < _squared_error(q6, a, ROWS)
+    return tl.where(four[:, None], q4, q6)
 
 
 @triton.jit
@@ -173,7 +309,11 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
         tiles = tl.max(tl.reshape(top, (ROWS // TILE_ROWS, TILE_ROWS)), axis=1)
         top = tl.reshape(tl.broadcast_to(tiles[:, None], (ROWS // TILE_ROWS, TILE_ROWS)),
                          (ROWS,))
-    amax = top.to(tl.float32, bitcast=True)
+    # a block holding NaN/Inf is replaced below; it is quantized as zeros meanwhile, so
+    # that no step computes with NaN or Inf
+    bad = top >= 0x7F800000
+    a = tl.where(bad[:, None], 0.0, a)
+    amax = tl.where(bad, 0, top).to(tl.float32, bitcast=True)
     if FMT == HIF4:
         mag = _hif4_mag(a, noise, ROWS, HAS_NOISE)
     elif FMT == MXFP4:
@@ -186,7 +326,7 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
         mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
     y = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     nan = tl.full(y.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where((top >= 0x7F800000)[:, None], nan, y)
+    return tl.where(bad[:, None], nan, y)
 
 
 @triton.jit
@@ -219,7 +359,7 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     noise = 0.0
     if HAS_NOISE:
         noise = tl.load(noise_ptr + rows * snr + cols * snc, mask=rows < n_rows,
-                        other=0.0).to(tl.float64)
+                        other=0.0).to(tl.float32)
     y = _quantize_tile(x, noise, FMT, ROWS, HAS_NOISE)
     if HAS_SCALE and RESCALE:
         y = y * g
@@ -302,6 +442,11 @@ class Variant:
     pointers: tuple[torch.dtype, ...]  # each pointer argument's element type, in order
     constants: tuple[tuple[str, int | bool], ...]
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The compiler options of every launch (:data:`COMPILE_OPTIONS`)."""
+        return dict(COMPILE_OPTIONS)
+
     def signature(self) -> dict[str, str]:
         """``triton.compile``'s signature: each argument's type (integers as i32, the type
         an unspecialized size below 2^31 gets)."""
@@ -318,7 +463,7 @@ class Variant:
         if got != self.pointers:
             raise TypeError(f"{self.kernel.__name__} launched with {got}, declared "
                             f"{self.pointers}")
-        self.kernel[grid](*args, **dict(self.constants))
+        self.kernel[grid](*args, **dict(self.constants), **COMPILE_OPTIONS)
 
 
 def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: bool,
