@@ -89,3 +89,36 @@ def test_a_launch_must_match_its_variant():
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="declared"):
         variant.launch((1,), x, x, x, x, 2, 64, 64, 1, 64, 1, 0, 0, x)
+
+
+def test_no_float64_and_no_spills_in_any_compiled_kernel(compiled):
+    """The SASS of every variant (nvdisasm from Triton's wheel): no float64 instruction,
+    which a GPU runs at a fraction of float32's rate, except in Four Over Six's choice
+    (it compares two float64 sums as the reference does; triton_quant's docstring), and
+    no local-memory access (a register spill) anywhere."""
+    from fp4rl.kernels.codes import FormatCode
+
+    assert all(c["fp64"] >= 0 for c in compiled["compiled"]), "nvdisasm missing"
+    four_over_six = int(FormatCode.NVFP4_4O6)
+    fp64 = [(c["kernel"], c["constants"], c["target"], c["fp64"], c["fp64_examples"])
+            for c in compiled["compiled"]
+            if c["fp64"] and c["constants"].get("FMT") != four_over_six]
+    assert fp64 == []
+    assert [c for c in compiled["compiled"] if c["constants"].get("FMT") == four_over_six
+            and c["fp64"]], "the Four Over Six exception is no longer needed: remove it"
+    spills = [(c["kernel"], c["constants"], c["target"], c["local"])
+              for c in compiled["compiled"] if c["local"]]
+    assert spills == []
+
+
+def test_sass_counts_find_float64_and_local_memory():
+    text = ("        /*0070*/                   DADD R24, R24, -R50 ;\n"
+            "        /*0080*/              @!P0 F2F.F64.F32 R2, R3 ;\n"
+            "        /*0090*/                   STL [R1], R4 ;\n"
+            "        /*00a0*/                   FADD R2, R3, R4 ;\n")
+    from unittest import mock
+
+    with mock.patch.object(aot, "sass", lambda cubin: text):
+        fp64, local, examples = aot.sass_counts(b"")
+    assert (fp64, local) == (2, 1)
+    assert examples[0].startswith("DADD")

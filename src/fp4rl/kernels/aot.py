@@ -37,6 +37,13 @@ class Compiled:
     cubin_bytes: int = 0
     error: str = ""
     ttir: str = ""
+    #: SASS instructions that compute in float64 (opcode D*, or a conversion to or from
+    #: .F64), and that read or write local memory (LDL/STL: register spills, or a
+    #: stack), counted in the cubin by nvdisasm; -1 where nvdisasm is missing
+    fp64: int = -1
+    local: int = -1
+    #: the first few such instructions, to say where
+    fp64_examples: tuple[str, ...] = ()
 
 
 def _interpreted() -> bool:
@@ -63,8 +70,59 @@ def compile_variant(variant: Any, target: str, keep_ir: bool = False) -> Compile
                               options=dict(variant.options))
     except Exception as err:  # the compiler's refusal is the result
         return Compiled(**record, error=f"{type(err).__name__}: {err}"[:2000])
+    fp64, local, examples = sass_counts(done.asm["cubin"])
     return Compiled(**record, cubin_bytes=len(done.asm["cubin"]),
-                    ttir=done.asm["ttir"] if keep_ir else "")
+                    ttir=done.asm["ttir"] if keep_ir else "", fp64=fp64, local=local,
+                    fp64_examples=examples)
+
+
+#: SASS opcodes that compute in float64 (Hopper and Blackwell): adds, multiplies, fused
+#: multiply-adds, comparisons, min/max, and the float64 reciprocal helpers
+FP64_OPCODES = ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DMMA", "DSET")
+
+
+def nvdisasm() -> str | None:
+    """The nvdisasm that ships in Triton's wheel (None where the wheel has none)."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "nvdisasm")
+    return path if os.access(path, os.X_OK) else None
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a cubin, as nvdisasm prints it ("" where nvdisasm is missing)."""
+    import subprocess
+    import tempfile
+
+    tool = nvdisasm()
+    if tool is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def sass_counts(cubin: bytes) -> tuple[int, int, tuple[str, ...]]:
+    """(float64 instructions, local-memory instructions, a few float64 examples) in a
+    cubin's SASS; (-1, -1, ()) where nvdisasm is missing."""
+    text = sass(cubin)
+    if not text:
+        return -1, -1, ()
+    fp64: list[str] = []
+    local = 0
+    for line in text.splitlines():
+        code = line.split("*/", 1)[-1].strip().lstrip("@!P0123456789T ").strip()
+        opcode = code.split(" ", 1)[0].rstrip(";")
+        if not opcode or not opcode[0].isalpha():
+            continue
+        if opcode.split(".")[0] in FP64_OPCODES or ".F64" in opcode:
+            fp64.append(code.rstrip(" ;"))
+        if opcode.split(".")[0] in ("LDL", "STL"):
+            local += 1
+    return len(fp64), local, tuple(fp64[:3])
 
 
 _JOBS: list[tuple[Any, str, bool]] = []
@@ -119,5 +177,5 @@ def specialization(variant: Any, args: tuple[Any, ...], target: str = "sm_90") -
     return repr(key)
 
 
-__all__ = ["TARGETS", "Compiled", "compile_all", "compile_variant", "narrow_offsets",
-           "specialization"]
+__all__ = ["FP64_OPCODES", "TARGETS", "Compiled", "compile_all", "compile_variant",
+           "narrow_offsets", "nvdisasm", "sass", "sass_counts", "specialization"]

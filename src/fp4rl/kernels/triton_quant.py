@@ -409,9 +409,18 @@ def _rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
 
 
-def grid_1d(n_rows: int, length: int, block: int) -> tuple[int]:
+def _resq_rows(block: int, group: int) -> int:
+    """The ResQ kernels' rows per program: half the quantizer's at the widest group, whose
+    ranking holds ROWS x block x group comparisons at once (at full height the two-term
+    kernels spill registers to local memory; the SASS test checks)."""
+    return _rows_per_program(block * (2 if group >= MAX_GROUP else 1))
+
+
+def grid_1d(n_rows: int, length: int, block: int,
+            rows_per_program: int | None = None) -> tuple[int]:
     """The one-dimensional grid of :func:`_tile`: a program per ``ROWS`` rows and block."""
-    programs = triton.cdiv(n_rows, _rows_per_program(block)) * triton.cdiv(length, block)
+    per = rows_per_program or _rows_per_program(block)
+    programs = triton.cdiv(n_rows, per) * triton.cdiv(length, block)
     if programs > MAX_PROGRAMS:
         raise ValueError(f"a ({n_rows}, {length}) matrix needs {programs} programs, over "
                          f"CUDA's {MAX_PROGRAMS}; quantize it in parts")
@@ -484,7 +493,7 @@ def resq_variant(fmt: KernelFormat, x: torch.dtype, group: int, terms: bool) -> 
     code, bs = _format(fmt)
     out = torch.bfloat16 if terms else torch.float32
     return Variant(_resq_kernel, (x, out, out),
-                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs)),
+                   (("FMT", code), ("BS", bs), ("ROWS", _resq_rows(bs, group)),
                     ("GROUP", group), ("TERMS", terms)))
 
 
@@ -571,7 +580,8 @@ def fused_resq(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> 
     rows = rows.contiguous()
     out = torch.empty_like(rows)
     resq_variant(fmt, rows.dtype, group, False).launch(
-        grid_1d(rows.shape[0], rows.shape[1], fmt.block_size), rows, out, out, rows.shape[0],
+        grid_1d(rows.shape[0], rows.shape[1], fmt.block_size,
+                _resq_rows(fmt.block_size, group)), rows, out, out, rows.shape[0],
         rows.shape[1], keep)
     return out
 
@@ -597,5 +607,6 @@ def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
     n = rows.shape[0]
     out = torch.empty(2 * n, rows.shape[1], dtype=torch.bfloat16, device=rows.device)
     resq_variant(fmt, rows.dtype, group, True).launch(
-        grid_1d(n, rows.shape[1], fmt.block_size), rows, out, out[n:], n, rows.shape[1], keep)
+        grid_1d(n, rows.shape[1], fmt.block_size, _resq_rows(fmt.block_size, group)), rows,
+        out, out[n:], n, rows.shape[1], keep)
     return out
