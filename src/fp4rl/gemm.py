@@ -234,15 +234,19 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
 
     float32: the dense operands are multiplied in fp32 (the reference simulation). bf16:
     the operands are cast to bf16 (exact), multiplied with fp32 accumulation, and the
-    per-tensor scales applied to the fp32 result. Several ``a`` terms share ``b`` (the two
-    GEMMs of Rollout-ResQ): they are stacked along the rows so ``b`` is read once, and
-    their products summed in fp32. The bias joins the fp32 accumulator, as in ``F.linear``
-    (an unquantized operand pair is then bit for bit ``nn.Linear`` under autocast).
+    per-tensor scales applied to the fp32 accumulators, which round to bf16 once (as a
+    block-scaled GEMM's epilogue does: rounding the product first and scaling after would
+    round twice). Several ``a`` terms share ``b`` (the two GEMMs of Rollout-ResQ): they are
+    stacked along the rows so ``b`` is read once, their fp32 products summed, the sum
+    rounded once. The bias joins the fp32 accumulator, as in ``F.linear`` (an unquantized
+    operand pair is then bit for bit ``nn.Linear`` under autocast).
 
-    ``matmul(rows, bias)`` replaces ``rows @ b.values (+ bias)`` in a low-precision dtype:
-    a serving engine's prepacked kernel for the same product, which must give the same bits
-    (vLLM's oneDNN GEMM does on CPU; tests/vllm_engine checks it layer by layer). ``b``'s
-    values are then not read (the kernel holds them).
+    ``matmul(rows, bias)`` replaces ``rows @ b.values (+ bias)`` for one unscaled term in a
+    low-precision dtype: a serving engine's prepacked kernel for the same product, which
+    must give the same bits (vLLM's oneDNN GEMM does on CPU; tests/vllm_engine checks it
+    layer by layer). ``b``'s values are then not read (the kernel holds them). A scaled or
+    several-term GEMM needs the fp32 products, which such a kernel does not return: it
+    reads ``b``'s values.
     """
     terms = a if isinstance(a, list) else [a]
     _check_scales(terms, b)
@@ -256,14 +260,14 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
         lhs = terms[0].values.to(dtype)
         return _addmm(lhs, b.values.to(dtype), bias, dtype) if matmul is None \
             else matmul(lhs, bias)
+    if matmul is not None and b.values.numel() == 0:
+        raise ValueError("a prepacked kernel returns products rounded to "
+                         f"{dtype}; a scaled or several-term GEMM needs them in fp32 "
+                         "(build the store without prepacking for it)")
     stacked = stack_rows([t.values.to(dtype) for t in terms])
-    products = stacked @ b.values.to(dtype) if matmul is None else matmul(stacked, None)
-    unscaled = b.scale is None and all(t.scale is None for t in terms)
-    if len(terms) == 2 and unscaled and bias is None and dtype == torch.bfloat16:
-        # bf16 addition upcasts both, adds in fp32 and rounds once: the same bits as the
-        # loop below, in one pass instead of four
-        rows = terms[0].values.shape[0]
-        return torch.add(products[:rows], products[rows:])
+    # the fp32 accumulators, unrounded: each term's scale and the sum of the terms are
+    # applied to them, and the result rounds to dtype once (as a GEMM epilogue does)
+    products = mm_fp32(stacked, b.values.to(dtype))
     y: torch.Tensor | None = None
     start = 0
     for t in terms:  # each term's product in fp32, scaled, summed in place (one pass each)
@@ -320,11 +324,22 @@ def stack_rows(values: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided(shape, strides)
 
 
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 (or fp16) operands with fp32 accumulation, returned in fp32
+    without rounding to the operands' dtype: on a GPU (and on ``meta``, which stands for
+    it) one GEMM with an fp32 output (``torch.mm(..., out_dtype=torch.float32)``); on a
+    CPU, which has no such GEMM, the fp32 product of the widened operands (bf16 values and
+    their products are exact in fp32, so it is the same sum of the same products)."""
+    if a.device.type in ("cuda", "meta") and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
            dtype: torch.dtype) -> torch.Tensor:
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
 __all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
-           "has_tensor_scale", "mm", "operand_format", "pack_operand", "quantize_operand",
+           "has_tensor_scale", "mm", "mm_fp32", "operand_format", "pack_operand", "quantize_operand",
            "stack_rows"]

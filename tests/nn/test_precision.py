@@ -246,17 +246,51 @@ def test_device_selection_on_cpu(capsys, tmp_path):
         precision.resolve_device("meta")
 
 
+def _exact_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float64 of few-bit values, K = 32: every partial sum exact, so the fp32
+    accumulator of any order holds this value (asserted)."""
+    exact = a.double() @ b.double()
+    assert torch.equal(exact.float().double(), exact)
+    return exact.float()
+
+
+def _grid_values(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """E2M1 values times powers of two: FP4 operands, exact in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    v = grid[torch.randint(0, 8, (rows, cols), generator=g)]
+    sign = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+    return (sign * v * torch.exp2(torch.randint(-2, 3, (rows, 1), generator=g).float())
+            ).bfloat16()
+
+
 def test_mm_of_two_bf16_terms_rounds_their_fp32_sum_once():
-    """ResQ's two products in bf16: each product as bf16 hardware returns it, their sum in
-    fp32, rounded to bf16 once (the explicit steps, computed apart)."""
-    g = torch.Generator().manual_seed(6)
-    q = (torch.randn(32, 64, generator=g) * 8).round().bfloat16()
-    r = (torch.randn(32, 64, generator=g) * 1e-3).bfloat16()
-    w = torch.randn(48, 64, generator=g).round().bfloat16()
-    want = ((q @ w.t()).float() + (r @ w.t()).float()).bfloat16()
-    got = mm([fp4rl.gemm.Operand(q), fp4rl.gemm.Operand(r)], fp4rl.gemm.Operand(w).t(),
+    """ResQ's two products in bf16: the fp32 accumulators of both, summed in fp32 and
+    rounded to bf16 once; rounding each product to bf16 first (what a bf16 GEMM returns)
+    would round twice and differ."""
+    q = _grid_values(64, 32, seed=6)
+    r = (_grid_values(64, 32, seed=7).float() * 2.0**-5).bfloat16()
+    w = _grid_values(32, 48, seed=8)
+    want = (_exact_products(q, w) + _exact_products(r, w)).bfloat16()
+    got = mm([fp4rl.gemm.Operand(q), fp4rl.gemm.Operand(r)], fp4rl.gemm.Operand(w.t()).t(),
              torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    twice = ((q @ w).float() + (r @ w).float()).bfloat16()
+    assert not torch.equal(twice, want)  # the double rounding this replaced
+
+
+def test_mm_applies_per_tensor_scales_to_the_fp32_accumulator_and_rounds_once():
+    """NVFP4's global scales: exact K = 32 products, times each scale in fp32 (in mm's
+    order: the left operand's, then the right's), rounded to bf16 once. Rounding the
+    product to bf16 before scaling (as a bf16 GEMM's output would) differs."""
+    a = _grid_values(64, 32, seed=1)
+    b = _grid_values(32, 48, seed=2)
+    ga, gb = torch.tensor(0.0371), torch.tensor(1.337)
+    got = mm(fp4rl.gemm.Operand(a, ga), fp4rl.gemm.Operand(b.t(), gb).t(), torch.bfloat16)
+    want = (_exact_products(a, b) * ga * gb).bfloat16()
+    assert torch.equal(got, want)
+    twice = ((a @ b).float() * ga * gb).bfloat16()
+    assert (twice != want).float().mean() > 0.01
 
 
 def test_mm_of_scaled_operands_matches_dense_product():

@@ -41,9 +41,15 @@ DRAWS = 400
 
 @pytest.fixture(scope="module", params=[None, RECIPE], ids=["plain", "fp4"])
 def policy(request):
+    """The FP4 policy runs batch-invariant (docs/training.md, "On-policy to the bit"): an
+    engine's batch and padding then leave a token's bits as the slow path's one-sequence
+    forward computes them, so its filtered support is the slow path's. Without it, a
+    GEMM's last bits depend on the rows it computes, a 4-bit rounding can flip on them,
+    and a token at the top-k boundary moves in or out (the drift
+    tests/rollout/test_on_policy_bits.py measures)."""
     model, tok = peaked_tiny_llama()
     if request.param:
-        fp4rl.quantize_model(model, request.param)
+        fp4rl.quantize_model(model, request.param, batch_invariant=True)
     return model, tok, [tok(t)["input_ids"] for t in TEXTS]
 
 

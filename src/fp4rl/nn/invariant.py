@@ -99,6 +99,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return bi_gemm(a, b, chunk=BI_CHUNK)
 
 
+def _mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``mm`` with an fp32 output of bf16 operands (:func:`fp4rl.gemm.mm_fp32` on a GPU):
+    the fixed-order fp32 GEMM of the widened operands, the same products and sum."""
+    if out_dtype != torch.float32 or a.dtype != b.dtype or a.dtype != torch.bfloat16:
+        return None
+    return _mm(a.float(), b.float())
+
+
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor | None:
     vector = bias.dim() == 1 or (bias.dim() == 2 and bias.shape[0] == 1)
@@ -144,6 +152,7 @@ def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *,
 #: the ops the mode computes itself; a handler returns None to pass an op through
 _HANDLERS: dict[Any, Callable[..., torch.Tensor | None]] = {
     aten.mm.default: _mm,
+    aten.mm.dtype: _mm_out,
     aten.addmm.default: _addmm,
     aten.bmm.default: _bmm,
     aten._softmax.default: _softmax(log=False),

@@ -54,7 +54,11 @@ class FP4RLLinearMethod(LinearMethodBase):
         check_partition(partition, self.recipe)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
                            params_dtype, r.weights, self.storage, recovery,
-                           TracedActivation(recovery), prepack=engine_is_eager(),
+                           TracedActivation(recovery),
+                           # a prepacked kernel returns rounded products: one unscaled
+                           # activation operand only (not ResQ's two terms in bf16)
+                           prepack=engine_is_eager() and
+                           recovery.activation_scales(params_dtype) == (False,),
                            partition=partition if partition.split else None)
         layer.fp4rl = state  # type: ignore[assignment]  # fp4rl's state on vLLM's layer
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,

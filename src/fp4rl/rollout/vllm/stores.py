@@ -155,12 +155,13 @@ def _part_tensors(part: Part) -> list[torch.Tensor]:
 
 
 def _gemms(operands: list[Operand], prepack: bool = True) -> list[Gemm]:
-    """The dequantized GEMMs: with ``prepack``, each operand's values become vLLM's
-    prepacked oneDNN weight where there is one (the values themselves are then dropped),
-    else stay as they are."""
+    """The dequantized GEMMs: with ``prepack``, each unscaled operand's values become
+    vLLM's prepacked oneDNN weight where there is one (the values themselves are then
+    dropped), else stay as they are. A scaled operand (NVFP4's per-tensor scale) is not
+    prepacked: its GEMM scales the fp32 products, which the kernel does not return."""
     out: list[Gemm] = []
     for rows, op in _joined(operands):
-        kernel = _packed_matmul(op.values) if prepack else None
+        kernel = _packed_matmul(op.values) if prepack and op.scale is None else None
         if kernel is not None:
             op = Operand(op.values.new_empty(0, op.values.shape[1]), op.scale)
         out.append((rows, op, kernel))
