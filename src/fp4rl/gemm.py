@@ -341,5 +341,5 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 
 __all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
-           "has_tensor_scale", "mm", "mm_fp32", "operand_format", "pack_operand", "quantize_operand",
-           "stack_rows"]
+           "has_tensor_scale", "mm", "mm_fp32", "operand_format", "pack_operand",
+           "quantize_operand", "stack_rows"]

@@ -43,7 +43,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "(default 8, or 32 with --engine vllm)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
+    bench.add_argument("--traffic", action="store_true",
+                       help="linear: count the bytes each launch of an FP4 forward + "
+                       "backward moves on a GPU (on the meta device, no GPU needed) against "
+                       "bf16 nn.Linear's, with roofline times on an H100 and an H200")
+    bench.add_argument("--shape", type=_shape, help="linear --traffic: tokens,in,out "
+                       "(default 512,2048,11008: Qwen2.5-3B's up_proj)")
+    bench.add_argument("--micro-batches", type=positive_int, default=1,
+                       help="linear --traffic: forward + backward passes per optimizer step")
     bench.set_defaults(func=run)
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """``M,K,N``: three positive integers."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not M,K,N (three positive integers, "
+                                         "e.g. 512,2048,11008)")
+    m, k, n = (int(p) for p in parts)
+    return m, k, n
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -52,6 +70,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import describe_cpu, resolve_device
 
     check_outputs(json=args.json)
+    if (args.shape is not None or args.micro_batches != 1) and not args.traffic:
+        raise UserError("--shape and --micro-batches apply to bench linear --traffic only")
+    if args.traffic and args.what != "linear":
+        raise UserError("--traffic applies to bench linear only")
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
@@ -113,12 +135,26 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     from fp4rl.bench import linear as bench
 
     fmt = (args.formats or ["hif4"])[0]
+    if args.traffic:
+        return _traffic(args, console, fmt)
     shapes = bench.SHAPES if args.tokens is None else tuple(
         (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
     with status(console, f"benchmarking the {fmt} linear"):
         results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
     bench.render(results, console)
     return common.report(results, benchmark="linear", size=args.size)
+
+
+def _traffic(args: argparse.Namespace, console: Console, fmt: str) -> dict:
+    from fp4rl.bench import traffic
+    from fp4rl.nn import get_recipe
+
+    get_recipe(fmt)  # an unknown name: one line, before any work
+    with status(console, f"counting the bytes of the {fmt} linear"):
+        result = traffic.linear_traffic(fmt, args.shape or traffic.TARGET_SHAPE,
+                                        args.micro_batches)
+    traffic.render(result, console)
+    return {"benchmark": "linear-traffic", **result.as_dict()}
 
 
 def _train(args: argparse.Namespace, console: Console, device: torch.device,

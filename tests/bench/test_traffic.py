@@ -1,0 +1,99 @@
+"""``fp4rl bench linear --traffic``: the bytes each launch of an FP4 linear moves on a GPU,
+held to a count made by hand from the layer's docstring, and its command line."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from fp4rl.bench.traffic import linear_traffic
+from fp4rl.cli import main
+
+pytest.importorskip("triton")
+
+M, K, N = 32, 64, 128  # tokens, in_features, out_features
+F32, BF16 = 4, 2
+
+
+def _hand_count() -> tuple[Counter, Counter]:
+    """HiF4 on all three GEMMs, bf16 compute, FP32 masters (nn/linear.py's docstring).
+
+    Forward: Q(W) along in_features and Q(X) along in_features (each reads and writes its
+    fp32 tensor), both cast to bf16, the GEMM (reads both bf16 operands, writes Y in bf16);
+    Q(X) along the tokens for the weight gradient, cast to bf16 and saved.
+    Backward: Q(W) along out_features, cast to bf16; Q(dY) along out_features (bf16 in,
+    bf16 out); dX = Q(dY) Q(W) in bf16, cast to the input's fp32; Q(dY) along the tokens;
+    dW = Q(dY)^T Q(X) in bf16, cast to the master's fp32."""
+    x, w, y = M * K, N * K, M * N
+    fp4 = Counter({
+        ("forward", "quantize", w * F32, w * F32): 1,
+        ("forward", "quantize", x * F32, x * F32): 2,  # along K, and along the tokens
+        ("forward", "cast", w * F32, w * BF16): 1,
+        ("forward", "cast", x * F32, x * BF16): 2,
+        ("forward", "mm", (x + w) * BF16, y * BF16): 1,
+        ("backward", "quantize", w * F32, w * F32): 1,
+        ("backward", "cast", w * F32, w * BF16): 1,
+        ("backward", "quantize", y * BF16, y * BF16): 2,  # dY along N, and along the tokens
+        ("backward", "mm", (y + w) * BF16, x * BF16): 1,
+        ("backward", "cast", x * BF16, x * F32): 1,
+        ("backward", "mm", (y + x) * BF16, w * BF16): 1,
+        ("backward", "cast", w * BF16, w * F32): 1,
+    })
+    bf16 = Counter({
+        ("forward", "cast", x * F32, x * BF16): 1,
+        ("forward", "cast", w * F32, w * BF16): 1,
+        ("forward", "mm", (x + w) * BF16, y * BF16): 1,
+        ("backward", "mm", (y + w) * BF16, x * BF16): 1,
+        ("backward", "mm", (y + x) * BF16, w * BF16): 1,
+        ("backward", "cast", x * BF16, x * F32): 1,
+        ("backward", "cast", w * BF16, w * F32): 1,
+    })
+    return fp4, bf16
+
+
+def _launches(rec) -> Counter:
+    return Counter((x.phase, x.name, x.read, x.written) for x in rec.launches)
+
+
+def test_the_report_counts_what_the_layer_launches():
+    t = linear_traffic("hif4", (M, K, N))
+    fp4, bf16 = _hand_count()
+    assert _launches(t.fp4) == fp4
+    assert _launches(t.bf16) == bf16
+    total = sum((r + w) * c for (_, _, r, w), c in fp4.items())
+    assert t.fp4.total() == total
+    assert t.ratio == pytest.approx(total / sum((r + w) * c for (_, _, r, w), c in bf16.items()))
+    gemms = [x for x in t.fp4.launches if x.name == "mm"]
+    assert [x.flops for x in gemms] == [2 * M * K * N] * 3
+
+
+def test_micro_batches_repeat_every_launch_today():
+    """Each micro-batch repeats the whole pass (Q(W) included, for now), and from the
+    second on the weight gradient accumulates into the fp32 .grad (reads two, writes one),
+    in both layers."""
+    one, four = linear_traffic("hif4", (M, K, N)), linear_traffic("hif4", (M, K, N), 4)
+    accumulate = 3 * (3 * N * K * F32)
+    assert four.fp4.total() == 4 * one.fp4.total() + accumulate
+    assert four.bf16.total() == 4 * one.bf16.total() + accumulate
+
+
+def test_cli_prints_the_target_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["bench", "linear", "--traffic", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "target: fp4 bytes <= 1.2x bf16" in printed and "H200" in printed
+    data = json.loads(out.read_text())
+    assert data["fp4_bytes"] > data["bf16_bytes"] > 0
+    assert data["ratio"] == pytest.approx(data["fp4_bytes"] / data["bf16_bytes"])
+    assert data["shape"] == [512, 2048, 11008]
+
+
+@pytest.mark.parametrize("argv", [["bench", "linear", "--traffic", "--shape", "512,2048"],
+                                  ["bench", "linear", "--shape", "8,64,64"],
+                                  ["bench", "formats", "--traffic"]])
+def test_cli_refuses_bad_traffic_options_in_one_line(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
