@@ -173,3 +173,61 @@ def test_any_optimizer_step_makes_the_cached_rollout_weight_stale(options):
     opt.step()
     assert torch.equal(layer.rollout_weight().values,
                        quantize_operand(layer.weight.detach(), "hif4").values)
+
+
+def _fwd_bwd(layer: FP4Linear, x: torch.Tensor, g: torch.Tensor, bf16: bool):
+    x = x.clone().requires_grad_()
+    layer.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y = layer(x)
+    y.backward(g.to(y.dtype))
+    return y.detach(), x.grad, layer.weight.grad.clone()
+
+
+@pytest.mark.parametrize("recipe", ["hif4", "nvfp4", "hif4:fp4-reuse/fp4", "miles-nvfp4"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kept_weight_operands_give_the_same_bits_and_follow_every_update(recipe, bf16):
+    """The training policy's Q(W) operands, kept for a weight version, give every
+    micro-batch's output and gradients bit for bit as quantizing the master each time
+    does; an optimizer step (fused too), an in-place update and load_state_dict each make
+    them stale (tested against a layer that keeps none)."""
+    g = torch.Generator().manual_seed(0)
+    kept = FP4Linear(64, 48, recipe=get_recipe(recipe))
+    fresh = FP4Linear(64, 48, recipe=get_recipe(recipe))
+    fresh.load_state_dict(kept.state_dict())
+    fresh.cache_weights = False
+    opt = torch.optim.AdamW(kept.parameters(), lr=0.05, fused=True)
+
+    def same(step: int) -> None:
+        x, dy = torch.randn(8, 64, generator=g), torch.randn(8, 48, generator=g)
+        for a, b in zip(_fwd_bwd(kept, x, dy, bf16), _fwd_bwd(fresh, x, dy, bf16),
+                        strict=True):
+            assert torch.equal(a, b), step
+
+    same(0)
+    assert kept.weight_cache_bytes() > 0 and fresh.weight_cache_bytes() == 0
+    same(1)  # a second micro-batch reads the kept operands
+    opt.step()  # fused: no version bump; the step count drops them
+    assert kept.weight_cache_bytes() == 0
+    fresh.load_state_dict(kept.state_dict())
+    same(2)
+    with torch.no_grad():
+        kept.weight.mul_(1.5)
+        fresh.weight.mul_(1.5)
+    same(3)
+    state = {k: v * 0.5 for k, v in kept.state_dict().items()}
+    kept.load_state_dict(state)
+    fresh.load_state_dict(state)
+    same(4)
+
+
+def test_the_weight_cache_option_turns_it_off():
+    model, _ = tiny_model("llama")
+    fp4rl.quantize_model(model, "hif4", weight_cache=False)
+    assert not any(layer.cache_weights for layer in fp4_layers(model).values())
+    ids = torch.randint(0, 100, (2, 6))
+    model(ids).logits.sum().backward()
+    assert all(layer.weight_cache_bytes() == 0 for layer in fp4_layers(model).values())
+    fp4rl.quantize_model(model, "hif4", weight_cache=True)
+    model(ids).logits.sum().backward()
+    assert all(layer.weight_cache_bytes() > 0 for layer in fp4_layers(model).values())

@@ -30,8 +30,10 @@ which reproduces the forward's operand bit for bit) rather than kept as a second
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -62,10 +64,14 @@ class _OptimizerSteps:
     optimizer step makes every cached ``Q(W)`` stale."""
 
     count = 0
+    #: the kept Q(W) operands of every layer, dropped at each step (they are stale)
+    kept: ClassVar[weakref.WeakSet[_TrainWeights]] = weakref.WeakSet()
 
     @classmethod
     def bump(cls, *_: object) -> None:
         cls.count += 1
+        for weights in list(cls.kept):
+            weights.clear()
 
 
 register_optimizer_step_post_hook(_OptimizerSteps.bump)
@@ -109,10 +115,11 @@ class _FP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 precision: TrainPrecision, dtype: torch.dtype,
-                signs: torch.Tensor | None = None) -> torch.Tensor:
+                signs: torch.Tensor | None = None,
+                layer: FP4Linear | None = None) -> torch.Tensor:
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
-        qw = quantize_operand(weight, p.weights, -1)
+        qw = _train_weight(layer, weight, p, -1, dtype, backward=False)
         qx = quantize_operand(x2, p.activations, -1)
         y = mm(qx, qw.t(), dtype, bias)
         saved_x = None
@@ -126,6 +133,7 @@ class _FP4LinearFn(torch.autograd.Function):
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
         ctx.precision, ctx.dtype, ctx.x_shape, ctx.signs = p, dtype, x.shape, signs
+        ctx.layer = layer
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -137,9 +145,9 @@ class _FP4LinearFn(torch.autograd.Function):
         sr = p.stochastic_gradients
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            qw = quantize_operand(weight, p.weights, backward_axes(p)[0])
-            grad_x = mm(quantize_operand(g, p.gradients, -1, sr),
-                        _backward_operand(qw, p, ctx.dtype), ctx.dtype)
+            qw = _train_weight(ctx.layer, weight, p, backward_axes(p)[0], ctx.dtype,
+                               backward=True)
+            grad_x = mm(quantize_operand(g, p.gradients, -1, sr), qw, ctx.dtype)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
@@ -148,7 +156,56 @@ class _FP4LinearFn(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(dim=0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _TrainWeights:
+    """The training policy's ``Q(W)`` operands of one layer, each in the form its GEMM
+    reads (the compute dtype; under ``dequantized`` the backward's scaled values), kept
+    while the weight is the same version: the micro-batches of a step and its
+    old-log-prob pass read them instead of quantizing the master and casting it again.
+    Any change of the weight (an in-place update, an optimizer step, fused or not, a
+    refit, a ``load_state_dict``, a new storage) changes :meth:`FP4Linear._weight_key`
+    and drops them."""
+
+    def __init__(self) -> None:
+        self.version: tuple[int, ...] | None = None
+        self.operands: dict[tuple[int, torch.dtype, bool], Operand] = {}
+        _OptimizerSteps.kept.add(self)
+
+    def clear(self) -> None:
+        """Drop the operands (an optimizer step made them stale: no memory held through
+        the next rollout)."""
+        self.version, self.operands = None, {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _TrainWeights:
+        return _TrainWeights()  # a copy of the layer quantizes its own weight
+
+    def get(self, version: tuple[int, ...], slot: tuple[int, torch.dtype, bool],
+            make: Callable[[], Operand]) -> Operand:
+        if version != self.version:
+            self.version, self.operands = version, {}
+        if slot not in self.operands:
+            self.operands[slot] = make()
+        return self.operands[slot]
+
+    def nbytes(self) -> int:
+        """The bytes the kept operands take (values and scales)."""
+        return sum(op.values.numel() * op.values.element_size() +
+                   (0 if op.scale is None else op.scale.numel() * op.scale.element_size())
+                   for op in self.operands.values())
+
+
+def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecision,
+                  axis: int, dtype: torch.dtype, backward: bool) -> Operand:
+    """``Q(W)`` along ``axis`` as the forward (or a backward) GEMM reads it, from the
+    layer's kept operands where it keeps them (``layer`` None: it does not)."""
+    def make() -> Operand:
+        qw = quantize_operand(weight.detach(), p.weights, axis)
+        return _backward_operand(qw, p, dtype) if backward else qw.to(dtype)
+    if layer is None:
+        return make()
+    return layer._train_weights.get(layer._weight_key(), (axis, dtype, backward), make)
 
 
 class FP4Linear(nn.Linear):
@@ -190,6 +247,25 @@ class FP4Linear(nn.Linear):
         self._fixed_scale: tuple[tuple[int, int, int, int], torch.Tensor] | None = None
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
+        self._train_weights = _TrainWeights()
+        if not hasattr(self, "cache_weights"):
+            #: keep the training policy's Q(W) operands for a weight version
+            #: (:class:`_TrainWeights`); off: quantize the master at every GEMM
+            self.cache_weights = True
+
+    def weight_cache_bytes(self) -> int:
+        """The bytes of the training policy's kept ``Q(W)`` operands (see
+        :attr:`cache_weights`)."""
+        return self._train_weights.nbytes()
+
+    def _keeps_weights(self) -> FP4Linear | None:
+        """This layer where it keeps its ``Q(W)`` operands, else None: not with
+        :attr:`cache_weights` off (the trainer turns it off under FSDP2, whose unsharded
+        weight lives for one GEMM and whose memory is the point of sharding), nor for a
+        DTensor weight; Q(W) is then quantized at every GEMM."""
+        if not self.cache_weights or type(self.weight.data) is not torch.Tensor:
+            return None
+        return self
 
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured."""
@@ -290,7 +366,8 @@ class FP4Linear(nn.Linear):
         with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
                 return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype,
-                                          self._wgrad_signs_for(x.device))
+                                          self._wgrad_signs_for(x.device),
+                                          self._keeps_weights())
             return self._rollout_forward(x, dtype)
 
     @torch.no_grad()

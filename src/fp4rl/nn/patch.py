@@ -35,7 +35,8 @@ def in_transformer_block(module: nn.Module, name: str) -> bool:
 
 def quantize_model(model: nn.Module, recipe: Recipe | str,
                    filter_fn: FilterFn | None = None,
-                   batch_invariant: bool | None = None) -> nn.Module:
+                   batch_invariant: bool | None = None,
+                   weight_cache: bool | None = None) -> nn.Module:
     """Replace the targeted linear layers by :class:`FP4Linear` layers running ``recipe``.
 
     Targets are the ``nn.Linear`` modules for which ``filter_fn(module, name)`` is true
@@ -47,7 +48,9 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     gives a token the same logits bits at any batch, padding and decode step
     (:func:`fp4rl.nn.invariant.set_batch_invariant`; None leaves it as it is). Each
     forward tells the FP4 layers which token rows are padding, which a per-tensor scale
-    then leaves out. Returns ``model``.
+    then leaves out. ``weight_cache``: whether the FP4 layers keep the training policy's
+    ``Q(W)`` operands for a weight version (:attr:`FP4Linear.cache_weights`, on by
+    default; None leaves it as it is). Returns ``model``.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     keep = filter_fn or in_transformer_block
@@ -71,6 +74,9 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     install_forward_hooks(model)
     if batch_invariant is not None:
         set_batch_invariant(model, batch_invariant)
+    if weight_cache is not None:
+        for layer in fp4_layers(model).values():
+            layer.cache_weights = weight_cache
     return model
 
 

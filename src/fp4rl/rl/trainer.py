@@ -153,7 +153,8 @@ class Trainer:
         if note:
             log(note)
         self.recipe = config.recipe()
-        quantize_model(self.model, self.recipe, batch_invariant=config.batch_invariant)
+        quantize_model(self.model, self.recipe, batch_invariant=config.batch_invariant,
+                       weight_cache=config.weight_cache and not self.dist.shards)
         self.model.eval()  # no dropout in either policy; gradients still flow
         #: the rollout policy's model: the training model itself, or under FSDP an
         #: unsharded copy refreshed from the shards once per step (generation runs many
@@ -165,6 +166,8 @@ class Trainer:
         #: what the loss's forward runs through: the model, its DDP wrapper, or the model
         #: with FSDP2-sharded layers
         self.train_model = wrap_model(self.model, self.dist, self.device)
+        #: the bytes of the FP4 layers' kept Q(W) operands at the last update's end
+        self.weight_cache_bytes = 0
         self.ref_model = self._reference_model() if config.grpo.beta > 0 else None
         if config.data.reward:
             get_reward(config.data.reward)  # an unknown name fails now, not after a rollout
@@ -331,6 +334,8 @@ class Trainer:
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": (~batch.finished).float().mean().item(),
             **timings.metrics(),
+            # the kept Q(W) operands (weight_cache), measured before the step drops them
+            "memory/weight_cache_gb": self.weight_cache_bytes / 2**30,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
@@ -470,6 +475,8 @@ class Trainer:
                                                    self.cfg.grpo.max_grad_norm or math.inf)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
+        self.weight_cache_bytes = sum(layer.weight_cache_bytes()
+                                      for layer in fp4_layers(self.model).values())
         if active.numel():
             self.optimizer.step()
         stats.setdefault("loss", []).append(total_loss)

@@ -256,6 +256,12 @@ class TrainConfig(_Section):
         False, description="on-policy to the bit: the engine's prefill and decode steps "
         "and the trainer's forwards give a token the same logits bits at any batch, "
         "padding and micro-batch size (fixed-order CPU kernels; docs/training.md)")
+    weight_cache: bool = Field(
+        True, description="keep each FP4 layer's quantized training weights (Q(W) along "
+        "both axes, in the compute dtype) from one weight update to the next, so that the "
+        "micro-batches and the old-log-prob pass do not quantize the master again; costs "
+        "2 bytes per parameter per axis in bf16 (4 in fp32), reported as "
+        "memory/weight_cache_gb; off under FSDP2, whose unsharded weights live for one GEMM")
     nvfp4_scale: ScaleRule = Field(
         ScaleRule.DYNAMIC, description="NVFP4 activations' FP32 second-level scale, in both "
         "policies: dynamic = amax / 2688 (the field's), pow2 = rounded up to a power of two "
