@@ -19,7 +19,11 @@ the device's name. The stages:
 7. ``invariant``: on-policy to the bit on the device: a tiny Llama with ``batch_invariant``
    (the Triton GEMM ``fp4rl::bi_mm``; torch's CUDA softmax and mean), the engine's
    log-probs against the trainer's for ``bf16`` and ``hif4`` in fp32 and bf16, and the
-   GEMM's time against ``torch.mm`` at 512 x 2048 -> 11008.
+   GEMM's time against ``torch.mm`` at 512 x 2048 -> 11008;
+8. ``speed``: each quantizer against a clone from CUDA-graph replays, the FP4 training
+   linear against bf16 with one and eight micro-batches (and a profiler table), the rollout
+   linear at 1-256 tokens (bf16, dequantized, packed then GEMM), beside the bytes counted
+   by ``bench linear --traffic``. On a GPU run it first: ``--only speed``.
 
 ``--only`` and ``--skip`` choose stages. docs/gpu.md says how to carry vLLM and the embedded
 model to a GPU machine without network, and holds the runs.
@@ -160,6 +164,113 @@ def stage_invariant(device: str, quick: bool) -> dict[str, Any]:
                                repeats=20)
         timing = {k: t.median for k, t in times.items()}
     return {"engine_vs_trainer": equal, "gemm_seconds": timing}
+
+
+def _seconds(fn: Callable[[], Any], device: str, repeats: int) -> float:
+    """Median seconds of ``fn``: on a GPU replayed from a CUDA graph (no launch overhead,
+    what a captured step pays), timed with CUDA events; on a CPU called directly."""
+    fn()  # compiles what it launches, outside the capture
+    if not device.startswith("cuda"):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return median(times)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return median(times)
+
+
+def stage_speed(device: str, quick: bool) -> dict[str, Any]:
+    """What only a GPU can time of the speed plan (docs/benchmarks.md), side by side in one
+    process: each quantizer against a clone (CUDA-graph replays), the FP4 training linear
+    against bf16 at Qwen2.5-3B's up_proj with one and eight micro-batches (eager, with a
+    profiler table of where the time goes), the rollout linear at decode sizes (bf16, the
+    dequantized store, the packed store decoded then multiplied), and the bytes each
+    pass moves, counted (``bench linear --traffic``), to set the times against."""
+    from fp4rl.bench import traffic
+    from fp4rl.formats import get_format
+    from fp4rl.gemm import mm, pack_operand, quantize_operand
+    from fp4rl.nn import FP4Linear, get_recipe
+
+    repeats = 2 if quick else 20
+    side = 256 if quick else 8192
+    x = torch.randn(side, side, device=device)
+    clone = _seconds(lambda: x.clone(), device, repeats)
+    quantizers = {}
+    for name in ("hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"):
+        fmt = get_format(name)
+        t = _seconds(lambda fmt=fmt: fmt.quantize(x), device, repeats)
+        quantizers[name] = {"seconds": t, "share of clone bandwidth": clone / t}
+    m, k, n = (16, 64, 128) if quick else traffic.TARGET_SHAPE
+    linear: dict[str, Any] = {}
+    for micro in (1, 8):
+        layers = {"bf16": torch.nn.Linear(k, n, bias=False, device=device),
+                  "hif4": FP4Linear.from_linear(torch.nn.Linear(k, n, bias=False,
+                                                                device=device),
+                                                get_recipe("hif4"))}
+        xs = [torch.randn(m, k, device=device, requires_grad=True) for _ in range(micro)]
+
+        def step(layer: torch.nn.Module, xs: list[torch.Tensor] = xs) -> Callable[[], None]:
+            def go() -> None:
+                layer.weight.grad = None
+                if isinstance(layer, FP4Linear):
+                    layer._train_weights.clear()  # a new optimizer step's first pass
+                for xi in xs:
+                    with autocast(torch.device(device), "bf16"):
+                        y = layer(xi)
+                    y.backward(torch.ones_like(y))
+            return go
+        times = common.measure({name: step(layer) for name, layer in layers.items()},
+                               repeats=2 if quick else 10)
+        bytes_ = traffic.linear_traffic("hif4", (m, k, n), micro)
+        linear[f"micro_batches={micro}"] = {
+            "seconds": {name: t.median for name, t in times.items()},
+            "ratio": times["hif4"].median / times["bf16"].median,
+            "bytes_ratio": bytes_.ratio}
+    profile = ""
+    if device.startswith("cuda") and not quick:
+        layer = FP4Linear.from_linear(torch.nn.Linear(k, n, bias=False, device=device),
+                                      get_recipe("hif4"))
+        xi = torch.randn(m, k, device=device, requires_grad=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                with autocast(torch.device(device), "bf16"):
+                    layer(xi).sum().backward()
+        profile = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    decode: dict[str, Any] = {}
+    w = torch.randn(n, k, device=device)
+    wb = w.bfloat16()
+    qw = quantize_operand(w, "hif4").to(torch.bfloat16)
+    packed = pack_operand(w, "hif4")
+    for rows in ((1, 16) if quick else (1, 16, 64, 128, 256)):
+        a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        qa = quantize_operand(a, "hif4")
+        decode[str(rows)] = {
+            "bf16": _seconds(lambda a=a: a @ wb.t(), device, repeats),
+            "dequantized": _seconds(lambda qa=qa: mm(qa, qw.t(), torch.bfloat16), device,
+                                    repeats),
+            "packed then GEMM": _seconds(
+                lambda qa=qa: mm(qa, packed.decode(torch.bfloat16).t(), torch.bfloat16),
+                device, repeats),
+            "fused packed kernel": "not built yet"}
+    return {"clone_seconds": clone, "size": side, "quantizers": quantizers,
+            "linear": linear, "profile": profile, "decode_seconds": decode}
 
 
 def stage_demo(device: str, quick: bool, output: Path) -> dict[str, Any]:
@@ -309,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "linear": lambda: stage_linear(d, q), "rollout": lambda: stage_rollout(d, q),
         "train": lambda: stage_train(d, q),
         "vllm": lambda: stage_vllm(d, q, tuple(args.vllm_recipes)),
-        "demo": lambda: stage_demo(d, q, out), "invariant": lambda: stage_invariant(d, q)}
+        "demo": lambda: stage_demo(d, q, out), "invariant": lambda: stage_invariant(d, q),
+        "speed": lambda: stage_speed(d, q)}
     records = {name: run_stage(name, fn, out) for name, fn in stages.items()
                if name not in args.skip and (not args.only or name in args.only)}
     summary = {"device": d, "device_name": device_name(d), "quick": q,

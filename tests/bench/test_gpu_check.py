@@ -25,7 +25,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
               for name, s in summary["stages"].items() if s["status"] == "error"}
     assert done.returncode == 0 and not failed, (failed, done.stderr[-2000:])
     assert set(summary["stages"]) == {"tests", "formats", "linear", "rollout", "train", "vllm",
-                                      "demo", "invariant"}
+                                      "demo", "invariant", "speed"}
     vllm_here = importlib.util.find_spec("vllm") is not None
     assert {n for n, s in summary["stages"].items() if s["status"] == "skipped"} == \
         (set() if vllm_here else {"vllm"})
@@ -33,6 +33,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     formats = json.loads((out / "formats.json").read_text())
     assert formats["bandwidth"]["hif4"]["GB/s"] > 0
     assert (out / "demo" / "report.md").is_file()
+    speed = json.loads((out / "speed.json").read_text())
+    assert speed["quantizers"]["hif4"]["seconds"] > 0
+    assert set(speed["decode_seconds"]) == {"1", "16"}
+    assert speed["linear"]["micro_batches=8"]["bytes_ratio"] < \
+        speed["linear"]["micro_batches=1"]["bytes_ratio"]
     invariant = json.loads((out / "invariant.json").read_text())["engine_vs_trainer"]
     assert all(v["bit_equal"] for v in invariant.values()), invariant
 
