@@ -28,7 +28,7 @@ from fp4rl.formats import NumberFormat, get_format
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
-from fp4rl.kernels import quantize_rows_bf16
+from fp4rl.kernels import quantize_matrix_values, quantize_rows_bf16
 
 
 class NotQuantized:
@@ -104,17 +104,27 @@ class Operand:
 
 def quantize_operand(x: torch.Tensor, fmt: str | OperandFormat, dim: int = -1,
                      stochastic: bool = False, generator: torch.Generator | None = None,
-                     tensor_scale: torch.Tensor | None = None) -> Operand:
+                     tensor_scale: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> Operand:
     """``x`` quantized along ``dim`` as a GEMM operand (``"none"``: ``x`` itself).
 
     ``Operand.dense()`` equals ``fp4rl.quantize(x, fmt, dim)`` bit for bit; ``values``
     holds the block-scaled part, exact in bf16. A format with a per-tensor scale takes
-    ``tensor_scale`` when given (the whole weight's, for a shard of it).
+    ``tensor_scale`` when given (the whole weight's, for a shard of it). ``out_dtype``:
+    the values in that dtype (``quantize_operand(...).to(out_dtype)``, bit for bit), which
+    a GPU kernel writes directly (a matrix, nearest rounding).
     """
     f = operand_format(fmt)
     if isinstance(f, NotQuantized):
-        return Operand(x)
+        return Operand(x) if out_dtype is None else Operand(x).to(out_dtype)
     scale = f.tensor_scale(x, dim) if tensor_scale is None else tensor_scale
+    if out_dtype is not None and not stochastic and out_dtype in (torch.bfloat16,
+                                                                   torch.float32):
+        values = quantize_matrix_values(f, x, dim, scale, out_dtype)
+        if values is not None:
+            return Operand(values, scale)
+    if out_dtype is not None:
+        return quantize_operand(x, f, dim, stochastic, generator, scale).to(out_dtype)
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
         values = quantize_rows_bf16(f, x, scale)

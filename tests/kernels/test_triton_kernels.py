@@ -266,3 +266,45 @@ def test_the_fields_formats_differ_from_nvfp4_where_their_rules_do():
     err = {f: (fp4rl.quantize(x, f) - x).square().sum() for f in ("nvfp4", "nvfp4_4o6",
                                                                   "nvfp4_2d")}
     assert err["nvfp4_4o6"] < err["nvfp4"] < err["nvfp4_2d"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS + FIELD_FORMATS)
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_operand_values_written_in_the_gemm_dtype_by_the_kernel(triton_path, fmt, dim,
+                                                                out_dtype):
+    """quantize_operand(..., out_dtype=): the kernel writes the block values straight into
+    the GEMM's dtype, with NVFP4's scale read and kept outside; the same bits as
+    quantizing in float32 and casting after (the CPU's path)."""
+    from fp4rl.gemm import quantize_operand
+    from fp4rl.kernels import quantize_matrix_values
+
+    x = _heavy_tailed((48, 96), seed=11)
+    composed = quantize_operand(x, fmt, dim)
+    f = get_format(fmt)
+    assert quantize_matrix_values(f, x, dim, composed.scale, out_dtype) is not None
+    direct = quantize_operand(x, fmt, dim, out_dtype=out_dtype)
+    assert direct.values.dtype == out_dtype
+    assert _bits_equal(direct.values, composed.values.to(out_dtype))
+    assert (direct.scale is None) == (composed.scale is None)
+    if composed.scale is not None:
+        assert torch.equal(direct.scale, composed.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_amax_in_one_pass(triton_path, dtype):
+    """NVFP4's per-tensor amax by one kernel (an atomic max of the bits): the largest finite
+    magnitude, NaN and Inf left out, 0 for none; across several programs."""
+    from fp4rl.formats.nvfp4 import finite_amax
+    from fp4rl.kernels import triton_quant
+
+    x = _heavy_tailed((3, 5000), seed=12).to(dtype)
+    want = x.float().abs().max()
+    assert torch.equal(triton_quant.finite_amax(x), want)
+    x[0, 7] = float("nan")
+    x[2, 4999] = float("-inf")
+    assert torch.equal(finite_amax(x), want)
+    assert torch.equal(triton_quant.finite_amax(torch.full((9,), float("nan"), dtype=dtype)),
+                       torch.tensor(0.0))
+    assert _bits_equal(fp4rl.quantize(x.float(), "nvfp4"),
+                       get_format("nvfp4").quantize_reference(x.float()))

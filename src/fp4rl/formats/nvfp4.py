@@ -49,6 +49,7 @@ from fp4rl.formats.mxfp4 import (
 from fp4rl.formats.packing import PackedTensor, pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
 from fp4rl.kernels import QUANTIZE, FormatKernels, has_kernel
+from fp4rl.kernels import finite_amax as kernel_amax
 from fp4rl.kernels.codes import FormatCode
 
 E4M3_MAX = 448.0
@@ -392,11 +393,15 @@ def scale_rule_name(fmt: NVFP4, rule: ScaleRule) -> str:
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest finite magnitude of ``x`` (0 if none) as a 0-dim float32 tensor. On the
-    CPU one ``aminmax`` pass, and a second only where a NaN or Inf got into it (asking is
-    free there); elsewhere one masked pass, with no host sync."""
+    """The largest finite magnitude of ``x`` (0 if none) as a 0-dim float32 tensor. On a GPU
+    one Triton pass (:func:`fp4rl.kernels.finite_amax`); on the CPU one ``aminmax`` pass,
+    and a second only where a NaN or Inf got into it (asking is free there); elsewhere one
+    masked pass, with no host sync."""
     if x.numel() == 0:
         return x.new_zeros((), dtype=torch.float32)
+    fast = kernel_amax(x)  # a GPU: one Triton pass
+    if fast is not None:
+        return fast
     if x.device.type == "cpu":
         low, high = torch.aminmax(x)  # one pass, no |x| temporary
         amax = torch.maximum(-low, high).float()  # a max is exact in x's own dtype

@@ -276,6 +276,35 @@ def quantize_rows_bf16(fmt: KernelFormat, rows: torch.Tensor,
                                out_dtype=torch.bfloat16, rescale=False)
 
 
+def quantize_matrix_values(fmt: KernelFormat, x: torch.Tensor, axis: int,
+                           tensor_scale: torch.Tensor | None,
+                           out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The block values ``Q(x / g)`` of a float matrix along ``axis`` (nearest rounding),
+    written by the kernel straight into ``out_dtype`` (bf16 holds them exactly), with
+    ``tensor_scale`` g read and kept outside, as a GEMM operand keeps it: one read of
+    ``x`` and one write of the operand, where quantizing into ``x``'s dtype and casting
+    after takes two more passes (and NVFP4 a division before). Triton only; None
+    elsewhere (the caller composes the steps)."""
+    if x.dim() != 2 or not has_matrix_kernel(fmt, x):
+        return None
+    tri = _triton_for(x.device)
+    if tri is None:
+        return None
+    return tri.quantize_2d(fmt, x, axis % 2, None, tensor_scale, out_dtype=out_dtype,
+                           rescale=False)
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """The largest finite ``|x|`` (0 if none) as a 0-dim float32 tensor, by one Triton pass
+    (an atomic max of the bits) where the Triton kernels run for ``x``'s device; None
+    elsewhere (the caller reduces with torch)."""
+    tri = _triton_for(x.device)
+    if tri is None or x.numel() == 0 or x.dtype not in (torch.float32, torch.bfloat16,
+                                                        torch.float16):
+        return None
+    return tri.finite_amax(x)
+
+
 def decode_rows(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, length: int,
                 dtype: torch.dtype) -> torch.Tensor | None:
     """The values of a weight packed along its rows (fields laid out per row, as
@@ -289,6 +318,8 @@ def decode_rows(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, l
 
 
 __all__ = ["OPERATIONS", "QUANTIZE",
-           "QUANTIZE_AND_RESQ", "FormatKernels", "KernelFormat", "decode_rows", "has_kernel",
-           "has_matrix_kernel", "kernel_plan", "quantize_matrix", "quantize_rows",
+           "QUANTIZE_AND_RESQ", "FormatKernels", "KernelFormat", "decode_rows", "finite_amax",
+           "has_kernel",
+           "has_matrix_kernel", "kernel_plan", "quantize_matrix", "quantize_matrix_values",
+           "quantize_rows",
            "quantize_rows_bf16", "resq_rows", "resq_terms"]

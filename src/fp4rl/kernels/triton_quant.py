@@ -405,6 +405,40 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
         tl.store(y_ptr + rows * length + cols, q + res, mask=inside)
 
 
+@triton.jit(do_not_specialize=("n",))
+def _amax_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """The largest finite |x| of a contiguous tensor, as float32 bits, into ``out`` (an
+    int32 holding 0) by an atomic max: non-negative floats order as their bits do, so the
+    max of the bits is the bits of the max, exactly. One read of x, nothing written but
+    one word. NaN and Inf (bits at or above 0x7F800000) are left out."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bits = tl.where(bits < 0x7F800000, bits, 0)
+    tl.atomic_max(out_ptr, tl.max(bits, axis=0))
+
+
+#: elements one program of the amax kernel reads
+AMAX_BLOCK = 4096
+
+
+def amax_variant(dtype: torch.dtype) -> Variant:
+    """The finite-amax kernel reading ``dtype``."""
+    return Variant(_amax_kernel, (dtype, torch.int32), (("BLOCK", AMAX_BLOCK),))
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` (0 if none) as a 0-dim float32 tensor on its
+    device, in one pass over it and with no host sync."""
+    flat = x.contiguous().reshape(-1)
+    out = torch.zeros((), dtype=torch.int32, device=x.device)
+    programs = triton.cdiv(flat.numel(), AMAX_BLOCK)
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"{flat.numel()} values need {programs} programs; reduce in parts")
+    amax_variant(flat.dtype).launch((programs,), flat, out, flat.numel())
+    return out.view(torch.float32)
+
+
 def _rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
 
@@ -437,6 +471,7 @@ def _format(fmt: KernelFormat) -> tuple[int, int]:
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: Triton's names of the element types a pointer argument carries
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+                 torch.int32: "*i32",
                  torch.uint8: "*u8"}
 
 
@@ -531,6 +566,9 @@ def variants(formats: Iterable[KernelFormat]) -> list[Variant]:
     for fmt in formats:
         seen.update(dict.fromkeys(quantize_variants(fmt)))
         seen.update(dict.fromkeys(triton_decode.decode_variants(fmt)))
+        if fmt.kernels is not None and fmt.has_tensor_scale and \
+                fmt.kernels.triton & QUANTIZE:
+            seen.update(dict.fromkeys(amax_variant(dtype) for dtype in FLOATS))
     return list(seen)
 
 

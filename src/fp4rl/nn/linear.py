@@ -201,8 +201,12 @@ def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecisi
     """``Q(W)`` along ``axis`` as the forward (or a backward) GEMM reads it, from the
     layer's kept operands where it keeps them (``layer`` None: it does not)."""
     def make() -> Operand:
-        qw = quantize_operand(weight.detach(), p.weights, axis)
-        return _backward_operand(qw, p, dtype) if backward else qw.to(dtype)
+        if backward and p.backward_operands is BackwardOperands.DEQUANTIZED:
+            return _backward_operand(quantize_operand(weight.detach(), p.weights, axis), p,
+                                     dtype)
+        # the GEMM's operand, written in the compute dtype by the quantizer where a GPU
+        # kernel can (no fp32 round trip and cast)
+        return quantize_operand(weight.detach(), p.weights, axis, out_dtype=dtype)
     if layer is None:
         return make()
     return layer._train_weights.get(layer._weight_key(), (axis, dtype, backward), make)
