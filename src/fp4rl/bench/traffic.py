@@ -242,6 +242,67 @@ def linear_traffic(recipe: str = "hif4", shape: tuple[int, int, int] = TARGET_SH
                    _bf16_step(m, k, n, micro_batches))
 
 
+#: the packed rollout linear's bytes against bf16's at 64 tokens
+ROLLOUT_TARGET = (64, 0.4)
+
+
+def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
+                    shape: tuple[int, int] = (2048, 11008)) -> dict[str, Any]:
+    """The bytes of one rollout linear (``shape`` = in, out features) at ``tokens`` rows,
+    as the vLLM method computes it (the recovery's activation operator, then a GEMM per
+    stored part), for each weight storage, against a bf16 linear whose weight is bf16
+    (vLLM's own). The activation and decode operators are custom ops: each counts as
+    reading its inputs and writing its outputs once."""
+    from fp4rl.gemm import mm
+    from fp4rl.nn import get_recipe
+    from fp4rl.recovery import make_recovery
+    from fp4rl.recovery.ops import TracedActivation
+    from fp4rl.rollout.vllm.config import WeightStorage
+    from fp4rl.rollout.vllm.stores import WeightStore
+
+    k, n = shape
+    r = get_recipe(recipe).rollout
+    recovery = make_recovery(r.recovery, r.activations, k, 0, weight_format=r.weights)
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    w = torch.empty(n, k, device=meta)
+    x = torch.empty(tokens, k, device=meta, dtype=bf16)
+    out: dict[str, Any] = {"recipe": recipe, "tokens": tokens, "shape": [k, n]}
+    with recording() as base:
+        torch.nn.functional.linear(x, torch.empty(n, k, device=meta, dtype=bf16))
+    out["bf16_bytes"] = base.total()
+    activation = TracedActivation(recovery)
+    for storage in (WeightStorage.DEQUANTIZED, WeightStorage.PACKED):
+        part = recovery.weight_operand(w, packed=storage is WeightStorage.PACKED)
+        store = WeightStore.build([part], storage, bf16, prepack=False)
+        with recording() as rec:
+            acts = activation(x, bf16)
+            for _, qw, _ in store.gemms():
+                mm(acts, qw.t(), bf16)
+        out[f"{storage.value}_bytes"] = rec.total()
+        out[f"{storage.value}_ratio"] = rec.total() / out["bf16_bytes"]
+        out[f"{storage.value}_launches"] = [vars(x) for x in rec.launches]
+    return out
+
+
+def render_rollout(result: dict[str, Any], console: Any) -> None:
+    """One line per storage, and the target."""
+    k, n = result["shape"]
+    console.print(f"bytes moved by one rollout linear ({result['recipe']}, "
+                  f"{result['tokens']} tokens x {k} -> {n}), against bf16 "
+                  f"({result['bf16_bytes'] / 1e6:,.2f} MB):", markup=False)
+    for storage in ("dequantized", "packed"):
+        launches = ", ".join(f"{x['name']} {(x['read'] + x['written']) / 1e6:,.2f}"
+                             for x in result[f"{storage}_launches"])
+        console.print(f"  {storage}: {result[f'{storage}_bytes'] / 1e6:,.2f} MB, "
+                      f"{result[f'{storage}_ratio']:.2f}x ({launches})", markup=False)
+    tokens, target = ROLLOUT_TARGET
+    if result["tokens"] == tokens:
+        ratio = result["packed_ratio"]
+        console.print(f"target: the packed linear <= {target}x bf16's bytes at {tokens} "
+                      f"tokens: {'met' if ratio <= target else 'missed'} ({ratio:.2f}x; a "
+                      "fused decode GEMM is not built yet)", markup=False)
+
+
 def render(traffic: Traffic, console: Any) -> None:
     """The bytes per phase and per launch, the roofline times, the target."""
     from rich.table import Table
@@ -281,5 +342,6 @@ def render(traffic: Traffic, console: Any) -> None:
                       f"({traffic.ratio:.2f}x)", markup=False)
 
 
-__all__ = ["GPUS", "TARGETS", "TARGET_SHAPE", "Launch", "Recorder", "Traffic",
-           "linear_traffic", "recording", "render"]
+__all__ = ["GPUS", "ROLLOUT_TARGET", "TARGETS", "TARGET_SHAPE", "Launch", "Recorder",
+           "Traffic", "linear_traffic", "recording", "render", "render_rollout",
+           "rollout_traffic"]

@@ -46,9 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--traffic", action="store_true",
                        help="linear: count the bytes each launch of an FP4 forward + "
                        "backward moves on a GPU (on the meta device, no GPU needed) against "
-                       "bf16 nn.Linear's, with roofline times on an H100 and an H200")
-    bench.add_argument("--shape", type=_shape, help="linear --traffic: tokens,in,out "
-                       "(default 512,2048,11008: Qwen2.5-3B's up_proj)")
+                       "bf16 nn.Linear's, with roofline times on an H100 and an H200; "
+                       "rollout: the same for one vLLM-method linear at decode, each weight "
+                       "storage (--format takes the recipe)")
+    bench.add_argument("--shape", type=_shape, help="--traffic: tokens,in,out (default "
+                       "512,2048,11008, Qwen2.5-3B's up_proj; rollout: 64 tokens)")
     bench.add_argument("--micro-batches", type=positive_int, default=1,
                        help="linear --traffic: forward + backward passes per optimizer step")
     bench.set_defaults(func=run)
@@ -71,9 +73,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     check_outputs(json=args.json)
     if (args.shape is not None or args.micro_batches != 1) and not args.traffic:
-        raise UserError("--shape and --micro-batches apply to bench linear --traffic only")
-    if args.traffic and args.what != "linear":
-        raise UserError("--traffic applies to bench linear only")
+        raise UserError("--shape and --micro-batches apply to bench linear/rollout --traffic "
+                        "only")
+    if args.traffic and args.what not in ("linear", "rollout"):
+        raise UserError("--traffic applies to bench linear and bench rollout only")
+    if args.micro_batches != 1 and args.what != "linear":
+        raise UserError("--micro-batches applies to bench linear --traffic only")
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
@@ -109,6 +114,8 @@ def _rollout(args: argparse.Namespace, console: Console, device: torch.device,
     from fp4rl.bench import common
     from fp4rl.bench import rollout as bench
 
+    if args.traffic:
+        return _rollout_traffic(args, console)
     batch, new_tokens = args.batch or bench.default_batch(engines), args.tokens or 32
     with status(console, f"benchmarking generation ({', '.join(engines)})"):
         results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
@@ -143,6 +150,18 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
         results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
     bench.render(results, console)
     return common.report(results, benchmark="linear", size=args.size)
+
+
+def _rollout_traffic(args: argparse.Namespace, console: Console) -> dict:
+    from fp4rl.bench import traffic
+    from fp4rl.nn import get_recipe
+
+    recipe = (args.formats or ["hif4"])[0]
+    get_recipe(recipe)  # an unknown name: one line, before any work
+    m, k, n = args.shape or (traffic.ROLLOUT_TARGET[0], *traffic.TARGET_SHAPE[1:])
+    result = traffic.rollout_traffic(recipe, m, (k, n))
+    traffic.render_rollout(result, console)
+    return {"benchmark": "rollout-traffic", **result}
 
 
 def _traffic(args: argparse.Namespace, console: Console, fmt: str) -> dict:

@@ -140,8 +140,10 @@ def _layout(tensors: list[torch.Tensor]) -> str:
 
 
 def _joined(operands: list[Operand]) -> list[tuple[int, Operand]]:
-    """Parts without a per-tensor scale joined into one operand (one GEMM)."""
-    if all(op.scale is None for op in operands):
+    """Parts without a per-tensor scale joined into one operand (one GEMM); one part as it
+    is (a concatenation of one tensor is a copy: a packed store paid a second pass over
+    its decoded weight for it at every forward)."""
+    if len(operands) > 1 and all(op.scale is None for op in operands):
         return [(sum(op.values.shape[0] for op in operands),
                  Operand(torch.cat([op.values for op in operands])))]
     return [(op.values.shape[0], op) for op in operands]
