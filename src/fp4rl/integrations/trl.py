@@ -332,10 +332,13 @@ class FP4GRPOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         _require_fp32_masters(policy)
         invariant = self.fp4_batch_invariant
-        quantize_model(policy, recipe, batch_invariant=invariant)
+        # under FSDP or DeepSpeed the weights are gathered for one GEMM: keep no Q(W)
+        # between GEMMs there (docs/layers.md, weight_cache)
+        keep = self.accelerator.distributed_type.name not in ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+        quantize_model(policy, recipe, batch_invariant=invariant, weight_cache=keep)
         if self.ref_model is not None:
             quantize_model(self.accelerator.unwrap_model(self.ref_model), recipe,
-                           batch_invariant=invariant)
+                           batch_invariant=invariant, weight_cache=keep)
 
     def _get_per_token_logps_and_entropies(
             self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

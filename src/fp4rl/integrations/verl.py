@@ -97,7 +97,9 @@ def fp4_actor(module: torch.nn.Module, recipe: Recipe | str) -> torch.nn.Module:
         warnings.warn(f"fp4rl: verl's actor holds {', '.join(low)} weights; FP4 training "
                       "keeps FP32 masters: leave actor_rollout_ref.actor.fsdp_config."
                       "model_dtype at fp32", RuntimeWarning, stacklevel=2)
-    quantize_model(module, recipe)
+    # verl shards the actor (FSDP2): its unsharded weight lives for one GEMM, so the layers
+    # do not keep Q(W) between GEMMs (docs/layers.md, weight_cache)
+    quantize_model(module, recipe, weight_cache=False)
     return module
 
 
