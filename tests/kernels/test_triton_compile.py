@@ -111,9 +111,19 @@ def test_no_float64_and_no_spills_in_any_compiled_kernel(compiled):
     assert fp64 == []
     assert [c for c in compiled["compiled"] if c["constants"].get("FMT") == four_over_six
             and c["fp64"]], "the Four Over Six exception is no longer needed: remove it"
-    spills = [(c["kernel"], c["constants"], c["target"], c["local"])
-              for c in compiled["compiled"] if c["local"]]
-    assert spills == []
+    spills = {(c["kernel"], c["constants"]["FMT"], c["constants"].get("GROUP"),
+               c["constants"].get("TERMS"), c["target"])
+              for c in compiled["compiled"] if c["local"]}
+    assert spills <= KNOWN_SPILLS.get(compiled["triton"].rsplit(".", 1)[0], set())
+
+
+#: local-memory accesses an older Triton leaves (by major.minor), each a few per program:
+#: Triton 3.6 (torch 2.11's, verl's and vLLM 0.24's stack) in the fp32 ResQ kernels of the
+#: MX formats at 2:4 (4 accesses on sm_90 at half height; 10 at full height). The newest
+#: Triton spills nowhere.
+KNOWN_SPILLS: dict[str, set[tuple[str, int, int | None, bool | None, str]]] = {
+    "3.6": {("_resq_kernel", 1, 2, False, "sm_90"), ("_resq_kernel", 3, 2, False, "sm_90")},
+}
 
 
 def test_sass_counts_find_float64_and_local_memory():

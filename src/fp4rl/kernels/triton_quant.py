@@ -444,10 +444,12 @@ def _rows_per_program(block: int) -> int:
 
 
 def _resq_rows(block: int, group: int) -> int:
-    """The ResQ kernels' rows per program: half the quantizer's at the widest group, whose
-    ranking holds ROWS x block x group comparisons at once (at full height the two-term
-    kernels spill registers to local memory; the SASS test checks)."""
-    return _rows_per_program(block * (2 if group >= MAX_GROUP else 1))
+    """The ResQ kernels' rows per program: half the quantizer's where they rank a group
+    (ROWS x block x group comparisons at once): at full height the two-term kernels at the
+    widest group spill registers to local memory with Triton 3.9, and the fp32 MX ones at
+    2:4 spill more with Triton 3.6 (torch 2.11's; a few accesses are left there, which the
+    SASS test names)."""
+    return _rows_per_program(block * (2 if group else 1))
 
 
 def grid_1d(n_rows: int, length: int, block: int,
@@ -510,6 +512,14 @@ class Variant:
         self.kernel[grid](*args, **dict(self.constants), **COMPILE_OPTIONS)
 
 
+def _quantize_rows(code: int, block: int) -> int:
+    """The quantize kernel's rows per program: half for NVFP4 and its 16 x 16 tiles, whose
+    per-tensor scale (and a tile's amax across 16 rows) on top of the blocks spilled
+    registers with Triton 3.6 at full height (the SASS test checks)."""
+    half = code in (FormatCode.NVFP4, FormatCode.NVFP4_TILES)
+    return _rows_per_program(block * (2 if half else 1))
+
+
 def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: bool,
                      scale: bool, rescale: bool = True) -> Variant:
     """The quantize kernel for ``fmt`` reading ``x`` and writing ``y``; an absent noise or
@@ -517,7 +527,7 @@ def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: b
     code, bs = _format(fmt)
     return Variant(_quantize_kernel, (x, y, torch.float32 if noise else x,
                                       torch.float32 if scale else x),
-                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs)),
+                   (("FMT", code), ("BS", bs), ("ROWS", _quantize_rows(code, bs)),
                     ("HAS_NOISE", noise), ("HAS_SCALE", scale),
                     ("RESCALE", scale and rescale)))
 
@@ -601,7 +611,8 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
         raise ValueError(f"a scale of {g.numel()} values for {n_rows} rows")
     variant = quantize_variant(fmt, x.dtype, y.dtype, noise is not None,
                                tensor_scale is not None, rescale)
-    variant.launch(grid_1d(n_rows, length, bs), x, y, noise if noise is not None else x,
+    variant.launch(grid_1d(n_rows, length, bs, dict(variant.constants)["ROWS"]), x, y,
+                   noise if noise is not None else x,
                    n_rows, length, sxr, sxc, syr, syc, snr, snc, g,
                    int(tensor_scale is not None and g.numel() > 1))
     return y
