@@ -121,7 +121,8 @@ class PackedStore(WeightStore):
 
     def gemms(self) -> list[Gemm]:
         decoded = [p.decode(self.dtype) for p in self.parts]
-        return [(rows, op, None) for rows, op in _joined(decoded)]
+        # fresh tensors each forward: a one-part weight needs no copy
+        return [(rows, op, None) for rows, op in _joined(decoded, copy=False)]
 
     def nbytes(self, in_features: int) -> int:
         return sum(p.nbytes for p in self.parts)
@@ -139,11 +140,12 @@ def _layout(tensors: list[torch.Tensor]) -> str:
                      for t in tensors)
 
 
-def _joined(operands: list[Operand]) -> list[tuple[int, Operand]]:
-    """Parts without a per-tensor scale joined into one operand (one GEMM); one part as it
-    is (a concatenation of one tensor is a copy: a packed store paid a second pass over
-    its decoded weight for it at every forward)."""
-    if len(operands) > 1 and all(op.scale is None for op in operands):
+def _joined(operands: list[Operand], copy: bool = True) -> list[tuple[int, Operand]]:
+    """Parts without a per-tensor scale joined into one operand (one GEMM), in a tensor of
+    the store's own (a part may alias what the loader or a refit sent); ``copy=False``
+    leaves one part as it is (a packed store's decoded weight, fresh at every forward,
+    whose copy was a second pass over it)."""
+    if (copy or len(operands) > 1) and all(op.scale is None for op in operands):
         return [(sum(op.values.shape[0] for op in operands),
                  Operand(torch.cat([op.values for op in operands])))]
     return [(op.values.shape[0], op) for op in operands]
