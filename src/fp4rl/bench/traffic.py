@@ -44,7 +44,9 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.t.default,
           aten.squeeze.default, aten.reshape.default, aten.split.Tensor,
           aten.unbind.int, aten.view_as.default, aten.lift_fresh.default,
           aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-          aten.new_empty.default, aten._to_copy.default}
+          aten.new_empty.default}
+#: ops counted under a name of their own
+_NAMES = {aten._to_copy.default: "cast"}
 _GEMMS = {aten.mm.default, aten.mm.dtype, aten.addmm.default, aten.bmm.default}
 
 
@@ -92,10 +94,6 @@ class Recorder:
 
     def op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if func in _VIEWS:
-            if func is aten._to_copy.default:  # a cast or a copy: reads and writes
-                (src,) = _tensors(args)[:1]
-                self.launches.append(Launch("cast", self.current, _nbytes(src),
-                                            sum(map(_nbytes, _tensors(out)))))
             return
         read = sum(map(_nbytes, _tensors((args, kwargs))))
         written = sum(map(_nbytes, _tensors(out)))
@@ -104,13 +102,13 @@ class Recorder:
             a, b = _tensors(args)[-2:] if func is aten.addmm.default else _tensors(args)[:2]
             flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * \
                 (a.shape[0] if a.dim() == 3 else 1)
-        self.launches.append(Launch(str(func.overloadpacket.__name__), self.current, read,
-                                    written, flops))
+        name = _NAMES.get(func, str(func.overloadpacket.__name__))
+        self.launches.append(Launch(name, self.current, read, written, flops))
 
     def kernel(self, variant: Any, args: tuple[Any, ...]) -> None:
         """A Triton launch: each pointer argument read or written as its kernel uses it."""
-        names = [n for n in variant.kernel.arg_names if n not in dict(variant.constants)]
         consts = dict(variant.constants)
+        names = [n for n in variant.kernel.arg_names if n not in consts]
         read = written = 0
         for name, value in zip(names, args, strict=False):
             if not isinstance(value, torch.Tensor):

@@ -191,9 +191,7 @@ class _TrainWeights:
 
     def nbytes(self) -> int:
         """The bytes the kept operands take (values and scales)."""
-        return sum(op.values.numel() * op.values.element_size() +
-                   (0 if op.scale is None else op.scale.numel() * op.scale.element_size())
-                   for op in self.operands.values())
+        return sum(op.nbytes for op in self.operands.values())
 
 
 def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecision,
