@@ -230,7 +230,7 @@ def stage_speed(device: str, quick: bool) -> dict[str, Any]:
             def go() -> None:
                 layer.weight.grad = None
                 if isinstance(layer, FP4Linear):
-                    layer._train_weights.clear()  # a new optimizer step's first pass
+                    layer._kept.clear()  # a new optimizer step's first pass
                 for xi in xs:
                     with autocast(torch.device(device), "bf16"):
                         y = layer(xi)

@@ -75,7 +75,7 @@ def decode(fmt, rows: int) -> None:
 
 def main() -> None:
     formats = [get_format(n) for n in list_formats()]
-    variants = triton_quant.variants(formats)
+    variants = aot.variants(formats)
     compiled = aot.compile_all(variants, keep_ir=True)
     narrow = {f"{c.kernel} {c.constants}": aot.narrow_offsets(c.ttir)
               for c in compiled if c.target == "sm_90" and not c.error}

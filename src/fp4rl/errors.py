@@ -37,6 +37,11 @@ class OutputError(UserError):
     read-only directory, an existing run."""
 
 
+class DirectoryInUse(OutputError):
+    """An output directory another process holds (its lock): the directory is theirs, so
+    the refused command leaves it exactly as it found it."""
+
+
 def did_you_mean(name: object, choices: list[str] | tuple[str, ...]) -> str:
     """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
     import difflib
@@ -45,5 +50,5 @@ def did_you_mean(name: object, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-__all__ = ["CheckpointError", "ConfigError", "MissingFileError", "OutputError", "RecipeError",
-           "ResumeError", "UserError", "did_you_mean"]
+__all__ = ["CheckpointError", "ConfigError", "DirectoryInUse", "MissingFileError", "OutputError",
+           "RecipeError", "ResumeError", "UserError", "did_you_mean"]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fp4rl.errors import OutputError
+from fp4rl.errors import DirectoryInUse
 
 LOCK_FILE = ".fp4rl.lock"
 
@@ -37,7 +37,8 @@ def _holder() -> str:
 def exclusive(directory: Path, option: str = "--output",
               warn: object = print) -> Iterator[None]:
     """Hold ``directory``'s lock for the block (creating the directory); an
-    :class:`OutputError` names the current holder where another process has it."""
+    :class:`~fp4rl.errors.DirectoryInUse` names the current holder where another process
+    has it."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -47,7 +48,7 @@ def exclusive(directory: Path, option: str = "--output",
         except OSError as err:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 holder = path.read_text().strip() or "another process"
-                raise OutputError(f"{option} {directory} is in use by {holder}: wait for it "
+                raise DirectoryInUse(f"{option} {directory} is in use by {holder}: wait for it "
                                   f"to finish, or write elsewhere") from None
             if callable(warn):
                 warn(f"note: cannot lock {directory} ({err.strerror}); running unlocked")

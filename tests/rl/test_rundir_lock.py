@@ -69,3 +69,14 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path):
     done = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(120)", "pass"),
                            str(run)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "locked"
+
+
+def test_the_refusal_is_its_own_error_type(holder):
+    """Callers tell a held directory (someone else's: leave it alone) from any other output
+    problem by the type, not by the message's words."""
+    from fp4rl.errors import DirectoryInUse, OutputError
+
+    run, proc = holder
+    with pytest.raises(DirectoryInUse, match=f"PID {proc.pid}") as refused, exclusive(run):
+        pass
+    assert isinstance(refused.value, OutputError)

@@ -10,7 +10,7 @@ import torch
 
 import fp4rl
 from fp4rl.models import tiny_model
-from fp4rl.rl.config import load_config
+from fp4rl.rl.config import ConfigError, load_config
 from fp4rl.rollout import (
     EngineError,
     KVCacheEngine,
@@ -30,9 +30,11 @@ def _prompts(tok) -> list[list[int]]:
     return [tok(t)["input_ids"] for t in ["What is 2+2?", "Hi there", "Count: 1 2 3", "x y"]]
 
 
-def test_one_name_per_engine_and_the_alias():
+def test_one_name_per_engine():
     assert list_engines() == ["hf", "vllm"]
-    assert engine_name("fp4rl") == "hf" and get_engine("fp4rl") is KVCacheEngine
+    assert engine_name("hf") == "hf" and get_engine("hf") is KVCacheEngine
+    with pytest.raises(EngineError, match=r"unknown rollout engine 'fp4rl'"):
+        get_engine("fp4rl")  # the package's name is not an engine's
     with pytest.raises(EngineError, match=r"unknown rollout engine 'vlm' \(did you mean "
                                           r"'vllm'\?\); choose one of: hf, vllm"):
         engine_name("vlm")
@@ -48,12 +50,15 @@ def test_an_engine_of_ones_own_registers_once(monkeypatch):
     register_engine(Echo)  # the same class again: nothing to refuse
     with pytest.raises(EngineError, match=r"rollout engine 'hf' is already registered"):
         register_engine(type("Other", (KVCacheEngine,), {"name": "hf"}))
-    with pytest.raises(EngineError, match=r"needs a name of its own, got 'fp4rl'"):
-        register_engine(type("Alias", (KVCacheEngine,), {"name": "fp4rl"}))
+    with pytest.raises(EngineError, match=r"needs a name of its own, got ''"):
+        register_engine(type("Nameless", (KVCacheEngine,), {"name": ""}))
 
 
-def test_the_config_reads_the_alias_as_the_engine():
-    assert load_config("smoke", ["rollout.engine=fp4rl"]).rollout_engine == "hf"
+def test_the_config_refuses_a_name_no_engine_has_in_one_line():
+    with pytest.raises(ConfigError, match=r"unknown rollout engine 'fp4rl'.*choose one of: "
+                                          r"hf, vllm") as refused:
+        load_config("smoke", ["rollout.engine=fp4rl"])
+    assert "\n" not in str(refused.value)
 
 
 def _greedy_without_cache(model, prompt: list[int], steps: int, eos: int

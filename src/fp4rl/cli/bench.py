@@ -11,7 +11,7 @@ from fp4rl.cli.options import add_device_option, check_outputs, positive_int, to
 from fp4rl.errors import UserError
 from fp4rl.paths import write_json
 from fp4rl.progress import status
-from fp4rl.rollout.registry import ALIASES, list_engines
+from fp4rl.rollout.registry import list_engines
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="formats: the axis to quantize along")
     bench.add_argument("--tokens", type=positive_int, help="linear: tokens per linear "
                        "(default 512); rollout: new tokens per prompt (default 32)")
-    bench.add_argument("--engine", nargs="+", default=["hf"], choices=[*list_engines(), *ALIASES],
+    bench.add_argument("--engine", nargs="+", default=["hf"], choices=list_engines(),
                        help="rollout: fp4rl's engine (hf), vLLM with the fp4rl plug-in "
                        "(vllm), or both, measured side by side (default hf); train: vllm "
                        "compares the FP4 step with its rollout in vLLM against fp4rl's engine")

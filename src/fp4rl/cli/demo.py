@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 
 from fp4rl.cli.options import add_device_options, positive_int
-from fp4rl.rollout.registry import ALIASES, list_engines
+from fp4rl.rollout.registry import list_engines
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="GRPO steps (default: sized for ~10 min)")
     demo.add_argument("--eval-prompts", type=positive_int, help="test prompts per evaluation")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--rollout-engine", choices=[*list_engines(), *ALIASES],
+    demo.add_argument("--rollout-engine", choices=list_engines(),
                       help="where GRPO's rollouts run: hf (fp4rl's engine) or vllm (a "
                       "colocated vLLM engine with the fp4rl method); default: the config's")
     add_device_options(demo, "auto")

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int:
+    from fp4rl.errors import DirectoryInUse
     from fp4rl.paths import check_writable
     from fp4rl.rl.rundir import RunDir
     from fp4rl.rundir_lock import exclusive
@@ -101,7 +102,7 @@ def _train_run(args: argparse.Namespace, console: Console, is_main: bool) -> int
                 run_dir.refuse_a_run()  # one that started between the check and the lock
             return _train_with(cfg, run_dir, args.resume, console, is_main)
     except BaseException as err:
-        if created and is_main and not _refused_by_lock(err):
+        if created and is_main and not isinstance(err, DirectoryInUse):
             run_dir.remove_if_unstarted()
         raise
 
@@ -121,13 +122,6 @@ def _config(args: argparse.Namespace, run_dir: RunDir, console: Console) -> Trai
         run_dir.saved_config()  # one line where there is no run to resume
     requested = load_config(args.config or run_dir.config_file, args.overrides, steps)
     return run_dir.resumable_config(requested, console.print)
-
-
-def _refused_by_lock(err: BaseException) -> bool:
-    """Whether ``err`` is a second writer's refusal (the directory is the holder's)."""
-    from fp4rl.errors import OutputError
-
-    return isinstance(err, OutputError) and " is in use by " in str(err)
 
 
 def _train_with(cfg: TrainConfig, run_dir: RunDir, resume: bool, console: Console,

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar, Self, SupportsIndex
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -141,22 +141,14 @@ class NumberFormat(ABC):
         """The registered name: what configs, messages and file names write."""
         return self.name
 
-    # A format holds no state: a recipe that holds one is copied and pickled with the
-    # registered object itself, so that recipes compare by identity after a copy, a
-    # ``torch.save`` or a hop to a worker process.
+    # A format holds no state: a recipe that holds one is copied with the object itself, so
+    # that recipes compare by identity after a copy; a registered format also pickles as its
+    # name (the registry installs that reduction: fp4rl.formats.registry.register_format).
     def __copy__(self) -> Self:
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
-        from fp4rl.formats.registry import get_format, list_formats
-
-        if self.name.lower() in {n.lower() for n in list_formats()} and \
-                get_format(self.name) is self:
-            return get_format, (self.name,)
-        return super().__reduce_ex__(protocol)  # a format no registry holds
 
 
 class BlockFormat(NumberFormat):
@@ -220,7 +212,7 @@ class BlockFormat(NumberFormat):
         """Store ``x`` in the format: packed 4-bit codes plus the scale fields."""
         opts = self.options(**options)
         d = check_tensor(x, dim)
-        rows, _ = _to_rows(x, d)
+        rows, _ = to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         if scale is not None:
             rows = rows / scale
@@ -256,7 +248,7 @@ class BlockFormat(NumberFormat):
             return x.clone()
         if fast and x.dim() == 2 and has_matrix_kernel(self, x):
             return self._quantize_matrix(x, d, opts)
-        rows, restore = _to_rows(x, d)
+        rows, restore = to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         noise = self._noise(rows.shape[0], rows.shape[1], rows.device, opts)
         out = quantize_rows(self, rows, noise, scale) if fast else None
@@ -322,7 +314,7 @@ def _pad_rows(rows: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
 
 
-def _to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.Tensor],
+def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.Tensor],
                                                                         torch.Tensor]]:
     """View ``x`` as contiguous float32 rows along ``dim``; return the inverse mapping."""
     moved = x.movedim(dim, -1) if x.ndim else x.reshape(1)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from fp4rl.formats._exact import divide, nonfinite_blocks, round_minifloat
-from fp4rl.formats.base import BlockFormat, QuantOptions, _to_rows, check_tensor
+from fp4rl.formats.base import BlockFormat, QuantOptions, check_tensor, to_rows
 from fp4rl.formats.mxfp4 import (
     e2m1_codes,
     e2m1_decode,
@@ -276,7 +276,7 @@ class NVFP4Tiles(NVFP4):
             return super()._quantize(x, dim, opts, fast)
         if x.numel() == 0:
             return x.clone()
-        rows, restore = _to_rows(x, d)
+        rows, restore = to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         fields, nan = self._tile_fields(rows if scale is None else rows / scale, opts)
         values = torch.where(nan, torch.nan, self.assemble(fields))
@@ -286,7 +286,7 @@ class NVFP4Tiles(NVFP4):
     def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
         opts = self.options(**options)
         d = check_tensor(x, dim)
-        rows, _ = _to_rows(x, d)
+        rows, _ = to_rows(x, d)
         scale = self._tensor_scale(rows, opts)
         fields, nan = self._tile_fields(rows if scale is None else rows / scale, opts)
         bs = self.block_size

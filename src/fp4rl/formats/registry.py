@@ -7,6 +7,7 @@ quantizes through its reference path, as no kernel knows it.
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
 import torch
@@ -42,7 +43,18 @@ def register_format(fmt: NumberFormat, *, replace: bool = False) -> NumberFormat
     name = getattr(fmt, "name", None)
     if not isinstance(name, str) or not name.strip():
         raise FormatError(f"{type(fmt).__name__}.name must be a non-empty string, got {name!r}")
-    return _FORMATS.register(name, fmt, replace=replace)
+    registered = _FORMATS.register(name, fmt, replace=replace)
+    copyreg.pickle(type(fmt), _reduce_format)
+    return registered
+
+
+def _reduce_format(fmt: NumberFormat) -> str | tuple[Any, ...]:
+    """Pickle a registered format as its name, so that a recipe holds the registered object
+    itself after a ``torch.save`` or a hop to a worker process; any other object of a
+    registered class (one no registry holds) by value, as pickle would."""
+    if fmt.name in _FORMATS and _FORMATS.get(fmt.name) is fmt:
+        return get_format, (fmt.name,)
+    return object.__reduce_ex__(fmt, 2)
 
 
 def list_formats() -> list[str]:

@@ -53,7 +53,7 @@ from torch import nn
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
 from fp4rl.nn.invariant import invariant_for
-from fp4rl.rollout import KVCacheEngine, SamplingConfig, engine_name
+from fp4rl.rollout import KVCacheEngine, SamplingConfig
 from fp4rl.rollout.logprobs import response_logprobs
 from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
@@ -75,9 +75,9 @@ except ModuleNotFoundError as error:
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
 
-#: ``fp4_rollout_engine``: fp4rl's KV-cache engine by its one name (``hf``, or its alias
-#: ``fp4rl``), or transformers' ``generate``; vLLM is TRL's own switch (``use_vllm``)
-TRLEngine = Literal["hf", "fp4rl", "transformers"]
+#: ``fp4_rollout_engine``: fp4rl's KV-cache engine (``hf``, the name ``rollout.engine``
+#: gives it) or transformers' ``generate``; vLLM is TRL's own switch (``use_vllm``)
+TRLEngine = Literal["hf", "transformers"]
 TRL_ENGINES: tuple[str, ...] = get_args(TRLEngine)
 
 #: GRPOTrainer arguments this trainer cannot honour, and why
@@ -125,7 +125,6 @@ def _check_engine(engine: str, args: GRPOConfig | None) -> str:
                         f"{', '.join(TRL_ENGINES)}{hint}")
     if engine == "transformers":
         return engine
-    engine = engine_name(engine)
     if args is None:
         return engine
     extras = {"min_p": args.min_p is not None, "repetition_penalty": args.repetition_penalty != 1,

@@ -5,7 +5,7 @@ Triton's interpreter runs a kernel's Python, not the compiler: code the interpre
 accepts can still be refused when a GPU first compiles it (a plain global read inside
 ``@triton.jit``, say). ``triton.compile`` with a :class:`GPUTarget` goes from the kernel to
 a cubin for any NVIDIA architecture on a CPU (ptxas ships in Triton's wheel), so every
-variant the launchers can produce (:func:`fp4rl.kernels.triton_quant.variants`) is
+variant the launchers can produce (:func:`variants`) is
 compiled here for the GPUs users run. The specialization key Triton computes at each
 launch (which binary a launch needs) is computed here too, from the launch's own
 arguments, to show that a token count never asks for a new binary.
@@ -48,6 +48,22 @@ class Compiled:
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def variants(formats: Iterable[Any]) -> list[Any]:
+    """Every kernel variant the launchers can produce for ``formats`` (the registered
+    ones, say): quantize, ResQ, the per-tensor amax and the packed decode."""
+    from fp4rl.kernels import QUANTIZE
+    from fp4rl.kernels.triton_decode import decode_variants
+    from fp4rl.kernels.triton_quant import FLOATS, amax_variant, quantize_variants
+
+    seen: dict[Any, None] = {}
+    for fmt in formats:
+        seen.update(dict.fromkeys(quantize_variants(fmt)))
+        seen.update(dict.fromkeys(decode_variants(fmt)))
+        if fmt.kernels is not None and fmt.has_tensor_scale and fmt.kernels.triton & QUANTIZE:
+            seen.update(dict.fromkeys(amax_variant(dtype) for dtype in FLOATS))
+    return list(seen)
 
 
 def compile_variant(variant: Any, target: str, keep_ir: bool = False) -> Compiled:

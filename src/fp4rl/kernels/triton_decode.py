@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fp4rl.kernels import KernelFormat
 from fp4rl.kernels.codes import FormatCode
-from fp4rl.kernels.triton_quant import Variant, _format, _pow2, _rows_per_program, _tile, grid_1d
+from fp4rl.kernels.triton_quant import Variant, format_fields, grid_1d, pow2, rows_per_program, tile
 
 
 @triton.jit
@@ -36,14 +36,14 @@ def _e4m3(b):
     """float32 value of E4M3 (fn) bytes (the NaN codes are masked by the caller)."""
     e = (b >> 3) & 0xF
     m = (b & 7).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _pow2(e - 10))  # 2^-9 subnormals
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * pow2(e - 10))  # 2^-9 subnormals
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
 @triton.jit(do_not_specialize=("n_rows",))  # a weight of one row: no binary of its own
 def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, blocks,
                    FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
+    rows, cols, inside = tile(n_rows, length, BS, ROWS)
     block = cols // BS  # (1, BS), one block: the tile's
     within = cols % BS
     live = rows < n_rows
@@ -58,13 +58,13 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
         l3 = tl.load(l3_ptr + rows * (blocks * 2) + block * 2 + quad // 8, mask=live,
                      other=0).to(tl.int32)
         d = ((l2 >> (within // 8)) & 1) + ((l3 >> (quad % 8)) & 1)
-        scale = (4.0 + (s & 3).to(tl.float32)) * _pow2((s >> 2) - 50)
-        mag = (code & 7).to(tl.float32) * _pow2(d - 2) * scale
+        scale = (4.0 + (s & 3).to(tl.float32)) * pow2((s >> 2) - 50)
+        mag = (code & 7).to(tl.float32) * pow2(d - 2) * scale
         nan = s == 0xFF
     elif FMT == 1:  # MXFP4: E2M1 * 2^(e - 127)
         e = s - 127
         half = e >> 1  # 2^e in two normal halves: 2^-127 itself is subnormal
-        mag = (_e2m1(code & 7) * _pow2(half)) * _pow2(e - half)
+        mag = (_e2m1(code & 7) * pow2(half)) * pow2(e - half)
         nan = s == 0xFF
     else:  # NVFP4: E2M1 * E4M3 block scale (the per-tensor scale stays outside)
         nan = (s & 0x7F) == 0x7F
@@ -83,9 +83,9 @@ DECODED = (torch.float32, torch.bfloat16)
 def decode_variant(fmt: KernelFormat, dtype: torch.dtype) -> Variant:
     """The decode kernel for ``fmt`` writing ``dtype``; the fields are bytes (a format
     without HiF4's two levels passes its scale in their place)."""
-    code, bs = _format(fmt)
+    code, bs = format_fields(fmt)
     return Variant(_decode_kernel, (torch.uint8,) * 4 + (dtype,),
-                   (("FMT", code), ("BS", bs), ("ROWS", _rows_per_program(bs))))
+                   (("FMT", code), ("BS", bs), ("ROWS", rows_per_program(bs))))
 
 
 def decode_variants(fmt: KernelFormat) -> Iterator[Variant]:
@@ -100,7 +100,7 @@ def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, len
     """The ``(rows, length)`` values of a weight packed along its rows, in ``dtype``
     (float32, or bf16, which holds every value exactly); None for formats this kernel
     does not decode."""
-    code, bs = _format(fmt)
+    code, bs = format_fields(fmt)
     assert fmt.kernels is not None
     if "decode" not in fmt.kernels.triton:
         return None

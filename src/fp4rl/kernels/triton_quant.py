@@ -22,7 +22,7 @@ GPU the same kernels run under ``TRITON_INTERPRET=1`` (how the tests check them)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ MAX_PROGRAMS = 2**31 - 1
 
 
 @triton.jit
-def _pow2(e):
+def pow2(e):
     """2^e as float32 for integer e in [-126, 127] (a normal number, formed from its bits)."""
     return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
@@ -153,12 +153,12 @@ def _round_minifloat(v, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl
     """Minifloat rounding of float32 v >= 0 with MBITS fraction bits and min normal
     exponent EMIN: v / step is exact (a power of two), so is its rounding."""
     e = tl.maximum(_floor_log2(v), EMIN)
-    t = v * _pow2(MBITS - e)
+    t = v * pow2(MBITS - e)
     if HAS_NOISE:  # noqa: SIM108 (a compile-time branch: one side is compiled)
         q = _floor_plus_noise(t, 0.0, noise)
     else:
         q = _rint(t)
-    return tl.minimum(q * _pow2(e - MBITS), VMAX)
+    return tl.minimum(q * pow2(e - MBITS), VMAX)
 
 
 @triton.jit
@@ -216,10 +216,10 @@ def _mx_mag(a, amax, noise, MBITS: tl.constexpr, EMIN: tl.constexpr, VMAX: tl.co
     x * 2^-E is exact (or far below the element grid); 2^E is applied in two exact
     halves so that a subnormal result rounds once, as the reference's cast does."""
     e = tl.maximum(_floor_log2(amax) - SCALE_OFFSET, -127)[:, None]
-    v = a * _pow2(-e)
+    v = a * pow2(-e)
     q = _round_minifloat(v, noise, MBITS, EMIN, VMAX, HAS_NOISE)
     half = e >> 1
-    return (q * _pow2(half)) * _pow2(e - half)
+    return (q * pow2(half)) * pow2(e - half)
 
 
 @triton.jit
@@ -232,7 +232,7 @@ def _e4m3_scale(amax, TOP: tl.constexpr):
     (half an ulp) cannot reach or cross. A midpoint is hit only when it is exact."""
     m = tl.minimum(tl.math.div_rn(amax, tl.zeros_like(amax) + TOP), 448.0)
     em = tl.maximum(_floor_log2(m), -6)
-    return _rint(m * _pow2(3 - em)) * _pow2(em - 3)
+    return _rint(m * pow2(3 - em)) * pow2(em - 3)
 
 
 @triton.jit
@@ -330,7 +330,7 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
 
 
 @triton.jit
-def _tile(n_rows, length, BS: tl.constexpr, ROWS: tl.constexpr):
+def tile(n_rows, length, BS: tl.constexpr, ROWS: tl.constexpr):
     """This program's rows (ROWS, 1) and columns (1, BS), as int64 so that every offset
     product is exact past 2^31 elements, and the mask of those inside the matrix. The
     grid is one-dimensional (CUDA caps its y and z axes at 65,535 programs)."""
@@ -350,7 +350,7 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     float32 exactly), y stored in its own dtype (FP4 and FP8 block values are exact in
     bf16; a rescaled value rounds to nearest even there, as a cast of the float32 does).
     g is one value (``sg`` 0) or one per row (``sg`` 1)."""
-    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
+    rows, cols, inside = tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
     g = 1.0
     if HAS_SCALE:  # on the device: no host sync, capturable in a CUDA graph
@@ -386,7 +386,7 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
     """out = Q(x) + S(Q(x - Q(x))) for one tile; S keeps ``keep`` of every GROUP (0:
     dense). TERMS: the two terms written apart instead, Q(x) to y and S(...) to r (each
     exact in bf16: a bf16 GEMM's two operands), from x of any float dtype."""
-    rows, cols, inside = _tile(n_rows, length, BS, ROWS)
+    rows, cols, inside = tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
     q = _quantize_tile(x, 0.0, FMT, ROWS, False)
     res = _quantize_tile(x - q, 0.0, FMT, ROWS, False)
@@ -439,7 +439,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32)
 
 
-def _rows_per_program(block: int) -> int:
+def rows_per_program(block: int) -> int:
     return max(1, TILE_ELEMENTS // block)
 
 
@@ -449,13 +449,13 @@ def _resq_rows(block: int, group: int) -> int:
     widest group spill registers to local memory with Triton 3.9, and the fp32 MX ones at
     2:4 spill more with Triton 3.6 (torch 2.11's; a few accesses are left there, which the
     SASS test names)."""
-    return _rows_per_program(block * (2 if group else 1))
+    return rows_per_program(block * (2 if group else 1))
 
 
-def grid_1d(n_rows: int, length: int, block: int,
-            rows_per_program: int | None = None) -> tuple[int]:
-    """The one-dimensional grid of :func:`_tile`: a program per ``ROWS`` rows and block."""
-    per = rows_per_program or _rows_per_program(block)
+def grid_1d(n_rows: int, length: int, block: int, rows: int | None = None) -> tuple[int]:
+    """The one-dimensional grid of :func:`tile`: a program per ``rows`` rows (default
+    :func:`rows_per_program`'s) and block."""
+    per = rows or rows_per_program(block)
     programs = triton.cdiv(n_rows, per) * triton.cdiv(length, block)
     if programs > MAX_PROGRAMS:
         raise ValueError(f"a ({n_rows}, {length}) matrix needs {programs} programs, over "
@@ -463,7 +463,7 @@ def grid_1d(n_rows: int, length: int, block: int,
     return (programs,)
 
 
-def _format(fmt: KernelFormat) -> tuple[int, int]:
+def format_fields(fmt: KernelFormat) -> tuple[int, int]:
     """The ``FMT`` code the kernels branch on and the block size, both the format's own."""
     if fmt.kernels is None:
         raise ValueError(f"the Triton kernels have no format {fmt.name!r}")
@@ -517,14 +517,14 @@ def _quantize_rows(code: int, block: int) -> int:
     per-tensor scale (and a tile's amax across 16 rows) on top of the blocks spilled
     registers with Triton 3.6 at full height (the SASS test checks)."""
     half = code in (FormatCode.NVFP4, FormatCode.NVFP4_TILES)
-    return _rows_per_program(block * (2 if half else 1))
+    return rows_per_program(block * (2 if half else 1))
 
 
 def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: bool,
                      scale: bool, rescale: bool = True) -> Variant:
     """The quantize kernel for ``fmt`` reading ``x`` and writing ``y``; an absent noise or
     scale pointer is passed as ``x`` itself (never read)."""
-    code, bs = _format(fmt)
+    code, bs = format_fields(fmt)
     return Variant(_quantize_kernel, (x, y, torch.float32 if noise else x,
                                       torch.float32 if scale else x),
                    (("FMT", code), ("BS", bs), ("ROWS", _quantize_rows(code, bs)),
@@ -535,7 +535,7 @@ def quantize_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, noise: b
 def resq_variant(fmt: KernelFormat, x: torch.dtype, group: int, terms: bool) -> Variant:
     """The ResQ kernel for ``fmt`` and an n:m ``group`` (0: dense): the sum in float32
     from float32 rows, or (``terms``) the two bf16 terms from rows of type ``x``."""
-    code, bs = _format(fmt)
+    code, bs = format_fields(fmt)
     out = torch.bfloat16 if terms else torch.float32
     return Variant(_resq_kernel, (x, out, out),
                    (("FMT", code), ("BS", bs), ("ROWS", _resq_rows(bs, group)),
@@ -567,21 +567,6 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
             yield resq_variant(fmt, dtype, group, True)
 
 
-def variants(formats: Iterable[KernelFormat]) -> list[Variant]:
-    """Every kernel variant the launchers can produce for ``formats`` (the registered
-    ones, say): quantize, ResQ and the packed decode."""
-    from fp4rl.kernels import triton_decode
-
-    seen: dict[Variant, None] = {}
-    for fmt in formats:
-        seen.update(dict.fromkeys(quantize_variants(fmt)))
-        seen.update(dict.fromkeys(triton_decode.decode_variants(fmt)))
-        if fmt.kernels is not None and fmt.has_tensor_scale and \
-                fmt.kernels.triton & QUANTIZE:
-            seen.update(dict.fromkeys(amax_variant(dtype) for dtype in FLOATS))
-    return list(seen)
-
-
 def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,
                 tensor_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 rescale: bool = True) -> torch.Tensor:
@@ -598,7 +583,7 @@ def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tens
     """
     if x.dim() != 2 or x.dtype not in FLOATS or axis not in (0, 1):
         raise ValueError("quantize_2d takes a float matrix and axis 0 or 1")
-    _, bs = _format(fmt)
+    _, bs = format_fields(fmt)
     if not (x.is_contiguous() or x.t().is_contiguous()):
         x = x.contiguous()
     y = torch.empty_like(x, dtype=out_dtype or x.dtype)  # same strides as x
@@ -640,7 +625,7 @@ def fuses_resq(fmt: KernelFormat, group: int) -> bool:
     format with a per-tensor scale (NVFP4: the residual's scale needs a pass over the
     whole residual first; its ResQ composes quantizer passes, all on the device), and a
     group that is a power of two dividing the block, at most :data:`MAX_GROUP`."""
-    _, bs = _format(fmt)
+    _, bs = format_fields(fmt)
     return not fmt.has_tensor_scale and (
         group == 0 or (1 < group <= MAX_GROUP and not group & (group - 1) and not bs % group))
 

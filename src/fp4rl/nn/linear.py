@@ -31,7 +31,6 @@ which reproduces the forward's operand bit for bit) rather than kept as a second
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, ClassVar
 
@@ -60,12 +59,12 @@ class _OptimizerSteps:
 
     A weight's version counter misses an update that a fused optimizer writes straight
     into the parameter's storage (``AdamW(fused=True)``, transformers' default
-    ``adamw_torch_fused``), so the quantized-weight caches key on this count too: any
-    optimizer step makes every cached ``Q(W)`` stale."""
+    ``adamw_torch_fused``), so what a layer keeps of its weight keys on this count too: any
+    optimizer step makes every kept ``Q(W)`` stale."""
 
     count = 0
-    #: the kept Q(W) operands of every layer, dropped at each step (they are stale)
-    kept: ClassVar[weakref.WeakSet[_TrainWeights]] = weakref.WeakSet()
+    #: what every layer keeps of its weight, dropped at each step (it is stale)
+    kept: ClassVar[weakref.WeakSet[_KeptWeights]] = weakref.WeakSet()
 
     @classmethod
     def bump(cls, *_: object) -> None:
@@ -159,39 +158,42 @@ class _FP4LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-class _TrainWeights:
-    """The training policy's ``Q(W)`` operands of one layer, each in the form its GEMM
-    reads (the compute dtype; under ``dequantized`` the backward's scaled values), kept
-    while the weight is the same version: the micro-batches of a step and its
-    old-log-prob pass read them instead of quantizing the master and casting it again.
+class _KeptWeights:
+    """What one layer derives from its weight, kept while the weight is the same version
+    (:meth:`FP4Linear._weight_key`): the training policy's ``Q(W)`` operands, each in the
+    form its GEMM reads (the micro-batches of a step and its old-log-prob pass read them
+    instead of quantizing the master and casting it again), the rollout policy's ``Q(W)``
+    in one dtype, a ``Q(W)`` received from elsewhere and a static NVFP4 activation scale.
     Any change of the weight (an in-place update, an optimizer step, fused or not, a
-    refit, a ``load_state_dict``, a new storage) changes :meth:`FP4Linear._weight_key`
-    and drops them."""
+    refit, a ``load_state_dict``, a new storage, a new recovery transform) changes the
+    version and drops them all; an optimizer step drops them at once (:meth:`clear`), so
+    no stale copy holds memory through the next rollout."""
 
     def __init__(self) -> None:
-        self.version: tuple[int, ...] | None = None
-        self.operands: dict[tuple[int, torch.dtype, bool], Operand] = {}
+        self.clear()
         _OptimizerSteps.kept.add(self)
 
     def clear(self) -> None:
-        """Drop the operands (an optimizer step made them stale: no memory held through
-        the next rollout)."""
-        self.version, self.operands = None, {}
+        self.version: tuple[int, ...] | None = None
+        #: (axis, dtype, backward) -> the training GEMM's operand
+        self.train: dict[tuple[int, torch.dtype, bool], Operand] = {}
+        self.rollout: tuple[torch.dtype, Operand] | None = None
+        self.received: Operand | None = None
+        self.static_scale: torch.Tensor | None = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _TrainWeights:
-        return _TrainWeights()  # a copy of the layer quantizes its own weight
-
-    def get(self, version: tuple[int, ...], slot: tuple[int, torch.dtype, bool],
-            make: Callable[[], Operand]) -> Operand:
+    def at(self, version: tuple[int, ...]) -> _KeptWeights:
+        """These kept values, for ``version``: emptied first where they were another's."""
         if version != self.version:
-            self.version, self.operands = version, {}
-        if slot not in self.operands:
-            self.operands[slot] = make()
-        return self.operands[slot]
+            self.clear()
+            self.version = version
+        return self
 
-    def nbytes(self) -> int:
-        """The bytes the kept operands take (values and scales)."""
-        return sum(op.nbytes for op in self.operands.values())
+    def __deepcopy__(self, memo: dict[int, Any]) -> _KeptWeights:
+        return _KeptWeights()  # a copy of the layer has a weight of its own
+
+    def train_nbytes(self) -> int:
+        """The bytes the training policy's kept operands take (values and scales)."""
+        return sum(op.nbytes for op in self.train.values())
 
 
 def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecision,
@@ -207,7 +209,11 @@ def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecisi
         return quantize_operand(weight.detach(), p.weights, axis, out_dtype=dtype)
     if layer is None:
         return make()
-    return layer._train_weights.get(layer._weight_key(), (axis, dtype, backward), make)
+    kept = layer._kept.at(layer._weight_key()).train
+    slot = (axis, dtype, backward)
+    if slot not in kept:
+        kept[slot] = make()
+    return kept[slot]
 
 
 class FP4Linear(nn.Linear):
@@ -243,22 +249,18 @@ class FP4Linear(nn.Linear):
         self.recovery: RolloutRecovery = make_recovery(
             recipe.rollout.recovery, recipe.rollout.activations, self.in_features, self.seed,
             weight_format=recipe.rollout.weights)
-        self._weight_cache: tuple[tuple[Any, ...], Operand] | None = None
-        self._received: tuple[tuple[int, int, int, int], Operand] | None = None
-        #: a static NVFP4 activation scale and the weight version it belongs to
-        self._fixed_scale: tuple[tuple[int, int, int, int], torch.Tensor] | None = None
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
-        self._train_weights = _TrainWeights()
+        self._kept = _KeptWeights()
         if not hasattr(self, "cache_weights"):
             #: keep the training policy's Q(W) operands for a weight version
-            #: (:class:`_TrainWeights`); off: quantize the master at every GEMM
+            #: (:class:`_KeptWeights`); off: quantize the master at every GEMM
             self.cache_weights = True
 
     def weight_cache_bytes(self) -> int:
         """The bytes of the training policy's kept ``Q(W)`` operands (see
         :attr:`cache_weights`)."""
-        return self._train_weights.nbytes()
+        return self._kept.train_nbytes()
 
     def _keeps_weights(self) -> FP4Linear | None:
         """This layer where it keeps its ``Q(W)`` operands, else None: not with
@@ -284,10 +286,10 @@ class FP4Linear(nn.Linear):
     def rollout_weight(self, dtype: torch.dtype = torch.float32) -> Operand:
         """The rollout-quantized weight in ``dtype``, recomputed only when the weight, the
         recovery transform or the compute dtype changed."""
-        key = (self._weight_key(), dtype)
-        if self._weight_cache is None or self._weight_cache[0] != key:
-            self._weight_cache = (key, self._quantized_rollout_weight().to(dtype))
-        return self._weight_cache[1]
+        kept = self._kept.at(self._weight_key())
+        if kept.rollout is None or kept.rollout[0] != dtype:  # one dtype: a new one replaces it
+            kept.rollout = (dtype, self._quantized_rollout_weight().to(dtype))
+        return kept.rollout[1]
 
     def rollout_reads_weight_only(self) -> bool:
         """Whether ``Q(W)`` (the rollout-quantized weight) is all this layer's rollout
@@ -301,8 +303,8 @@ class FP4Linear(nn.Linear):
         codes a sharded trainer sent) instead of quantizing this layer's own weight, until
         the weight or the recovery transform changes: a rollout copy then holds what a real
         FP4 rollout engine receives, not the trainer's FP32 weights."""
-        self._received = (self._weight_key(), qw)
-        self._weight_cache = None
+        kept = self._kept.at(self._weight_key())
+        kept.received, kept.rollout = qw, None
 
     def _wgrad_signs_for(self, device: torch.device) -> torch.Tensor | None:
         """The signs of this forward's weight-gradient Hadamard transform: the layer's own
@@ -322,8 +324,9 @@ class FP4Linear(nn.Linear):
                 _OptimizerSteps.count)
 
     def _quantized_rollout_weight(self) -> Operand:
-        if self._received is not None and self._received[0] == self._weight_key():
-            return self._received[1]
+        received = self._kept.at(self._weight_key()).received
+        if received is not None:
+            return received
         with torch.no_grad():
             return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]  # unpacked: an Operand
 
@@ -350,13 +353,12 @@ class FP4Linear(nn.Linear):
         fmt = self._activation_format()
         if not isinstance(fmt, NVFP4) or fmt.scale_rule is not ScaleRule.STATIC:
             return None
-        key = self._weight_key()
-        if self._fixed_scale is None or self._fixed_scale[0] != key:
+        kept = self._kept.at(self._weight_key())
+        if kept.static_scale is None:
             with torch.no_grad(), static_scale(None):
-                scale = fmt.tensor_scale(x.detach().reshape(-1, x.shape[-1]).float())
-            assert scale is not None  # a static format has a per-tensor scale
-            self._fixed_scale = (key, scale)
-        return self._fixed_scale[1]
+                kept.static_scale = fmt.tensor_scale(x.detach().reshape(-1, x.shape[-1]).float())
+            assert kept.static_scale is not None  # a static format has a per-tensor scale
+        return kept.static_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)

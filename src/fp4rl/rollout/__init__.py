@@ -19,7 +19,6 @@ from fp4rl.rollout.batch import (
 )
 from fp4rl.rollout.kv_cache import KVCacheEngine, generate
 from fp4rl.rollout.registry import (
-    ALIASES,
     EngineError,
     build_engine,
     engine_name,
@@ -31,7 +30,7 @@ from fp4rl.rollout.registry import (
 from fp4rl.rollout.sampling import row_generators, sample_next, sample_seed
 from fp4rl.rollout.vllm.engine import VLLMEngine
 
-__all__ = ["ALIASES", "EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
+__all__ = ["EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
            "RolloutEngine", "RolloutSetup", "SamplingConfig", "VLLMEngine", "build_engine",
            "concat_batches", "engine_name", "generate", "get_engine", "left_pad", "list_engines",
            "position_ids", "register_engine", "resolve_engine", "row_generators", "sample_next",

@@ -28,8 +28,6 @@ class EngineError(UserError):
 
 
 _ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", EngineError)
-#: other names accepted for an engine (the TRL plug-in's earlier name for fp4rl's own)
-ALIASES = {"fp4rl": "hf"}
 
 
 def register_engine(engine: type[RolloutEngine], *, replace: bool = False
@@ -38,7 +36,7 @@ def register_engine(engine: type[RolloutEngine], *, replace: bool = False
     ``engine.name``; a name already taken is refused unless ``replace``. Usable as a class
     decorator."""
     name = getattr(engine, "name", None)
-    if not isinstance(name, str) or not name or name in ALIASES:
+    if not isinstance(name, str) or not name:
         raise EngineError(f"a rollout engine needs a name of its own, got {name!r}")
     return _ENGINES.register(name, engine, replace=replace)
 
@@ -57,12 +55,9 @@ AUTO_PICKS = "vllm on a CUDA device where vLLM is installed and runs the recipe'
 
 
 def engine_name(name: str) -> str:
-    """The engine's one name for ``name`` (an engine, an alias, or ``auto``); else one
-    line listing them."""
-    if name == AUTO:
-        return name
-    name = ALIASES.get(name, name)
-    _ENGINES.get(name)
+    """``name`` itself where it names an engine or ``auto``; else one line listing them."""
+    if name != AUTO:
+        _ENGINES.get(name)
     return name
 
 
@@ -82,8 +77,8 @@ def resolve_engine(name: str, device: torch.device, recipe: Recipe) -> str:
 
 
 def get_engine(name: str) -> type[RolloutEngine]:
-    """The engine class ``name`` (or an alias) stands for."""
-    return _ENGINES.get(ALIASES.get(name, name))
+    """The engine class called ``name``."""
+    return _ENGINES.get(name)
 
 
 def build_engine(name: str, setup: RolloutSetup) -> RolloutEngine:

@@ -43,16 +43,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(data)
 
 
-REMOVED_KEYS = {
-    "dtype": "dtype is gone: master weights are always FP32; choose the compute dtype with "
-             "mixed_precision=no|bf16|auto",
+#: top-level keys users bring from transformers, TRL and verl, and fp4rl's key for each
+OTHER_NAMES = {
+    "dtype": "mixed_precision",
+    "torch_dtype": "mixed_precision",
+    "bf16": "mixed_precision",
 }
+_HINTS = {"mixed_precision": "mixed_precision=no|bf16|auto (the compute dtype; master weights "
+                             "are always FP32)"}
 
 
 def _suggestion(error: Any) -> str:
-    """"; did you mean X?" for an unknown key close to a field of its section."""
+    """"; did you mean X?" for an unknown key close to a field of its section, or the key
+    for a setting named as another framework names it."""
     if error["type"] != "extra_forbidden":
         return ""
+    if len(error["loc"]) == 1 and error["loc"][0] in OTHER_NAMES:
+        ours = OTHER_NAMES[error["loc"][0]]
+        return f"; fp4rl's setting for it is {_HINTS.get(ours, ours)}"
     section: Any = TrainConfig
     for part in error["loc"][:-1]:
         annotation = section.model_fields[part].annotation if part in section.model_fields \
@@ -101,9 +109,6 @@ def expand_recipe_name(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(data: dict[str, Any]) -> TrainConfig:
-    for key, why in REMOVED_KEYS.items():
-        if key in data:
-            raise ConfigError(why)
     data = expand_recipe_name(data)
     try:
         return TrainConfig.model_validate(data)
@@ -118,4 +123,4 @@ def validate(data: dict[str, Any]) -> TrainConfig:
         raise ConfigError("invalid training config: " + "; ".join(problems)) from None
 
 
-__all__ = ["REMOVED_KEYS", "load_config", "validate"]
+__all__ = ["load_config", "validate"]
