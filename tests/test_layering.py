@@ -45,15 +45,14 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imports(path: Path, known: dict[str, Path], top_level_only: bool = False) -> set[str]:
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
     """The fp4rl modules ``path`` imports (``from pkg import name`` counts as ``pkg.name``
     where that is a module, else ``pkg``)."""
     tree = ast.parse(path.read_text())
     here = module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
-    nodes = tree.body if top_level_only else ast.walk(tree)
     found: set[str] = set()
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -119,10 +118,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_back():
-    """At import time (a module's top-level imports), inside rooms too. A package's
+    """Through any import, a deferred one or one for type checking too, inside rooms as
+    well: a circle broken only by deferring an import is still a circle. A package's
     ``__init__`` re-exporting its own modules is its face, not a circle."""
     known = modules()
-    graph = {m: {t for t in imports(p, known, top_level_only=True)
+    graph = {m: {t for t in imports(p, known)
                  if t != m and not (p.name != "__init__.py" and m.startswith(f"{t}."))}
              for m, p in known.items()}
     assert not circles(graph)
@@ -134,3 +134,15 @@ def test_no_module_imports_itself_back():
 ])
 def test_the_circle_finder_finds_circles(graph, expected):
     assert circles(graph) == expected
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: a second module that needs it
+    gets a public name (or the code moves), so that a module's face says what others use."""
+    taken = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp4rl"):
+                taken += [f"{module} <- {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not taken, taken
