@@ -146,3 +146,17 @@ def test_no_private_name_is_imported_from_another_module():
                 taken += [f"{module} <- {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert not taken, taken
+
+
+def test_only_the_modules_vllm_loads_import_it_at_import_time():
+    """fp4rl.rollout.vllm's package docstring names them; the rest of the package (and of
+    fp4rl) imports vLLM inside functions, so a trainer without vLLM imports every module."""
+    at_import = set()
+    for module, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                at_import.add(module)
+    assert at_import == {f"fp4rl.rollout.vllm.{m}" for m in ("quant_config", "method",
+                                                             "sharding")}
