@@ -62,7 +62,7 @@ def compressed_payload(model: nn.Module, layers: dict[str, nn.Linear], fmt: str)
         tensors.update(layer_tensors(name, get_format(fmt).encode(layer.weight.detach())))
     ignore = [name for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and name not in layers]
-    return Payload(tensors, quantization_config=quantization_config(fmt, ignore))
+    return Payload(tensors, quantization_config=compressed_tensors_config(fmt, ignore))
 
 
 def layer_tensors(name: str, packed: PackedTensor) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def layer_tensors(name: str, packed: PackedTensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict[str, Any]:
+def compressed_tensors_config(fmt: str, ignore: list[str]) -> dict[str, Any]:
     """config.json's ``quantization_config``: one group of every Linear not in ``ignore``,
     weights only (activations stay in the runtime's dtype), already compressed."""
     ct = require_compressed_tensors(fmt)
