@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from fp4rl.nn import begin_step, get_recipe, quantize_model, rollout_mode, train
 from fp4rl.recovery import recovery_variants
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import SamplingConfig, generate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def default_methods(formats: Sequence[str] = ("hif4", "mxfp4")) -> list[str]:
@@ -83,30 +87,29 @@ def compare(ref: torch.Tensor, other: torch.Tensor, tokens: torch.Tensor) -> tup
     return kl, diff.mean().item()
 
 
-def greedy_completions(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
-                       max_new_tokens: int) -> list[list[int]]:
+def greedy_completions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                       prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (token ids, EOS included), from the KV-cache rollout engine."""
     batch = generate(model, prompts, SamplingConfig(max_new_tokens=max_new_tokens, greedy=True),
-                     pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]  # a transformers tokenizer
-                     eos_token_ids=tokenizer.eos_token_id)  # type: ignore[attr-defined]  # a transformers tokenizer
+                     pad_token_id=tokenizer.pad_token_id, eos_token_ids=tokenizer.eos_token_id)
     return [ids[:n] for ids, n in zip(batch.response_ids.tolist(),
                                       batch.response_lengths().tolist(), strict=True)]
 
 
-def accuracy(tokenizer: object, completions: list[list[int]], answers: Sequence[str],
-             reward: Callable[[str, str], float]) -> float:
-    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]  # a transformers tokenizer
+def accuracy(tokenizer: PreTrainedTokenizerBase, completions: list[list[int]],
+             answers: Sequence[str], reward: Callable[[str, str], float]) -> float:
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return sum(reward(t, a) for t, a in zip(texts, answers, strict=True)) / len(texts)
 
 
-def run_fidelity(model: torch.nn.Module, tokenizer: object, prompts: list[list[int]],
-                 answers: Sequence[str], methods: Sequence[str], max_new_tokens: int = 48,
-                 reward: str = "gsm8k",
+def run_fidelity(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 prompts: list[list[int]], answers: Sequence[str], methods: Sequence[str],
+                 max_new_tokens: int = 48, reward: str = "gsm8k",
                  progress: Callable[[str], None] = lambda _: None) -> list[FidelityRow]:
     """Score every method on the same sequences; ``model`` is patched in place."""
     reward_fn = get_reward(reward)
     completions = greedy_completions(model, tokenizer, prompts, max_new_tokens)
-    batch = make_batch(prompts, completions, tokenizer.pad_token_id)  # type: ignore[attr-defined]  # a transformers tokenizer
+    batch = make_batch(prompts, completions, tokenizer.pad_token_id)
     tokens = batch.input_ids[:, 1:][batch.scored[:, 1:]]
     reference = token_logprobs(model, batch)
     rows = []

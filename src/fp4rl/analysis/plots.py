@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -16,6 +17,9 @@ import torch
 from fp4rl.analysis.diagnose import LayerDiagnosis
 from fp4rl.analysis.gradients import GEMMS, LayerGradients
 from fp4rl.formats import quantize
+
+if TYPE_CHECKING:  # fidelity imports the training stack; the figures need only its rows
+    from fp4rl.analysis.fidelity import FidelityRow
 
 COLORS = {"bf16": "#555555", "hif4": "#1f77b4", "mxfp4": "#d62728", "nvfp4": "#2ca02c",
           "mxfp8_e4m3": "#9467bd"}
@@ -138,15 +142,15 @@ def plot_heatmaps(x: torch.Tensor, fmt: str, name: str, path: Path, tokens: int 
     plt.close(fig)
 
 
-def plot_fidelity(rows: Sequence[object], path: Path) -> None:
+def plot_fidelity(rows: Sequence[FidelityRow], path: Path) -> None:
     """KL to the unquantized policy and greedy accuracy, one bar per method."""
-    names = [r.method for r in rows]  # type: ignore[attr-defined]  # rows are FidelityRows
+    names = [r.method for r in rows]
     colors = [COLORS.get(n.split("+")[0], "#777777") for n in names]
     fig, (ax_kl, ax_acc) = plt.subplots(2, 1, figsize=(max(6, 0.55 * len(rows)), 6),
                                         sharex=True)
-    ax_kl.bar(names, [r.kl for r in rows], color=colors)  # type: ignore[attr-defined]  # rows are FidelityRows
+    ax_kl.bar(names, [r.kl for r in rows], color=colors)
     ax_kl.set_ylabel("per-token KL to unquantized")
-    ax_acc.bar(names, [100 * r.accuracy for r in rows], color=colors)  # type: ignore[attr-defined]  # rows are FidelityRows
+    ax_acc.bar(names, [100 * r.accuracy for r in rows], color=colors)
     ax_acc.set_ylabel("greedy accuracy %")
     ax_acc.tick_params(axis="x", rotation=60, labelsize=8)
     for ax in (ax_kl, ax_acc):
@@ -156,6 +160,6 @@ def plot_fidelity(rows: Sequence[object], path: Path) -> None:
     plt.close(fig)
 
 
-def _mean(values: object) -> float:
-    vals = list(values)  # type: ignore[call-overload]  # an iterable of floats
+def _mean(values: Iterable[float]) -> float:
+    vals = list(values)
     return sum(vals) / len(vals) if vals else float("nan")

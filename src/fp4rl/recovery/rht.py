@@ -12,7 +12,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
-from fp4rl.gemm import Operand
+from fp4rl.gemm import Operand, OperandFormat
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
@@ -49,8 +49,10 @@ class RHT(RolloutRecovery):
     config: RHTConfig
     reads_weight = True  # its weight is rotated before quantization
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # RolloutRecovery's arguments
+    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
+                 in_features: int, seed: int,
+                 weight_format: str | OperandFormat | None = None) -> None:
+        super().__init__(config, act_format, in_features, seed, weight_format)
         self.block = hadamard_block(self.in_features, self.config.block_size)
         self._generator = torch.Generator().manual_seed(self.seed)
         self.signs = make_signs(self.in_features, self._generator)
@@ -65,8 +67,12 @@ class RHT(RolloutRecovery):
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         if state:
-            self._generator.set_state(state["generator"])  # type: ignore[arg-type]  # a ByteTensor from state_dict
-            self.signs = state["signs"]  # type: ignore[assignment]  # a Tensor from state_dict
+            generator, signs = state["generator"], state["signs"]
+            if not isinstance(generator, torch.Tensor) or not isinstance(signs, torch.Tensor):
+                raise TypeError("an RHT state holds the tensors 'generator' and 'signs' "
+                                "that state_dict returns")
+            self._generator.set_state(generator)
+            self.signs = signs
             self.version += 1
 
     def transform_weight(self, w: torch.Tensor) -> torch.Tensor:

@@ -195,18 +195,27 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
-    """Accumulate gradients locally (no communication) unless ``sync``."""
+    """Accumulate gradients locally (no communication) unless ``sync``; ``model`` is what
+    :func:`wrap_model` returned on several processes (DDP's wrapper or an FSDP2 module)."""
     if sync:
         yield
-    elif hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():  # type: ignore[operator]  # DDP's method (hasattr above)
+        return
+    # here, not at the top: only a run on several processes gets this far
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
             yield
-    else:  # FSDP2
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]  # FSDPModule's
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDPModule's
+            model.set_requires_gradient_sync(True)
+    else:
+        raise TypeError(f"gradient_sync(sync=False) needs a DDP or FSDP2 model (wrap_model's "
+                        f"on several processes), got {type(model).__name__}")
 
 
 def full_model_state(model: torch.nn.Module, everywhere: bool) -> dict[str, torch.Tensor]:

@@ -78,6 +78,25 @@ class LayerState:
         return {int(shard_id)}
 
 
+def layer_state(layer: torch.nn.Module) -> LayerState:
+    """The :class:`LayerState` fp4rl's linear method (:mod:`.method`) set on ``layer`` in
+    ``create_weights``; read through here so that a layer it did not build fails clearly."""
+    state = getattr(layer, "fp4rl", None)
+    if not isinstance(state, LayerState):
+        raise VLLMError(f"{type(layer).__name__} is not an fp4rl layer: it holds no fp4rl "
+                        "state (set by the fp4rl linear method's create_weights)")
+    return state
+
+
+def layer_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """``layer``'s ``weight``, vLLM's parameter (a Tensor), which the loaders stage and
+    :func:`process` frees; torch types a module's attribute as a Tensor or a Module."""
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise VLLMError(f"the fp4rl layer {type(layer).__name__} has no weight parameter")
+    return weight
+
+
 def weak_loader(loader: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     """``loader`` held weakly where it is a layer's bound method. The loader fp4rl wraps
     it in is an attribute of the layer's own parameter, so a strong reference would put
@@ -111,7 +130,7 @@ def weight_loader_of(layer: torch.nn.Module, loader: Callable[[], Callable[..., 
     """The loader of ``layer``'s ``weight``: vLLM's own ``loader`` (held weakly) into a
     weight that gets its storage at the first load, in the dtype it arrives in; into a
     built engine, the layer is processed as soon as all its parts arrived."""
-    state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
+    state = layer_state(layer)
     shape = (sum(state.shards), state.in_features)
     owner = weakref.ref(layer)  # the loader lives on the layer's parameter (see weak_loader)
 
@@ -171,7 +190,7 @@ def field_loader(state: LayerState, name: str) -> Callable[..., None]:
 def install(layer: torch.nn.Module, parts: list[Part]) -> None:
     """Hand ``layer`` its ``Q(W)`` parts ready-made (one per logical layer, in row order);
     the next :func:`process` stores them without re-quantizing."""
-    state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
+    state = layer_state(layer)
     if state.partition is not None and len(parts) == len(state.shards):
         parts = [rank_part(state.partition, i, p) for i, p in enumerate(parts)]
     if [p.values.shape[0] if isinstance(p, Operand) else p.rows for p in parts] != state.shards:
@@ -188,27 +207,25 @@ def install(layer: torch.nn.Module, parts: list[Part]) -> None:
 def process(layer: torch.nn.Module) -> bool:
     """Store what arrived since the last call (ready parts, packed fields, or a plain
     weight, quantized here), freeing the weight; False when nothing arrived."""
-    state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
+    state = layer_state(layer)
     parts = state.ready or _from_fields(state) or _from_weight(layer)
     state.ready, state.incoming, state.written = None, {}, set()
     declare_reload_weight(layer, (sum(state.shards), state.in_features))
-    if layer.weight.numel():  # type: ignore[operator]  # vLLM's weight Parameter
-        layer.weight.data = torch.empty(
-            0, state.in_features, dtype=state.dtype,
-            device=layer.weight.device)  # type: ignore[arg-type]  # vLLM's weight Parameter
+    weight = layer_weight(layer)
+    if weight.numel():
+        weight.data = torch.empty(0, state.in_features, dtype=state.dtype,
+                                  device=weight.device)
         release_freed_memory()
     if parts is None:
         if state.store is None:  # nothing loaded yet (vLLM's "dummy" load format, which
             # verl starts from before its first sync): zero weights in the layer's own
             # layout until the first load, which then writes into the same tensors
-            zeros = torch.zeros(
-                sum(state.shards), state.in_features, dtype=state.dtype,
-                device=layer.weight.device)  # type: ignore[arg-type]  # vLLM's weight Parameter
+            zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype,
+                                device=weight.device)
             state.store = WeightStore.build(_quantized_parts(state, zeros, whole=False),
                                             state.storage, state.dtype, state.prepack)
         return False
-    parts = [_on(p, layer.weight.device)  # type: ignore[arg-type]  # vLLM's weight Parameter
-             for p in parts]
+    parts = [_on(p, weight.device) for p in parts]
     new = WeightStore.build(parts, state.storage, state.dtype, state.prepack)
     state.store = new if state.store is None else \
         state.store.refilled(new, in_place=not state.prepack)
@@ -254,15 +271,14 @@ def _from_fields(state: LayerState) -> list[Part] | None:
 
 def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
     """``Q(W)`` of every logical layer in the loaded weight (along in_features)."""
-    state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
+    state = layer_state(layer)
     if not state.written:
         return None
     if state.written != set(range(len(state.shards))):
         raise VLLMError(f"vLLM processed a merged fp4rl layer (q/k/v or gate/up) with parts "
                         f"{sorted(state.written)} of {len(state.shards)} loaded: send all of "
                         "its parts before process_weights_after_loading")
-    return _quantized_parts(
-        state, layer.weight.detach())  # type: ignore[operator]  # vLLM's weight Parameter
+    return _quantized_parts(state, layer_weight(layer).detach())
 
 
 def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> list[Part]:
@@ -293,12 +309,11 @@ def _whole_scale(state: LayerState, shard: torch.Tensor) -> torch.Tensor | None:
 
 def store_bytes(model: torch.nn.Module) -> int:
     """Bytes the fp4rl layers' stores of an engine's model hold."""
-    return sum(
-        m.fp4rl.store.nbytes(m.fp4rl.in_features)  # type: ignore[union-attr,operator]  # state
-        for m in model.modules()
-        if isinstance(getattr(m, "fp4rl", None), LayerState)
-        and m.fp4rl.store is not None)  # type: ignore[union-attr]  # a LayerState, checked above
+    states = (getattr(m, "fp4rl", None) for m in model.modules())
+    return sum(s.store.nbytes(s.in_features) for s in states
+               if isinstance(s, LayerState) and s.store is not None)
 
 
 __all__ = ["LayerState", "engine_is_eager", "field_dtype", "field_loader", "field_names",
-           "install", "process", "store_bytes", "weak_loader", "weight_loader_of"]
+           "install", "layer_state", "layer_weight", "process", "store_bytes", "weak_loader",
+           "weight_loader_of"]

@@ -23,6 +23,7 @@ from fp4rl.rollout.vllm.loading import (
     field_dtype,
     field_loader,
     field_names,
+    layer_state,
     process,
     weak_loader,
     weight_loader_of,
@@ -86,7 +87,7 @@ class FP4RLLinearMethod(LinearMethodBase):
         there is one. Capturable: it reads what processing fixed and changes nothing, and
         the quantizers run as one custom operator, so ``torch.compile`` and CUDA graphs
         trace it whole (``enforce_eager=False``)."""
-        state: LayerState = layer.fp4rl  # type: ignore[assignment]  # set by create_weights
+        state = layer_state(layer)
         if state.store is None:
             raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before vLLM "
                             "processed its weights")
