@@ -45,9 +45,9 @@ class _HelpConfig(argparse.Action):
     """``--help-config``: like ``--help``, it prints and exits before any other option is
     required."""
 
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help=kwargs.get("help"))  # type: ignore[arg-type]  # argparse's help: str | None
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None,
+                 **_: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         print(config_help())

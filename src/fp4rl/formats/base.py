@@ -230,7 +230,10 @@ class BlockFormat(NumberFormat):
             raise FormatError(f"cannot decode a '{packed.format}' tensor with '{self.name}'")
         fields, nan = self.unpack(packed.fields)
         values = torch.where(nan.unsqueeze(-1), torch.nan, self.assemble(fields))
-        length = int(packed.options["length"])  # type: ignore[call-overload]  # an int, stored as an object
+        length = packed.options.get("length")
+        if not isinstance(length, int):
+            raise FormatError(f"a packed {self.name} tensor needs its row length (options "
+                              f"'length', an int), got {length!r}")
         rows = values.to(torch.float32).reshape(-1, _padded(length, self.block_size))
         rows = rows[:, :length]
         if packed.tensor_scale is not None:

@@ -45,6 +45,7 @@ import os
 import shlex
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +142,11 @@ def check_strategy(engine_config: Any) -> None:
                         f"actor is not tested under: set {FSDP2}")
 
 
+#: the functions fp4rl put in verl's place (the actor's builds, the factories' ``new``): a
+#: second install leaves them as they are, and the factory guard tells a hooked engine by them
+INSTALLED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
 def wrap_build(build: Callable[[Any], torch.nn.Module],
                recipe: Callable[[], Recipe] = recipe_from_env
                ) -> Callable[[Any], torch.nn.Module]:
@@ -158,7 +164,7 @@ def wrap_build(build: Callable[[Any], torch.nn.Module],
         module = build(engine)
         return fp4_actor(module, recipe()) if actor else module
 
-    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]  # a marker on the function
+    INSTALLED.add(build_fp4)
     return build_fp4
 
 
@@ -183,7 +189,7 @@ def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torc
             engine._autocast_dtype = COMPUTE_DTYPE
         return module
 
-    build_fp4.fp4rl_wrapped = True  # type: ignore[attr-defined]  # a marker on the function
+    INSTALLED.add(build_fp4)
     return build_fp4
 
 
@@ -194,7 +200,7 @@ def guard_registry(registry: type) -> None:
     def checked(new: Callable[..., Any], model_type: str, backend: str, *args: Any,
                 **kwargs: Any) -> Any:
         engine = new(model_type, backend, *args, **kwargs)
-        hooked = getattr(type(engine)._build_module, "fp4rl_wrapped", False)
+        hooked = getattr(type(engine), "_build_module", None) in INSTALLED
         if is_fp4_actor(engine) and not hooked:
             raise UserError(f"fp4rl: verl builds the actor with {type(engine).__name__} "
                             f"(backend {backend!r}), which the FP4 actor hook does not wrap "
@@ -207,14 +213,14 @@ def guard_registry(registry: type) -> None:
 def _wrap_new(registry: Any, around: Callable[..., Any]) -> None:
     """Replace a verl factory's ``registry.new`` once by ``around(new, *args, **kwargs)``."""
     new = registry.new
-    if getattr(new, "fp4rl_guarded", False):
+    if new in INSTALLED:
         return
 
     @functools.wraps(new)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         return around(new, *args, **kwargs)
 
-    guarded.fp4rl_guarded = True  # type: ignore[attr-defined]  # a marker on the function
+    INSTALLED.add(guarded)
     registry.new = staticmethod(guarded)
 
 
@@ -263,10 +269,10 @@ def install(engine_cls: type | None = None) -> bool:
         if sync is not None:
             guard_sync_registry(sync)
     build = engine_cls._build_module  # type: ignore[attr-defined]  # verl's engine method
-    if not getattr(build, "fp4rl_wrapped", False):
+    if build not in INSTALLED:
         engine_cls._build_module = wrap_build(build)  # type: ignore[attr-defined]  # verl's
     fsdp_build = getattr(engine_cls, "_build_fsdp_module", None)
-    if fsdp_build is not None and not getattr(fsdp_build, "fp4rl_wrapped", False):
+    if fsdp_build is not None and fsdp_build not in INSTALLED:
         engine_cls._build_fsdp_module = wrap_fsdp_build(  # type: ignore[attr-defined]  # verl's
             fsdp_build)
     return True
@@ -350,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 install()
 
 __all__ = ["CASTING_SYNC_BACKENDS", "COMPUTE_DTYPE", "DEFAULT_RECIPE", "ENGINE_CLASS",
-           "FP32_PARAMS", "FSDP2", "RECIPE_ENV", "SUPPORTED_VERL", "check_param_dtype",
+           "FP32_PARAMS", "FSDP2", "INSTALLED", "RECIPE_ENV", "SUPPORTED_VERL", "check_param_dtype",
            "check_strategy", "check_sync_backend", "engine_kwargs", "fp4_actor",
            "guard_registry", "guard_sync_registry", "hydra_overrides", "install",
            "is_fp4_actor", "recipe_from_env", "wrap_build", "wrap_fsdp_build"]

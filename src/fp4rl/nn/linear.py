@@ -328,7 +328,9 @@ class FP4Linear(nn.Linear):
         if received is not None:
             return received
         with torch.no_grad():
-            return self.recovery.weight_operand(self.weight.detach())  # type: ignore[return-value]  # unpacked: an Operand
+            operand = self.recovery.weight_operand(self.weight.detach())
+        assert isinstance(operand, Operand)  # not packed: the values
+        return operand
 
     def _without_padding(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with the rows of padding tokens zeroed where this mode's activations take
