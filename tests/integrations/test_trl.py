@@ -84,10 +84,10 @@ def record_compute(model: nn.Module) -> list[tuple[str, torch.dtype | None]]:
 # the full forward round differently, and a value one bf16 step away can land in another
 # FP4 quantization bin, hence the wider bound (the rollout/training gap is ~0.06 here).
 @pytest.mark.parametrize(("device", "engine", "bf16", "sampling", "tolerance"), [
-    ("cpu", "fp4rl", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
+    ("cpu", "hf", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
     ("cpu", "transformers", False, {"temperature": 0.7, "top_k": 16}, 1e-4),
-    ("cpu", "fp4rl", True, {"temperature": 0.7}, 3e-2),
-    pytest.param("cuda", "fp4rl", True, {"temperature": 0.7}, 3e-2, marks=pytest.mark.skipif(
+    ("cpu", "hf", True, {"temperature": 0.7}, 3e-2),
+    pytest.param("cuda", "hf", True, {"temperature": 0.7}, 3e-2, marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ])
 def test_two_steps_on_a_tiny_llama(tmp_path, device, engine, bf16, sampling, tolerance):
@@ -143,7 +143,7 @@ def test_identical_policies_give_unit_ratios(tmp_path):
 
 
 @pytest.mark.parametrize(("engine", "recipe", "bf16"), [
-    ("fp4rl", "hif4", False), ("fp4rl", "nvfp4_per_token", True),
+    ("hf", "hif4", False), ("hf", "nvfp4_per_token", True),
     ("transformers", "mxfp4", False)])
 def test_batch_invariant_policies_score_with_the_engines_bits(tmp_path, engine, recipe, bf16):
     """``fp4_batch_invariant=True``: TRL's pi_old of every sampled token is the engine's
@@ -204,6 +204,7 @@ def one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
     ({"fp4_recipe": "hif5+resq-2:4"}, "unknown recipe 'hif5+resq-2:4'"),
     ({"fp4_recipe": 4}, "fp4_recipe must be"),
     ({"fp4_rollout_engine": "vllm"}, "fp4_rollout_engine 'vllm'"),
+    ({"fp4_rollout_engine": "fp4rl"}, "fp4_rollout_engine 'fp4rl' is not one of hf, transformers"),
     ({"args": {"use_vllm": True, "vllm_mode": "server"}}, "set vllm_mode='colocate'"),
     ({"args": {"use_vllm": True, "vllm_enable_sleep_mode": True}},
      "vllm_enable_sleep_mode=True"),
