@@ -313,3 +313,18 @@ def test_device_is_every_cells_and_a_missing_one_is_refused_before_any_run(tmp_p
     assert main(["experiment", "field", "--plan", "field", "--output", str(out),
                  "--device", "cpu", "--cells", "nemo-rl-nvfp4", "--seeds", "0"]) == 0
     assert [c.device for c in configs] == ["cpu"]
+
+
+def test_a_killed_worker_is_one_line_saying_what_to_do():
+    """A worker the kernel kills (out of memory) breaks the process pool: the grid stops
+    with a UserError (one line at the command line), not the pool's traceback."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from fp4rl.experiments.runner import reporting_killed_workers
+
+    context = multiprocessing.get_context("spawn")
+    with pytest.raises(UserError, match=r"worker process was killed .* run the same command "
+                                        r"again to resume"), reporting_killed_workers(), \
+            ProcessPoolExecutor(1, mp_context=context) as pool:
+        pool.submit(os._exit, 1).result()

@@ -24,6 +24,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -356,6 +357,20 @@ def run_cells(exp: Experiment, cells: list[Cell], jobs: int = 1,
         busy = _run_batch(exp, busy, jobs, on_status, progress)
 
 
+@contextlib.contextmanager
+def reporting_killed_workers() -> Iterator[None]:
+    """A worker process that ends abruptly (the kernel's out-of-memory killer, say) breaks
+    the whole pool: say so in one line, with what to do, instead of the pool's traceback.
+    Nothing is lost: finished runs keep their results, and a run in progress resumes from
+    its last checkpoint when the same command runs again."""
+    try:
+        yield
+    except BrokenProcessPool:
+        raise UserError("a run's worker process was killed (out of memory is the usual cause: "
+                        "`dmesg` says); finished runs and checkpoints are kept: run the same "
+                        "command again to resume, with fewer --jobs if memory is short") from None
+
+
 def _run_batch(exp: Experiment, cells: list[Cell], jobs: int,
                on_status: Callable[[Cell, str], None],
                progress: Callable[[int, int, dict], None] | None) -> list[Cell]:
@@ -370,8 +385,9 @@ def _run_batch(exp: Experiment, cells: list[Cell], jobs: int,
         return busy
     threads = max(1, (os.cpu_count() or 1) // jobs)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
-                             initargs=(threads,)) as pool:
+    with reporting_killed_workers(), \
+            ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init,
+                                initargs=(threads,)) as pool:
         futures = {cell: pool.submit(_run_in_worker, exp, cell) for cell in cells}
         for cell in cells:
             on_status(cell, "queued")

@@ -30,7 +30,7 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack 0/1 values along the last axis (a multiple of 8) into bytes, bit i of byte = item i."""
     if bits.shape[-1] % 8:
         raise ValueError("pack_bits needs a multiple of 8 bits along the last axis")
-    b = bits.to(torch.uint8).unflatten(-1, (-1, 8))
+    b: torch.Tensor = bits.to(torch.uint8).unflatten(-1, (-1, 8))
     weights = 1 << torch.arange(8, dtype=torch.uint8, device=bits.device)
     return (b * weights).sum(dim=-1, dtype=torch.uint8)
 

@@ -1,5 +1,6 @@
 """FP4 linear layers, model patching and policy switching."""
 
+from fp4rl.errors import RecipeError
 from fp4rl.nn.invariant import batch_invariant, is_batch_invariant, set_batch_invariant
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.patch import (
@@ -15,7 +16,6 @@ from fp4rl.nn.patch import (
 )
 from fp4rl.nn.recipe import (
     Recipe,
-    RecipeError,
     RolloutPrecision,
     TrainPrecision,
     get_recipe,

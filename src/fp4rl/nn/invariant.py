@@ -90,7 +90,8 @@ def _on_gpu(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
         from fp4rl.kernels import triton_invariant  # noqa: F401  # registers fp4rl::bi_mm
     except ImportError:
         return None
-    return torch.ops.fp4rl.bi_mm(a, b, bias)
+    out: torch.Tensor = torch.ops.fp4rl.bi_mm(a, b, bias)
+    return out
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:

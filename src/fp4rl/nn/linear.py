@@ -371,9 +371,10 @@ class FP4Linear(nn.Linear):
     def _forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with autocast_off(x.device.type):
             if self.mode is Mode.TRAIN:
-                return _FP4LinearFn.apply(x, self.weight, self.bias, self.recipe.train, dtype,
-                                          self._wgrad_signs_for(x.device),
-                                          self._keeps_weights())
+                out: torch.Tensor = _FP4LinearFn.apply(
+                    x, self.weight, self.bias, self.recipe.train, dtype,
+                    self._wgrad_signs_for(x.device), self._keeps_weights())
+                return out
             return self._rollout_forward(x, dtype)
 
     @torch.no_grad()

@@ -203,7 +203,8 @@ def restore_checkpoint(path: Path, model: torch.nn.Module,
     load_weights(path, model)
     if optimizer is not None:
         optimizer.load_state_dict(read_torch(path / "optimizer.pt"))
-    return read_torch(path / "state.pt")
+    state: dict[str, Any] = read_torch(path / "state.pt")
+    return state
 
 
 def read_torch(path: Path) -> Any:
@@ -246,4 +247,5 @@ def restore_sharded_checkpoint(path: Path, model: torch.nn.Module,
     load(state, checkpoint_id=str(path / SHARDS))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    return read_torch(path / _state_file(rank))
+    rank_state: dict[str, Any] = read_torch(path / _state_file(rank))
+    return rank_state
