@@ -328,3 +328,14 @@ def test_a_killed_worker_is_one_line_saying_what_to_do():
                                         r"again to resume"), reporting_killed_workers(), \
             ProcessPoolExecutor(1, mp_context=context) as pool:
         pool.submit(os._exit, 1).result()
+
+
+def test_an_override_is_checked_against_the_cells_that_run(tmp_path, capsys):
+    """``nvfp4_scale=static`` fits the field's NVFP4 recipes, not BF16's: refused in one
+    line for the whole grid, taken with ``--cells`` naming the NVFP4 cells."""
+    args = ["experiment", "field", "--plan", "field", "--output", str(tmp_path / "field"),
+            "--set", "nvfp4_scale=static", "--set", "batch_invariant=true"]
+    assert main([*args, "--report-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nvfp4_scale=static" in err[0], err
+    assert main([*args, "--cells", "nemo-rl-nvfp4", "torchao-nvfp4", "--report-only"]) == 0
