@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import yaml
-from pydantic import ValidationError
 
 from fp4rl.errors import UserError
 from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPlan
@@ -62,14 +61,9 @@ class Experiment:
         """The config's ``run.seed`` (plan < ``--set``): the seed of the single-seed
         layout. Only the ``run`` section is read: the rest is checked per cell, with the
         cell's recipe (an override that only some recipes take is no error here)."""
-        from fp4rl.rl.config import ConfigError
-        from fp4rl.rl.config.schema import RunConfig
+        from fp4rl.rl.config import validate
 
-        try:
-            return RunConfig.model_validate(_base_data(self).get("run") or {}).seed
-        except ValidationError as err:
-            raise ConfigError(f"invalid training config: run: {err.errors()[0]['msg']}") \
-                from None
+        return validate({"run": _base_data(self).get("run") or {}}).run.seed
 
     @property
     def run_seeds(self) -> tuple[int, ...]:

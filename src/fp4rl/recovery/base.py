@@ -89,6 +89,11 @@ class RolloutRecovery(ABC):
         self.seed = seed
         #: bumped whenever ``transform_weight`` would change: invalidates the weight cache
         self.version = 0
+        self.init_state()
+
+    def init_state(self) -> None:  # noqa: B027  (optional hook)
+        """A method's own state, made once the attributes above are set: a method with
+        state overrides this, not ``__init__``, so its constructor stays this one."""
 
     def quantize_act(self, x: torch.Tensor) -> Operand:
         """Q(x) along the reduction axis in the rollout activation format."""

@@ -23,8 +23,8 @@ from functools import cached_property
 import torch
 from pydantic import Field
 
-from fp4rl.gemm import Operand, OperandFormat, mm, quantize_operand
-from fp4rl.recovery.base import RecoveryConfig, register_recovery
+from fp4rl.gemm import Operand, mm, quantize_operand
+from fp4rl.recovery.base import register_recovery
 from fp4rl.recovery.resq import ResQ, ResQConfig
 from fp4rl.recovery.sparsity import SparsityPattern, parse_pattern, sparsify
 
@@ -49,10 +49,7 @@ class ResQW(ResQ):
     reads_weight = True  # the weight residual is computed from the high-precision weight
     serves_in_engines = False  # its weight residual is a second GEMM operand vLLM lacks
 
-    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
-                 in_features: int, seed: int,
-                 weight_format: str | OperandFormat | None = None) -> None:
-        super().__init__(config, act_format, in_features, seed, weight_format)
+    def init_state(self) -> None:
         self._residual: tuple[tuple[int, int, torch.dtype], Operand] | None = None
 
     @cached_property

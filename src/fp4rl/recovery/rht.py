@@ -12,7 +12,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
-from fp4rl.gemm import Operand, OperandFormat
+from fp4rl.gemm import Operand
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.hadamard import make_signs, random_hadamard
 
@@ -49,10 +49,7 @@ class RHT(RolloutRecovery):
     config: RHTConfig
     reads_weight = True  # its weight is rotated before quantization
 
-    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
-                 in_features: int, seed: int,
-                 weight_format: str | OperandFormat | None = None) -> None:
-        super().__init__(config, act_format, in_features, seed, weight_format)
+    def init_state(self) -> None:
         self.block = hadamard_block(self.in_features, self.config.block_size)
         self._generator = torch.Generator().manual_seed(self.seed)
         self.signs = make_signs(self.in_features, self._generator)

@@ -13,7 +13,7 @@ import torch
 from pydantic import Field, field_validator
 
 from fp4rl.errors import RecipeError
-from fp4rl.gemm import Operand, OperandFormat
+from fp4rl.gemm import Operand
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 
 MIN_SCALE = 1e-5
@@ -39,10 +39,7 @@ class SmoothQuant(RolloutRecovery):
     config: SmoothQuantConfig
     reads_weight = True  # calibration reads it and its weight is rescaled
 
-    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
-                 in_features: int, seed: int,
-                 weight_format: str | OperandFormat | None = None) -> None:
-        super().__init__(config, act_format, in_features, seed, weight_format)
+    def init_state(self) -> None:
         self.scales: torch.Tensor | None = None
         self._stale = True
 
