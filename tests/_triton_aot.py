@@ -14,13 +14,16 @@ import torch
 import fp4rl
 from fp4rl.formats import get_format, list_formats
 from fp4rl.gemm import PackedOperand
-from fp4rl.kernels import aot, triton_decode, triton_quant
+from fp4rl.kernels import aot, triton_decode, triton_packed_mm, triton_quant
 
-TOKENS = (1, 2, 16, 248, 4096)
+TOKENS = (1, 2, 16, 33, 64, 248, 4096)
 WIDTH = 256
 
 
-OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode")
+OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode", "packed_mm",
+       "packed_mm_resq")
+#: the rows of the weight the packed GEMM multiplies
+OUT = 96
 
 
 def run_op(op: str, fmt, x: torch.Tensor) -> None:
@@ -37,6 +40,8 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
         resq_rows(fmt, x, 2, 4)
     elif op == "resq_terms":
         resq_terms(fmt, x.bfloat16(), 2, 4)
+    elif op.startswith("packed_mm"):
+        packed_mm(fmt, x, op == "packed_mm_resq")
     else:
         decode(fmt, x.shape[0])
 
@@ -60,6 +65,8 @@ def launches_by_op(launched: set) -> dict[str, set[str]]:
             for f in (get_format(name) for name in list_formats()):
                 for name in OPS if f.kernels is not None else ():
                     op = f"{f.name}.{name}"
+                    if name.startswith("packed_mm"):  # a tile height per token range
+                        op += f".h{triton_packed_mm.height(n)}"
                     run_op(name, f, x)
     return keys
 
@@ -71,6 +78,25 @@ def decode(fmt, rows: int) -> None:
                                           **({"per_tensor_scale": False}
                                              if fmt.has_tensor_scale else {})), None)
         triton_decode.decode_2d(fmt, packed.row_fields(), rows, WIDTH, torch.bfloat16)
+
+
+def packed_mm(fmt, x: torch.Tensor, resq: bool) -> None:
+    """``x``'s rows (bf16, a scale a row), or (``resq``) ResQ's two terms of them with a
+    bias, times a packed weight, through :func:`fp4rl.gemm.mm_packed` (the fused kernel up
+    to its token count, else the decode)."""
+    from fp4rl.gemm import Operand, mm_packed
+
+    if fmt.kernels is None or "packed_mm" not in fmt.kernels.triton:
+        return
+    w = PackedOperand(fmt.encode(torch.randn(OUT, WIDTH), dim=-1,
+                                 **({"per_tensor_scale": False}
+                                    if fmt.has_tensor_scale else {})),
+                      torch.tensor(2.0) if fmt.has_tensor_scale else None)
+    a = Operand(x.bfloat16(), torch.ones(x.shape[0], 1))
+    if resq:
+        mm_packed([a, a], w, torch.bfloat16, torch.zeros(OUT, dtype=torch.bfloat16))
+    else:
+        mm_packed(a, w, torch.bfloat16)
 
 
 def main() -> None:

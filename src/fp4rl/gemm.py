@@ -28,7 +28,13 @@ from fp4rl.formats import NumberFormat, get_format
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
-from fp4rl.kernels import quantize_matrix_values, quantize_rows_bf16
+from fp4rl.kernels import (
+    FUSED_MAX_ROWS,
+    has_packed_mm,
+    packed_mm,
+    quantize_matrix_values,
+    quantize_rows_bf16,
+)
 
 
 class NotQuantized:
@@ -295,14 +301,95 @@ def mm(a: Operand | list[Operand], b: Operand, dtype: torch.dtype,
     return y.to(dtype)
 
 
-def _check_scales(terms: list[Operand], b: Operand) -> None:
+def fuses_packed(a: Operand | list[Operand], w: PackedOperand, dtype: torch.dtype) -> bool:
+    """Whether :func:`mm_packed` multiplies ``a`` by ``w`` in one kernel that decodes the
+    codes in registers (:func:`packed_fusion`)."""
+    terms = a if isinstance(a, list) else [a]
+    rows = terms[0].values
+    return packed_fusion(get_format(w.packed.format), rows.shape[0], rows.device, dtype,
+                         len(terms))
+
+
+def packed_fusion(fmt: NumberFormat, tokens: int, device: torch.device, dtype: torch.dtype,
+                  terms: int = 1) -> bool:
+    """Whether ``tokens`` rows (``terms`` activation terms) times a weight packed in
+    ``fmt`` run as one fused kernel: bf16, one or two terms (ResQ's), at most
+    :data:`~fp4rl.kernels.FUSED_MAX_ROWS` tokens, a format and device with the kernel
+    (Triton on a GPU), outside a batch-invariant forward."""
+    return (dtype == torch.bfloat16 and terms <= 2 and tokens <= FUSED_MAX_ROWS and
+            has_packed_mm(fmt, device) and not _fixed_order())
+
+
+def _fixed_order() -> bool:
+    """Whether a dispatch mode that fixes every GEMM's reduction order is active
+    (``fixed_reduction_order`` on the mode: fp4rl's batch-invariant forward): it replaces
+    ``aten.mm``, which the fused kernel (a tile height chosen by token count) would
+    bypass."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(getattr(m, "fixed_reduction_order", False)
+               for m in _get_current_dispatch_mode_stack())
+
+
+def mm_packed(a: Operand | list[Operand], w: PackedOperand, dtype: torch.dtype,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``mm(a, w.decode(dtype).t(), dtype, bias)``: ``a`` times a weight kept packed
+    (``(out, in)``, rows along ``in``). Where :func:`fuses_packed` holds, one kernel reads
+    the 4-bit codes and scales once and decodes each weight tile in registers (a rollout's
+    decode step reads about a quarter of a bf16 weight's bytes, not the codes, a bf16
+    buffer written and read back); the same decoded values and the same epilogue, so only
+    the GEMM's accumulation order differs. Elsewhere the weight is decoded, then
+    multiplied."""
+    terms = a if isinstance(a, list) else [a]
+    if not fuses_packed(terms, w, dtype):
+        return mm(terms, w.decode(dtype).t(), dtype, bias)
+    _check_scales(terms)
+    if bias is not None and len(terms) == 1 and terms[0].scale is None and w.scale is None:
+        bias = bias.to(dtype)  # as mm's one unscaled product (nn.Linear under autocast)
+    fields = w.row_fields()
+    names = sorted(fields)
+    scales = [t.scale for t in terms]
+    return torch.ops.fp4rl.packed_mm(
+        stack_rows([t.values.to(dtype) for t in terms]), [fields[n] for n in names],
+        ",".join(names), w.packed.format, w.rows, w.packed.shape[1], len(terms),
+        scales[0], scales[1] if len(scales) == 2 else None, w.scale, bias)
+
+
+@torch.library.custom_op("fp4rl::packed_mm", mutates_args=())
+def _packed_mm(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str, rows: int,
+               cols: int, terms: int, s0: torch.Tensor | None, s1: torch.Tensor | None,
+               ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``terms`` bf16 activation terms stacked along the rows (scales ``s0``, ``s1``) times
+    the packed ``(rows, cols)`` weight (row fields ``names``, comma-separated, in order;
+    scale ``ws``), in bf16: the fused kernel, or where there is none for ``a``'s device,
+    the decode and :func:`mm`."""
+    by_name = dict(zip(names.split(","), fields, strict=True))
+    f = get_format(fmt)
+    scales = [s0, s1][:terms]
+    y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
+    if y is not None:
+        return y
+    w = PackedOperand.from_row_fields(f, (rows, cols), by_name, ws).decode(a.dtype)
+    m = a.shape[0] // terms
+    ops = [Operand(a[i * m:(i + 1) * m], s) for i, s in enumerate(scales)]
+    return mm(ops, w.t(), a.dtype, bias)
+
+
+@_packed_mm.register_fake
+def _(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str, rows: int,
+      cols: int, terms: int, s0: torch.Tensor | None, s1: torch.Tensor | None,
+      ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    return a.new_empty((a.shape[0] // terms, rows))
+
+
+def _check_scales(terms: list[Operand], b: Operand | None = None) -> None:
     """Refuse a per-vector scale along the reduction axis: it does not factor out of the
     sums (an operand quantized per token, then multiplied along its tokens)."""
     for t in terms:
         if t.scale is not None and t.scale.dim() == 2 and t.scale.shape[1] != 1:
             raise ValueError("a left GEMM operand's scale must be per tensor or per row, "
                              f"got {tuple(t.scale.shape)} for {tuple(t.values.shape)}")
-    if b.scale is not None and b.scale.dim() == 2 and b.scale.shape[0] != 1:
+    if b is not None and b.scale is not None and b.scale.dim() == 2 and b.scale.shape[0] != 1:
         raise ValueError("a right GEMM operand's scale must be per tensor or per column, "
                          f"got {tuple(b.scale.shape)} for {tuple(b.values.shape)}")
 
@@ -351,5 +438,5 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 
 __all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
-           "has_tensor_scale", "mm", "mm_fp32", "operand_format", "pack_operand",
-           "quantize_operand", "stack_rows"]
+           "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_packed", "operand_format",
+           "pack_operand", "packed_fusion", "quantize_operand", "stack_rows"]

@@ -105,8 +105,9 @@ def test_cli_refuses_bad_traffic_options_in_one_line(argv, capsys):
 def test_the_rollout_report_counts_one_vllm_method_linear():
     """At decode: bf16 reads x and its bf16 weight and writes y; the dequantized store adds
     the activation operator (x in, bf16 values and a scale per row out); the packed store
-    decodes its codes and scales (their bytes) into a bf16 weight before the same GEMM,
-    with no copy of a one-part weight."""
+    reads its codes and scales (their bytes) in one fused GEMM on a GPU at decode sizes,
+    and its other path decodes them into a bf16 weight before the same GEMM, with no copy
+    of a one-part weight."""
     import torch
 
     from fp4rl.bench.traffic import rollout_traffic
@@ -120,13 +121,28 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
     assert got["dequantized_bytes"] == activation + gemm
     packed = pack_operand(torch.randn(n, k), "hif4").packed
     fields = sum(t.numel() * t.element_size() for t in packed.fields.values())
-    assert [x["name"] for x in got["packed_launches"]] == ["rollout_activation",
+    assert [x["name"] for x in got["packed_launches"]] == ["rollout_activation", "packed_mm"]
+    assert got["packed_bytes"] == activation + m * k * BF16 + fields + m * n * BF16
+    assert got["packed_launches"][1]["flops"] == 2 * m * k * n
+    assert got["packed_ratio"] < 0.5
+    assert [x["name"] for x in got["packed_decode_launches"]] == ["rollout_activation",
+                                                                  "decode_rows", "mm"]
+    assert got["packed_decode_bytes"] == activation + fields + n * k * BF16 + gemm
+    assert got["packed_decode_ratio"] > 1
+    # ResQ's two terms share the decoded weight: one read of the codes for both
+    two = rollout_traffic("hif4+resq-2:4", m, (k, n))
+    assert [x["name"] for x in two["packed_launches"]] == ["rollout_activation", "packed_mm"]
+    assert two["packed_launches"][1]["read"] == 2 * m * k * BF16 + fields
+    # past the fused kernel's token count the packed store decodes, then multiplies
+    from fp4rl.kernels import FUSED_MAX_ROWS
+
+    big = rollout_traffic("hif4", FUSED_MAX_ROWS + 1, (k, n))
+    assert [x["name"] for x in big["packed_launches"]] == ["rollout_activation",
                                                            "decode_rows", "mm"]
-    assert got["packed_bytes"] == activation + fields + n * k * BF16 + gemm
-    assert got["packed_ratio"] > 1  # until a fused decode GEMM reads the codes itself
 
 
 def test_cli_rollout_traffic(capsys):
     assert main(["bench", "rollout", "--traffic", "--shape", "64,256,512"]) == 0
     out = capsys.readouterr().out
     assert "packed:" in out and "target: the packed linear <= 0.4x" in out
+    assert "packed_mm" in out

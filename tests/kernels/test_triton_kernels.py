@@ -188,11 +188,12 @@ def test_every_op_on_a_gpu_selects_its_triton_kernel():
     """For a CUDA device (no GPU needed to ask), every operation of every format runs a
     Triton kernel; the only ones without are NVFP4's ResQ passes, which compose its
     quantizer's Triton passes (the residual has a per-tensor scale of its own) and MXFP8's
-    packed decode (no rollout weight is stored in 8 bits)."""
+    packed decode and GEMM (no rollout weight is stored in 8 bits)."""
     from fp4rl.kernels import OPERATIONS, kernel_plan
 
     composed = {("nvfp4", "resq"), ("nvfp4", "resq_terms"), ("nvfp4_per_token", "resq"),
-                ("nvfp4_per_token", "resq_terms"), ("mxfp8_e4m3", "decode")}
+                ("nvfp4_per_token", "resq_terms"), ("mxfp8_e4m3", "decode"),
+                ("mxfp8_e4m3", "packed_mm")}
     for fmt in FORMATS:
         plan = kernel_plan(get_format(fmt), "cuda")
         assert set(plan) == set(OPERATIONS)

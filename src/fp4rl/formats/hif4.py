@@ -42,8 +42,9 @@ class HiF4(BlockFormat):
     block_size = 64
     bits_per_value = 4.5
     #: the C kernel runs every block pass; Triton also decodes packed weights
+    #: and multiplies by them
     kernels = FormatKernels(FormatCode.HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode"})
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm"})
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()

@@ -30,9 +30,14 @@ RESQ_MAX_GROUP = 64
 
 #: operations: "rows"/"cols" (quantize along axis 1/0), "resq" (the fused ResQ pass),
 #: "resq_terms" (ResQ's two bf16 GEMM operands in one pass), "rows_bf16" (bf16 rows to
-#: their bf16 block values in one pass), "decode" (packed codes to values)
-OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode")
+#: their bf16 block values in one pass), "decode" (packed codes to values), "packed_mm"
+#: (activations times a packed weight decoded in registers)
+OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode", "packed_mm")
 QUANTIZE = frozenset({"rows", "cols"})
+#: the most token rows :func:`packed_mm` multiplies in one fused kernel: up to there a
+#: rollout GEMM is bound by its weight's bytes, which the fused kernel reads as 4-bit codes;
+#: above it a decode, then the bf16 GEMM, re-reads less per output tile
+FUSED_MAX_ROWS = 64
 QUANTIZE_AND_RESQ = QUANTIZE | {"resq", "resq_terms"}
 
 
@@ -317,9 +322,28 @@ def decode_rows(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, l
     return triton_decode.decode_2d(fmt, fields, rows, length, dtype)
 
 
-__all__ = ["OPERATIONS", "QUANTIZE",
-           "QUANTIZE_AND_RESQ", "FormatKernels", "KernelFormat", "decode_rows", "finite_amax",
-           "has_kernel",
-           "has_matrix_kernel", "kernel_plan", "quantize_matrix", "quantize_matrix_values",
-           "quantize_rows",
-           "quantize_rows_bf16", "resq_rows", "resq_terms"]
+def has_packed_mm(fmt: KernelFormat, device: torch.device) -> bool:
+    """Whether :func:`packed_mm` runs a kernel for ``fmt`` on ``device``."""
+    return _backend(fmt, device, "packed_mm") is not None
+
+
+def packed_mm(fmt: KernelFormat, a: torch.Tensor, terms: int, fields: dict[str, torch.Tensor],
+              rows: int, cols: int, term_scales: list[torch.Tensor | None],
+              weight_scale: torch.Tensor | None, bias: torch.Tensor | None
+              ) -> torch.Tensor | None:
+    """``sum_t (a_t @ W.T) * s_t * ws + bias`` with ``W`` packed along its rows (fields as
+    :meth:`fp4rl.gemm.PackedOperand.row_fields` lays them out), decoded in registers, by a
+    kernel; None where none applies (the caller decodes, then multiplies)."""
+    if _backend(fmt, a.device, "packed_mm") is None:
+        return None
+    from fp4rl.kernels import triton_packed_mm
+
+    return triton_packed_mm.packed_mm_2d(fmt, a, terms, fields, rows, cols, term_scales,
+                                         weight_scale, bias)
+
+
+__all__ = ["FUSED_MAX_ROWS", "OPERATIONS", "QUANTIZE", "QUANTIZE_AND_RESQ", "FormatKernels",
+           "KernelFormat", "decode_rows", "finite_amax", "has_kernel", "has_matrix_kernel",
+           "has_packed_mm", "kernel_plan", "packed_mm", "quantize_matrix",
+           "quantize_matrix_values", "quantize_rows", "quantize_rows_bf16", "resq_rows",
+           "resq_terms"]

@@ -52,15 +52,18 @@ def _interpreted() -> bool:
 
 def variants(formats: Iterable[Any]) -> list[Any]:
     """Every kernel variant the launchers can produce for ``formats`` (the registered
-    ones, say): quantize, ResQ, the per-tensor amax and the packed decode."""
+    ones, say): quantize, ResQ, the per-tensor amax, the packed decode and the packed
+    GEMM."""
     from fp4rl.kernels import QUANTIZE
     from fp4rl.kernels.triton_decode import decode_variants
+    from fp4rl.kernels.triton_packed_mm import packed_mm_variants
     from fp4rl.kernels.triton_quant import FLOATS, amax_variant, quantize_variants
 
     seen: dict[Any, None] = {}
     for fmt in formats:
         seen.update(dict.fromkeys(quantize_variants(fmt)))
         seen.update(dict.fromkeys(decode_variants(fmt)))
+        seen.update(dict.fromkeys(packed_mm_variants(fmt)))
         if fmt.kernels is not None and fmt.has_tensor_scale and fmt.kernels.triton & QUANTIZE:
             seen.update(dict.fromkeys(amax_variant(dtype) for dtype in FLOATS))
     return list(seen)

@@ -40,24 +40,14 @@ def _e4m3(b):
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
-@triton.jit(do_not_specialize=("n_rows",))  # a weight of one row: no binary of its own
-def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, blocks,
-                   FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    rows, cols, inside = tile(n_rows, length, BS, ROWS)
-    block = cols // BS  # (1, BS), one block: the tile's
-    within = cols % BS
-    live = rows < n_rows
-    byte = tl.load(codes_ptr + rows * (blocks * BS // 2) + cols // 2, mask=live,
-                   other=0).to(tl.int32)
-    code = (byte >> ((cols % 2) * 4)) & 0xF
+@triton.jit
+def _value(code, s, l2, l3, within, FMT: tl.constexpr):
+    """A value from its 4-bit ``code`` and its block's fields (int32: the scale byte ``s``,
+    HiF4's level-2 byte ``l2`` and the level-3 byte ``l3`` of its 32 values), ``within``
+    its index in the block; the one formula every decode path uses."""
     neg = code >= 8
-    s = tl.load(scale_ptr + rows * blocks + block, mask=live, other=0).to(tl.int32)
     if FMT == 0:  # HiF4: m4 * 2^(d8 + d16 - 2) * E6M2 scale
-        l2 = tl.load(l2_ptr + rows * blocks + block, mask=live, other=0).to(tl.int32)
-        quad = within // 4
-        l3 = tl.load(l3_ptr + rows * (blocks * 2) + block * 2 + quad // 8, mask=live,
-                     other=0).to(tl.int32)
-        d = ((l2 >> (within // 8)) & 1) + ((l3 >> (quad % 8)) & 1)
+        d = ((l2 >> (within // 8)) & 1) + ((l3 >> ((within // 4) % 8)) & 1)
         scale = (4.0 + (s & 3).to(tl.float32)) * pow2((s >> 2) - 50)
         mag = (code & 7).to(tl.float32) * pow2(d - 2) * scale
         nan = s == 0xFF
@@ -71,7 +61,72 @@ def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, 
         mag = _e2m1(code & 7) * _e4m3(tl.where(nan, 0, s))
     value = tl.where(neg, -mag, mag)
     quiet = tl.full(value.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    value = tl.where(nan, quiet, value)
+    return tl.where(nan, quiet, value)
+
+
+@triton.jit
+def decode_values(codes_ptr, scale_ptr, l2_ptr, l3_ptr, rows, cols, live, blocks,
+                  FMT: tl.constexpr, BS: tl.constexpr):
+    """float32 values of a weight packed along its rows at ``rows`` x ``cols`` (int64
+    index tensors that broadcast; ``live`` masks the reads), ``blocks`` blocks a row:
+    every field read per value (any tile shape)."""
+    block = cols // BS
+    within = cols % BS
+    byte = tl.load(codes_ptr + rows * (blocks * BS // 2) + cols // 2, mask=live,
+                   other=0).to(tl.int32)
+    code = (byte >> ((cols % 2) * 4)) & 0xF
+    s = tl.load(scale_ptr + rows * blocks + block, mask=live, other=0).to(tl.int32)
+    l2 = s
+    l3 = s
+    if FMT == 0:
+        l2 = tl.load(l2_ptr + rows * blocks + block, mask=live, other=0).to(tl.int32)
+        l3 = tl.load(l3_ptr + rows * (blocks * 2) + block * 2 + within // 32, mask=live,
+                     other=0).to(tl.int32)
+    return _value(code, s, l2, l3, within, FMT)
+
+
+@triton.jit
+def _per_group(ptr, rows, live, per_row, first, G: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+    """The bytes of a field holding one byte per ``G`` values (``per_row`` a row), for a
+    tile of ``BK`` values from the row's group ``first``: each read once, as (BN, BK)."""
+    NG: tl.constexpr = BK // G if BK >= G else 1
+    group = first + tl.arange(0, NG).to(tl.int64)[None, :]
+    b = tl.load(ptr + rows * per_row + group, mask=live & (group < per_row),
+                other=0).to(tl.int32)  # (BN, NG)
+    return tl.reshape(tl.broadcast_to(b[:, :, None], (BN, NG, BK // NG)), (BN, BK))
+
+
+@triton.jit
+def decode_tile(codes_ptr, scale_ptr, l2_ptr, l3_ptr, rows, live, k0, blocks,
+                FMT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """float32 values of the ``(BN, BK)`` tile at ``rows`` (int64, (BN, 1)) and columns
+    ``k0 .. k0 + BK`` of a weight packed along its rows: each byte read once (a code byte
+    holds two values, a scale byte a block), which keeps a GEMM's decode in registers.
+    ``k0`` a multiple of ``BK``, ``BK`` a power of two; the values past a row's last block
+    are garbage for the caller to mask."""
+    half: tl.constexpr = BK // 2
+    j = k0 // 2 + tl.arange(0, half).to(tl.int64)[None, :]
+    per_row = blocks * BS // 2
+    byte = tl.load(codes_ptr + rows * per_row + j, mask=live & (j < per_row),
+                   other=0).to(tl.int32)  # (BN, BK / 2)
+    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BN, BK))  # low nibble first
+    s = _per_group(scale_ptr, rows, live, blocks, k0 // BS, BS, BN, BK)
+    l2 = s
+    l3 = s
+    if FMT == 0:
+        l2 = _per_group(l2_ptr, rows, live, blocks, k0 // BS, BS, BN, BK)
+        l3 = _per_group(l3_ptr, rows, live, blocks * 2, k0 // 32, 32, BN, BK)
+    within = (k0 + tl.arange(0, BK)[None, :]) % BS
+    return _value(code, s, l2, l3, within, FMT)
+
+
+@triton.jit(do_not_specialize=("n_rows",))  # a weight of one row: no binary of its own
+def _decode_kernel(codes_ptr, scale_ptr, l2_ptr, l3_ptr, y_ptr, n_rows, length, blocks,
+                   FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
+    rows, cols, inside = tile(n_rows, length, BS, ROWS)
+    value = decode_values(codes_ptr, scale_ptr, l2_ptr, l3_ptr, rows, cols, rows < n_rows,
+                          blocks, FMT, BS)
     tl.store(y_ptr + rows * length + cols, value.to(y_ptr.dtype.element_ty),
              mask=inside)
 
@@ -114,4 +169,5 @@ def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, len
     return y
 
 
-__all__ = ["DECODED", "decode_2d", "decode_variant", "decode_variants"]
+__all__ = ["DECODED", "decode_2d", "decode_tile", "decode_values", "decode_variant",
+           "decode_variants"]

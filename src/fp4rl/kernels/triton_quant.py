@@ -364,12 +364,12 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     if HAS_SCALE and RESCALE:
         y = y * g
     if y_ptr.dtype.element_ty == tl.bfloat16:
-        y = _bf16_rne(y)
+        y = bf16_rne(y)
     tl.store(y_ptr + rows * syr + cols * syc, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _bf16_rne(y):
+def bf16_rne(y):
     """float32 values rounded to the nearest bfloat16 (ties to even), still as float32,
     so that the store's conversion is exact whatever rounding it does (Triton's
     interpreter truncates): the bits a torch cast gives. NaN and Inf pass unchanged."""
@@ -487,11 +487,14 @@ class Variant:
     kernel: Any  # the @triton.jit function
     pointers: tuple[torch.dtype, ...]  # each pointer argument's element type, in order
     constants: tuple[tuple[str, int | bool], ...]
+    #: warps a program runs on (Triton's default, 4, unless a kernel's tile needs more
+    #: registers than 4 warps hold)
+    num_warps: int = 4
 
     @property
     def options(self) -> dict[str, Any]:
-        """The compiler options of every launch (:data:`COMPILE_OPTIONS`)."""
-        return dict(COMPILE_OPTIONS)
+        """The compiler options of every launch (:data:`COMPILE_OPTIONS`, the warps)."""
+        return {**COMPILE_OPTIONS, "num_warps": self.num_warps}
 
     def signature(self) -> dict[str, str]:
         """``triton.compile``'s signature: each argument's type (integers as i32, the type
@@ -509,7 +512,7 @@ class Variant:
         if got != self.pointers:
             raise TypeError(f"{self.kernel.__name__} launched with {got}, declared "
                             f"{self.pointers}")
-        self.kernel[grid](*args, **dict(self.constants), **COMPILE_OPTIONS)
+        self.kernel[grid](*args, **dict(self.constants), **self.options)
 
 
 def _quantize_rows(code: int, block: int) -> int:

@@ -168,6 +168,10 @@ class BatchInvariantMode(TorchDispatchMode):
     fixed-order CPU kernels (see the module docstring); every other op, and every op on
     another device, runs as it is."""
 
+    #: GEMMs inside must keep this mode's order: a fused kernel that would bypass
+    #: ``aten.mm`` (the packed GEMM, :func:`fp4rl.gemm.fuses_packed`) steps aside
+    fixed_reduction_order = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}

@@ -40,7 +40,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4rl.formats import NumberFormat
 from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, static_scale
-from fp4rl.gemm import UNQUANTIZED, Operand, OperandFormat, mm, quantize_operand
+from fp4rl.gemm import (
+    UNQUANTIZED,
+    Operand,
+    OperandFormat,
+    PackedOperand,
+    mm,
+    mm_packed,
+    packed_fusion,
+    quantize_operand,
+)
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
@@ -178,6 +187,8 @@ class _KeptWeights:
         #: (axis, dtype, backward) -> the training GEMM's operand
         self.train: dict[tuple[int, torch.dtype, bool], Operand] = {}
         self.rollout: tuple[torch.dtype, Operand] | None = None
+        #: the rollout Q(W) as packed codes, where a fused kernel multiplies by them
+        self.rollout_packed: PackedOperand | None = None
         self.received: Operand | None = None
         self.static_scale: torch.Tensor | None = None
 
@@ -382,8 +393,35 @@ class FP4Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
-        y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype, self.bias)
+        packed = self._packed_rollout_weight(x2, dtype)
+        if packed is not None:
+            y = mm_packed(self.recovery.activation(x2, dtype), packed, dtype, self.bias)
+        else:
+            y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_rollout_weight(self, x2: torch.Tensor, dtype: torch.dtype
+                               ) -> PackedOperand | None:
+        """The rollout ``Q(W)`` as packed codes (kept for the weight version) where a decode
+        step multiplies by them in one fused kernel (:func:`fp4rl.gemm.packed_fusion`: a GPU,
+        bf16, a few dozen tokens): it reads about a quarter of the bytes of the bf16
+        ``Q(W)``. Only where the recovery's rollout is ``activation(x) @ Q(W).T`` (no
+        forward of its own) and ``Q(W)`` is this layer's own; else None."""
+        fmt = self.recipe.rollout.weights
+        if not isinstance(fmt, NumberFormat) or \
+                type(self.recovery).forward is not RolloutRecovery.forward or \
+                self.recovery.reads_weight or \
+                not packed_fusion(fmt, x2.shape[0], x2.device, dtype):
+            return None
+        kept = self._kept.at(self._weight_key())
+        if kept.received is not None:
+            return None
+        if kept.rollout_packed is None:
+            with torch.no_grad():
+                packed = self.recovery.weight_operand(self.weight.detach(), packed=True)
+            assert isinstance(packed, PackedOperand)
+            kept.rollout_packed = packed
+        return kept.rollout_packed
 
     def extra_repr(self) -> str:
         r, t = self.recipe.rollout, self.recipe.train

@@ -12,7 +12,6 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import NumberFormat
-from fp4rl.gemm import mm
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
@@ -83,10 +82,11 @@ class FP4RLLinearMethod(LinearMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """fp4rl's rollout forward as ``RolloutRecovery.forward`` computes it for the
         methods the plug-in runs (none, resq): the recovery's activation operands times
-        ``Q(W)`` through :func:`fp4rl.gemm.mm`, the GEMM on vLLM's prepacked kernel where
-        there is one. Capturable: it reads what processing fixed and changes nothing, and
-        the quantizers run as one custom operator, so ``torch.compile`` and CUDA graphs
-        trace it whole (``enforce_eager=False``)."""
+        ``Q(W)`` as the layer's store multiplies them (``WeightStore.apply``: the GEMM on
+        vLLM's prepacked kernel where there is one; packed codes decoded in registers at
+        decode sizes on a GPU). Capturable: it reads what processing fixed and changes
+        nothing, and the quantizers and the packed GEMM run as custom operators, so
+        ``torch.compile`` and CUDA graphs trace it whole (``enforce_eager=False``)."""
         state = layer_state(layer)
         if state.store is None:
             raise VLLMError(f"an fp4rl layer of {x.shape[-1]} inputs ran before vLLM "
@@ -95,13 +95,7 @@ class FP4RLLinearMethod(LinearMethodBase):
         # the plug-in's methods (none, resq) quantize bf16 rows as they are, in one kernel
         # pass (widening to float32 is exact, so the operands are the same)
         acts = state.activation(x2 if x.dtype == torch.bfloat16 else x2.float(), x.dtype)
-        ys, start = [], 0
-        for rows, qw, kernel in state.store.gemms():
-            # several parts: per-shard scales (NVFP4), one GEMM per logical layer
-            b = None if bias is None else bias[start:start + rows]
-            ys.append(mm(acts, qw.t(), x.dtype, b, matmul=kernel))
-            start += rows
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        y = state.store.apply(acts, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

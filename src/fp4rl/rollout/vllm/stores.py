@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from fp4rl.gemm import Operand, PackedOperand
+from fp4rl.gemm import Operand, PackedOperand, fuses_packed, mm, mm_packed
 from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
 
 #: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
@@ -54,6 +54,18 @@ class WeightStore(ABC):
     @abstractmethod
     def gemms(self) -> list[Gemm]:
         """The GEMMs a forward runs, one per logical layer with its own scale."""
+
+    def apply(self, acts: list[Operand], dtype: torch.dtype,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """``acts`` (the recovery's activation terms, token rows) times ``Q(W)`` plus the
+        bias, in ``dtype``: one GEMM per logical layer with its own scale (NVFP4's
+        per-shard scales), joined along the outputs."""
+        ys, start = [], 0
+        for rows, qw, kernel in self.gemms():
+            b = None if bias is None else bias[start:start + rows]
+            ys.append(mm(acts, qw.t(), dtype, b, matmul=kernel))
+            start += rows
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
     @abstractmethod
     def nbytes(self, in_features: int) -> int:
@@ -119,6 +131,23 @@ class PackedStore(WeightStore):
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in _part_tensors(p)]
 
+    def apply(self, acts: list[Operand], dtype: torch.dtype,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """Where :func:`~fp4rl.gemm.fuses_packed` holds (a GPU, decode sizes), each part's
+        codes are read by one kernel that decodes them in registers; elsewhere, and under
+        vLLM's batch-invariant mode (which replaces ``aten.mm``, the op the fused kernel
+        would bypass), they are decoded into a weight of the compute dtype, then
+        multiplied."""
+        if _vllm_batch_invariant() or not all(fuses_packed(acts, p, dtype)
+                                               for p in self.parts):
+            return super().apply(acts, dtype, bias)
+        ys, start = [], 0
+        for p in self.parts:
+            b = None if bias is None else bias[start:start + p.rows]
+            ys.append(mm_packed(acts, p, dtype, b))
+            start += p.rows
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
     def gemms(self) -> list[Gemm]:
         decoded = [p.decode(self.dtype) for p in self.parts]
         # fresh tensors each forward: a one-part weight needs no copy
@@ -126,6 +155,16 @@ class PackedStore(WeightStore):
 
     def nbytes(self, in_features: int) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+def _vllm_batch_invariant() -> bool:
+    """Whether vLLM runs its batch-invariant mode (``VLLM_BATCH_INVARIANT=1``), as vLLM
+    reads it; False where vLLM is not installed (a report run without it)."""
+    try:
+        from vllm import envs
+    except ImportError:
+        return False
+    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
 
 
 def release_freed_memory() -> None:
