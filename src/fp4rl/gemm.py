@@ -349,10 +349,11 @@ def mm_packed(a: Operand | list[Operand], w: PackedOperand, dtype: torch.dtype,
     fields = w.row_fields()
     names = sorted(fields)
     scales = [t.scale for t in terms]
-    return torch.ops.fp4rl.packed_mm(
+    y: torch.Tensor = torch.ops.fp4rl.packed_mm(
         stack_rows([t.values.to(dtype) for t in terms]), [fields[n] for n in names],
         ",".join(names), w.packed.format, w.rows, w.packed.shape[1], len(terms),
         scales[0], scales[1] if len(scales) == 2 else None, w.scale, bias)
+    return y
 
 
 @torch.library.custom_op("fp4rl::packed_mm", mutates_args=())
