@@ -90,6 +90,30 @@ def test_packed_operands_on_the_device(fmt):
     packed_on_meta(again)
 
 
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+def test_the_packed_gemm_stays_on_the_device(fmt, monkeypatch):
+    """The fused packed GEMM as a GPU selects it (through its operator, and the launch
+    around its kernel: the stand-in 1.0 of an absent scale, the output, the arguments), on
+    device tensors; the launch is recorded, not run."""
+    pytest.importorskip("triton")
+    import fp4rl.kernels
+    from fp4rl.gemm import Operand, mm_packed
+    from fp4rl.kernels import triton_packed_mm, triton_quant
+
+    launched: list[torch.Tensor] = []
+    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
+        a for a in args if isinstance(a, torch.Tensor)))
+    p = pack_operand(torch.empty(32, 192, device=META), fmt)
+    a = Operand(torch.empty(4, 192, device=META, dtype=torch.bfloat16))
+    bias = torch.empty(32, device=META)
+    on_meta(mm_packed(a, p, torch.bfloat16), mm_packed([a, a], p, torch.bfloat16, bias))
+    y = triton_packed_mm.packed_mm_2d(get_format(fmt), a.values, 1, p.row_fields(), 32, 192,
+                                      [None], p.scale, bias)
+    assert launched and y.shape == (4, 32)
+    on_meta(y, *launched)
+
+
 def test_nvfp4_tensor_scale_stays_on_the_device():
     """No host sync: the scale is a 0-dim tensor on the device, read by the GEMM there."""
     g = get_format("nvfp4").tensor_scale(torch.empty(4, 64, device=META))
