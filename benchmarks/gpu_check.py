@@ -201,11 +201,13 @@ def stage_speed(device: str, quick: bool) -> dict[str, Any]:
     process: each quantizer against a clone (CUDA-graph replays), the FP4 training linear
     against bf16 at Qwen2.5-3B's up_proj with one and eight micro-batches (eager, with a
     profiler table of where the time goes), the rollout linear at decode sizes (bf16, the
-    dequantized store, the packed store decoded then multiplied), and the bytes each
+    dequantized store, the packed store decoded then multiplied, the fused packed kernel,
+    and the packed store as it runs: fused up to its token count), and the bytes each
     pass moves, counted (``bench linear --traffic``), to set the times against."""
     from fp4rl.bench import traffic
     from fp4rl.formats import get_format
-    from fp4rl.gemm import mm, pack_operand, quantize_operand
+    from fp4rl.gemm import mm, mm_packed, pack_operand, quantize_operand
+    from fp4rl.kernels.triton_packed_mm import packed_mm_2d
     from fp4rl.nn import FP4Linear, get_recipe
 
     repeats = 2 if quick else 20
@@ -258,6 +260,7 @@ def stage_speed(device: str, quick: bool) -> dict[str, Any]:
     wb = w.bfloat16()
     qw = quantize_operand(w, "hif4").to(torch.bfloat16)
     packed = pack_operand(w, "hif4")
+    fields = packed.row_fields()
     for rows in ((1, 16) if quick else (1, 16, 64, 128, 256)):
         a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         qa = quantize_operand(a, "hif4")
@@ -268,7 +271,13 @@ def stage_speed(device: str, quick: bool) -> dict[str, Any]:
             "packed then GEMM": _seconds(
                 lambda qa=qa: mm(qa, packed.decode(torch.bfloat16).t(), torch.bfloat16),
                 device, repeats),
-            "fused packed kernel": "not built yet"}
+            # the fused kernel at every size (to place FUSED_MAX_ROWS), where Triton runs
+            "fused packed kernel": _seconds(
+                lambda qa=qa: packed_mm_2d(get_format("hif4"), qa.values.bfloat16(), 1,
+                                           fields, n, k, [qa.scale], None, None),
+                device, repeats) if device.startswith("cuda") else None,
+            "packed store": _seconds(lambda qa=qa: mm_packed(qa, packed, torch.bfloat16),
+                                     device, repeats)}
     return {"clone_seconds": clone, "size": side, "quantizers": quantizers,
             "linear": linear, "profile": profile, "decode_seconds": decode}
 

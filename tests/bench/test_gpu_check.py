@@ -36,6 +36,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     speed = json.loads((out / "speed.json").read_text())
     assert speed["quantizers"]["hif4"]["seconds"] > 0
     assert set(speed["decode_seconds"]) == {"1", "16"}
+    assert speed["decode_seconds"]["1"]["packed store"] > 0
     assert speed["linear"]["micro_batches=8"]["bytes_ratio"] < \
         speed["linear"]["micro_batches=1"]["bytes_ratio"]
     invariant = json.loads((out / "invariant.json").read_text())["engine_vs_trainer"]

@@ -172,3 +172,37 @@ def test_grpo_step_on_cuda_matches_cpu(tmp_path, precision):
         assert gpu[key] == cpu[key], key
     for key in ("loss", "sampling/sampling_logp_difference/mean", "entropy"):
         assert gpu[key] == pytest.approx(cpu[key], rel=2e-2, abs=2e-2), key
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token"])
+def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
+    """The packed GEMM compiled and run: on exact sums (quarter-integer weights, small
+    integer activations) its outputs are the decode-then-GEMM's bit for bit at every
+    tile height, one and two terms, with scales and a bias; a CUDA graph captured at a
+    size never run eagerly replays it."""
+    from fp4rl.gemm import Operand, fuses_packed, mm, mm_packed, pack_operand
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-12, 13, (200, 320), generator=g).float() * 0.25
+    p = pack_operand(w.cuda(), fmt)
+    bias = torch.randn(200, generator=g).bfloat16().cuda()
+    for m in (1, 5, 16, 17, 64):
+        a = torch.randint(-8, 9, (2 * m, 320), generator=g).bfloat16().cuda()
+        s = torch.rand(m, 1, generator=g).cuda() + 0.5
+        for ops in ([Operand(a[:m])], [Operand(a[:m], s), Operand(a[m:])]):
+            assert fuses_packed(ops, p, torch.bfloat16)
+            got = mm_packed(ops, p, torch.bfloat16, bias)
+            want = mm(ops, p.decode(torch.bfloat16).t(), torch.bfloat16, bias)
+            assert _same_or_both_nan(got, want), (m, len(ops))
+    x = torch.randint(-8, 9, (3, 320), device="cuda").bfloat16()
+    mm_packed(Operand(x), p, torch.bfloat16)  # the eager warm-up
+    torch.cuda.synchronize()
+    x9 = torch.randint(-8, 9, (9, 320), device="cuda").bfloat16()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mm_packed(Operand(x9), p, torch.bfloat16)
+    x9.copy_(torch.randint(-8, 9, (9, 320), device="cuda").bfloat16())
+    graph.replay()
+    assert _same_or_both_nan(captured, mm(Operand(x9), p.decode(torch.bfloat16).t(),
+                                          torch.bfloat16))
