@@ -32,6 +32,7 @@ from fp4rl.kernels import (
     FUSED_MAX_ROWS,
     has_packed_mm,
     packed_mm,
+    quantize_both,
     quantize_matrix_values,
     quantize_rows_bf16,
 )
@@ -143,6 +144,26 @@ def quantize_operand(x: torch.Tensor, fmt: str | OperandFormat, dim: int = -1,
     unscaled = f.quantize(x.float() / scale, dim, rounding=rounding, generator=generator,
                           per_tensor_scale=False)
     return Operand(unscaled, scale)
+
+
+def quantize_operand_pair(x: torch.Tensor, fmt: str | OperandFormat,
+                          out_dtype: torch.dtype | None = None) -> tuple[Operand, Operand]:
+    """``x`` (a matrix) quantized along its rows and along its columns, nearest rounding:
+    ``(quantize_operand(x, fmt, -1, out_dtype=...), quantize_operand(x, fmt, 0, ...))``
+    bit for bit, the values in ``out_dtype`` (default ``x``'s). Where a kernel takes both
+    (Triton on a GPU; a format whose scales are per block, or one per tensor, which both
+    axes share) ``x`` is read once for the two, as a GEMM operand and its backward
+    GEMM's are needed together (the weight's forward and input-gradient operands, the
+    activation's forward and weight-gradient ones, the output gradient's two)."""
+    f = operand_format(fmt)
+    dtype = out_dtype or x.dtype
+    if isinstance(f, NumberFormat) and x.dim() == 2 and not f.vector_scales:
+        scale = f.tensor_scale(x, -1)
+        both = quantize_both(f, x, scale, dtype)
+        if both is not None:
+            return Operand(both[0], scale), Operand(both[1], scale)
+    return (quantize_operand(x, f, -1, out_dtype=out_dtype),
+            quantize_operand(x, f, 0, out_dtype=out_dtype))
 
 
 @dataclass(frozen=True)
@@ -440,4 +461,5 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 __all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
            "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_packed", "operand_format",
-           "pack_operand", "packed_fusion", "quantize_operand", "stack_rows"]
+           "pack_operand", "packed_fusion", "quantize_operand", "quantize_operand_pair",
+           "stack_rows"]

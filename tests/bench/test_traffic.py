@@ -20,21 +20,20 @@ F32, BF16 = 4, 2
 def _hand_count() -> tuple[Counter, Counter]:
     """HiF4 on all three GEMMs, bf16 compute, FP32 masters (nn/linear.py's docstring).
 
-    Forward: Q(W) along in_features, read in fp32 and written by the quantizer in bf16 (the
-    GEMM's operand); Q(X) along in_features (reads and writes fp32), cast to bf16; the GEMM
-    (reads both bf16 operands, writes Y in bf16); Q(X) along the tokens for the weight
-    gradient, cast to bf16 and saved.
-    Backward: Q(W) along out_features, written in bf16; Q(dY) along out_features (bf16 in,
-    bf16 out); dX = Q(dY) Q(W) in bf16, cast to the input's fp32; Q(dY) along the tokens;
-    dW = Q(dY)^T Q(X) in bf16, cast to the master's fp32."""
+    Forward: Q(W) along in_features and along out_features (the input gradient's, kept
+    for the backward), one read of the fp32 master, both written by the quantizer in bf16
+    (the GEMMs' operands); Q(X) along in_features and along the tokens (the weight
+    gradient's, saved), one read, both written in bf16; the GEMM (reads both bf16
+    operands, writes Y in bf16).
+    Backward: Q(dY) along out_features and along the tokens, one read (bf16 in, bf16 out);
+    dX = Q(dY) Q(W) in bf16, cast to the input's fp32; dW = Q(dY)^T Q(X) in bf16, cast to
+    the master's fp32."""
     x, w, y = M * K, N * K, M * N
     fp4 = Counter({
-        ("forward", "quantize", w * F32, w * BF16): 1,
-        ("forward", "quantize", x * F32, x * F32): 2,  # along K, and along the tokens
-        ("forward", "cast", x * F32, x * BF16): 2,
+        ("forward", "quantize_both", w * F32, 2 * w * BF16): 1,
+        ("forward", "quantize_both", x * F32, 2 * x * BF16): 1,
         ("forward", "mm", (x + w) * BF16, y * BF16): 1,
-        ("backward", "quantize", w * F32, w * BF16): 1,
-        ("backward", "quantize", y * BF16, y * BF16): 2,  # dY along N, and along the tokens
+        ("backward", "quantize_both", y * BF16, 2 * y * BF16): 1,
         ("backward", "mm", (y + w) * BF16, x * BF16): 1,
         ("backward", "cast", x * BF16, x * F32): 1,
         ("backward", "mm", (y + x) * BF16, w * BF16): 1,
@@ -70,14 +69,14 @@ def test_the_report_counts_what_the_layer_launches():
 
 def test_micro_batches_after_the_first_read_the_kept_weight_operands():
     """From the second micro-batch on, the FP4 layer reads its kept Q(W) operands: no
-    quantize of the master, forward or backward (2 x (4 + 2) bytes per weight); the bf16
+    quantize of the master (4 bytes read, 2 x 2 written per weight); the bf16
     baseline casts its weight every time (autocast). From the second on
     the weight gradient also accumulates into the fp32 .grad (reads two, writes one), in
     both layers."""
     one, four = linear_traffic("hif4", (M, K, N)), linear_traffic("hif4", (M, K, N), 4)
     w = N * K
     accumulate = 3 * (3 * w * F32)
-    kept = 3 * 2 * (F32 + BF16) * w
+    kept = 3 * (F32 + 2 * BF16) * w
     assert four.fp4.total() == 4 * one.fp4.total() + accumulate - kept
     assert four.bf16.total() == 4 * one.bf16.total() + accumulate
 

@@ -118,7 +118,7 @@ class Recorder:
                 continue
             if not _used(variant.kernel.__name__, name, consts):
                 continue
-            if name in ("y_ptr", "r_ptr", "out_ptr", "c_ptr"):
+            if name in ("y_ptr", "z_ptr", "r_ptr", "out_ptr", "c_ptr"):
                 written += _nbytes(value)
             else:
                 read += _nbytes(value)

@@ -44,7 +44,7 @@ class HiF4(BlockFormat):
     #: the C kernel runs every block pass; Triton also decodes packed weights
     #: and multiplies by them
     kernels = FormatKernels(FormatCode.HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm"})
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm", "both"})
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()

@@ -128,7 +128,7 @@ class MXFP4(MXFormat):
     #: the C kernel runs every block pass; Triton also decodes packed weights
     #: and multiplies by them
     kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm"})
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm", "both"})
     scale_offset = 2  # E2M1's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

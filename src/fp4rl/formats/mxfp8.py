@@ -19,7 +19,7 @@ class MXFP8(MXFormat):
     bits_per_value = 8.25
     #: no packed decode kernel: MXFP8 weights are not packed for the rollout
     kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16"})
+                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "both"})
     scale_offset = 8  # E4M3's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -116,7 +116,8 @@ class NVFP4(BlockFormat):
     #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
     #: residual has a scale of its own)
     kernels: ClassVar[FormatKernels | None] = FormatKernels(
-        FormatCode.NVFP4, c=QUANTIZE, triton=QUANTIZE | {"rows_bf16", "decode", "packed_mm"})
+        FormatCode.NVFP4, c=QUANTIZE,
+        triton=QUANTIZE | {"rows_bf16", "decode", "packed_mm", "both"})
     extra_options = ("per_tensor_scale",)
     has_tensor_scale = True
     #: the magnitude the tensor scale maps the largest value to (what the blocks then see)

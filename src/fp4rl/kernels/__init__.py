@@ -31,8 +31,10 @@ RESQ_MAX_GROUP = 64
 #: operations: "rows"/"cols" (quantize along axis 1/0), "resq" (the fused ResQ pass),
 #: "resq_terms" (ResQ's two bf16 GEMM operands in one pass), "rows_bf16" (bf16 rows to
 #: their bf16 block values in one pass), "decode" (packed codes to values), "packed_mm"
-#: (activations times a packed weight decoded in registers)
-OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode", "packed_mm")
+#: (activations times a packed weight decoded in registers), "both" (a matrix along its rows
+#: and along its columns from one read)
+OPERATIONS = ("rows", "cols", "resq", "resq_terms", "rows_bf16", "decode", "packed_mm",
+              "both")
 QUANTIZE = frozenset({"rows", "cols"})
 #: the most token rows :func:`packed_mm` multiplies in one fused kernel: up to there a
 #: rollout GEMM is bound by its weight's bytes, which the fused kernel reads as 4-bit codes;
@@ -299,6 +301,20 @@ def quantize_matrix_values(fmt: KernelFormat, x: torch.Tensor, axis: int,
                            rescale=False)
 
 
+def quantize_both(fmt: KernelFormat, x: torch.Tensor, tensor_scale: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The block values ``Q(x / g)`` of a float matrix along its rows and along its columns
+    (nearest rounding), in ``out_dtype``, from one read of ``x`` (a GEMM operand and its
+    backward GEMM's), ``tensor_scale`` g (one value) kept outside. Triton only; None
+    elsewhere (the caller quantizes along each axis)."""
+    tri = _backend(fmt, x.device, "both")
+    if tri is None or x.numel() == 0:
+        return None
+    out: tuple[torch.Tensor, torch.Tensor] | None = tri.quantize_both(fmt, x, tensor_scale,
+                                                                        out_dtype)
+    return out
+
+
 def finite_amax(x: torch.Tensor) -> torch.Tensor | None:
     """The largest finite ``|x|`` (0 if none) as a 0-dim float32 tensor, by one Triton pass
     (an atomic max of the bits) where the Triton kernels run for ``x``'s device; None
@@ -344,6 +360,6 @@ def packed_mm(fmt: KernelFormat, a: torch.Tensor, terms: int, fields: dict[str, 
 
 __all__ = ["FUSED_MAX_ROWS", "OPERATIONS", "QUANTIZE", "QUANTIZE_AND_RESQ", "FormatKernels",
            "KernelFormat", "decode_rows", "finite_amax", "has_kernel", "has_matrix_kernel",
-           "has_packed_mm", "kernel_plan", "packed_mm", "quantize_matrix",
+           "has_packed_mm", "kernel_plan", "packed_mm", "quantize_both", "quantize_matrix",
            "quantize_matrix_values", "quantize_rows", "quantize_rows_bf16", "resq_rows",
            "resq_terms"]

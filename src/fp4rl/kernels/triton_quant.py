@@ -368,6 +368,28 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     tl.store(y_ptr + rows * syr + cols * syc, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=TOKEN_SIZES[:2])
+def _quantize_both_kernel(x_ptr, y_ptr, z_ptr, n_rows, length, sxr, sxc, g_ptr,
+                          FMT: tl.constexpr, BS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """The block values Q(x / g) of a (BS, BS) tile along its rows into y and along its
+    columns into z, from one read of x: a GEMM operand and its backward GEMM's, blocked
+    along the two reduction axes (torchao's dim0/dim1 cast, TransformerEngine's cast-
+    transpose). Both outputs are laid out as x (row-major, ``length`` a row); the tile's
+    rows start at a multiple of BS, so the column blocks are the single-axis kernel's."""
+    rows, cols, inside = tile(n_rows, length, BS, BS)
+    x = tl.load(x_ptr + rows * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
+    if HAS_SCALE:  # one g for the tensor: both axes see the same x / g
+        g = tl.load(g_ptr)
+        x = tl.math.div_rn(x, tl.zeros_like(x) + g)
+    y = _quantize_tile(x, 0.0, FMT, BS, False)
+    z = tl.trans(_quantize_tile(tl.trans(x), 0.0, FMT, BS, False))
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = bf16_rne(y)
+        z = bf16_rne(z)
+    tl.store(y_ptr + rows * length + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+    tl.store(z_ptr + rows * length + cols, z.to(z_ptr.dtype.element_ty), mask=inside)
+
+
 @triton.jit
 def bf16_rne(y):
     """float32 values rounded to the nearest bfloat16 (ties to even), still as float32,
@@ -550,6 +572,42 @@ def resq_groups(fmt: KernelFormat) -> list[int]:
     return [g for g in range(fmt.block_size + 1) if fuses_resq(fmt, g)]
 
 
+#: (input, output) types the two-axis quantizer takes: a float32 master or gradient into
+#: float32 (``mixed_precision: no``) or into the bf16 GEMM operand, bf16 into bf16
+BOTH_TYPES = ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+              (torch.bfloat16, torch.bfloat16))
+#: warps of the two-axis quantizer: its (BS, BS) tile quantized twice (HiF4: 4,096 values)
+#: spills registers on 4
+BOTH_WARPS = 8
+
+
+def both_variant(fmt: KernelFormat, x: torch.dtype, y: torch.dtype, scale: bool) -> Variant:
+    """The two-axis quantizer for ``fmt`` reading ``x`` and writing ``y`` (both outputs);
+    an absent scale pointer is passed as ``x``."""
+    code, bs = format_fields(fmt)
+    return Variant(_quantize_both_kernel, (x, y, y, torch.float32 if scale else x),
+                   (("FMT", code), ("BS", bs), ("HAS_SCALE", scale)), num_warps=BOTH_WARPS)
+
+
+def quantize_both(fmt: KernelFormat, x: torch.Tensor, tensor_scale: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The block values of a matrix along its rows and along its columns, each ``x``'s
+    shape in ``out_dtype``, from one read of ``x``, ``tensor_scale`` (one value) read
+    and kept outside; None for a type pair the kernel does not take."""
+    if x.dim() != 2 or (x.dtype, out_dtype) not in BOTH_TYPES:
+        return None
+    _, bs = format_fields(fmt)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    z = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    g = x if tensor_scale is None else tensor_scale.to(torch.float32).reshape(-1)
+    if tensor_scale is not None and g.numel() != 1:
+        raise ValueError(f"the two-axis quantizer takes one tensor scale, got {g.numel()}")
+    both_variant(fmt, x.dtype, out_dtype, tensor_scale is not None).launch(
+        grid_1d(x.shape[0], x.shape[1], bs, bs), x, y, z, x.shape[0], x.shape[1],
+        x.stride(0), x.stride(1), g)
+    return y, z
+
+
 def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
     """What :func:`quantize_2d`, :func:`fused_resq` and :func:`resq_terms` can launch for
     ``fmt``, by the operations the format declares for Triton."""
@@ -568,6 +626,10 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
     for group in resq_groups(fmt) if "resq_terms" in ops else ():
         for dtype in RESQ_TERMS_INPUTS:
             yield resq_variant(fmt, dtype, group, True)
+    if "both" in ops:
+        for x, y in BOTH_TYPES:
+            for scale in scales:
+                yield both_variant(fmt, x, y, scale)
 
 
 def quantize_2d(fmt: KernelFormat, x: torch.Tensor, axis: int, noise: torch.Tensor | None = None,

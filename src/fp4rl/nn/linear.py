@@ -49,6 +49,7 @@ from fp4rl.gemm import (
     mm_packed,
     packed_fusion,
     quantize_operand,
+    quantize_operand_pair,
 )
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
@@ -127,16 +128,22 @@ class _FP4LinearFn(torch.autograd.Function):
                 layer: FP4Linear | None = None) -> torch.Tensor:
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
-        qw = _train_weight(layer, weight, p, -1, dtype, backward=False)
-        qx = quantize_operand(x2, p.activations, -1)
-        y = mm(qx, qw.t(), dtype, bias)
+        qw = _train_weight(layer, weight, p, -1, dtype, backward=False,
+                           with_backward=ctx.needs_input_grad[0])
+        x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
         saved_x = None
+        if ctx.needs_input_grad[1] and signs is None and x_axis == 0:
+            # Q(X) along the features and along the tokens (the weight gradient's), one read,
+            # written in the compute dtype the GEMMs read (no cast pass after)
+            qx, saved_x = quantize_operand_pair(x2, p.activations, out_dtype=dtype)
+        else:
+            qx = quantize_operand(x2, p.activations, -1)
+        y = mm(qx, qw.t(), dtype, bias)
         if ctx.needs_input_grad[1]:  # Q(X) for the weight gradient, in the compute dtype
-            x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
             if signs is not None:  # requantize: X along the tokens, rotated first
                 saved_x = quantize_operand(rotate_tokens(x2, signs), p.activations, x_axis)
-            else:
-                saved_x = qx if x_axis == -1 else quantize_operand(x2, p.activations, x_axis)
+            elif saved_x is None:
+                saved_x = qx
             saved_x = _backward_operand(saved_x, p, dtype)
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
@@ -152,15 +159,23 @@ class _FP4LinearFn(torch.autograd.Function):
         g = grad_y.reshape(-1, grad_y.shape[-1])
         sr = p.stochastic_gradients
         grad_x = grad_w = grad_b = None
+        g_rows = g_cols = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not sr and ctx.signs is None:
+            # dY along the outputs (dX's) and along the tokens (dW's), one read
+            g_rows, g_cols = quantize_operand_pair(g, p.gradients)
         if ctx.needs_input_grad[0]:
             qw = _train_weight(ctx.layer, weight, p, backward_axes(p)[0], ctx.dtype,
                                backward=True)
-            grad_x = mm(quantize_operand(g, p.gradients, -1, sr), qw, ctx.dtype)
+            if g_rows is None:
+                g_rows = quantize_operand(g, p.gradients, -1, sr)
+            grad_x = mm(g_rows, qw, ctx.dtype)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
-            gw = g if ctx.signs is None else rotate_tokens(g, ctx.signs)
-            grad_w = mm(quantize_operand(gw, p.gradients, 0, sr).t(), qx, ctx.dtype)
+            if g_cols is None:
+                gw = g if ctx.signs is None else rotate_tokens(g, ctx.signs)
+                g_cols = quantize_operand(gw, p.gradients, 0, sr)
+            grad_w = mm(g_cols.t(), qx, ctx.dtype)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(dim=0).to(weight.dtype)
@@ -208,9 +223,12 @@ class _KeptWeights:
 
 
 def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecision,
-                  axis: int, dtype: torch.dtype, backward: bool) -> Operand:
+                  axis: int, dtype: torch.dtype, backward: bool,
+                  with_backward: bool = False) -> Operand:
     """``Q(W)`` along ``axis`` as the forward (or a backward) GEMM reads it, from the
-    layer's kept operands where it keeps them (``layer`` None: it does not)."""
+    layer's kept operands where it keeps them (``layer`` None: it does not).
+    ``with_backward`` (the forward's, where the input gradient follows): a kept weight
+    requantized along the outputs for it is made in the same read of the master."""
     def make() -> Operand:
         if backward and p.backward_operands is BackwardOperands.DEQUANTIZED:
             return _backward_operand(quantize_operand(weight.detach(), p.weights, axis), p,
@@ -222,6 +240,12 @@ def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecisi
         return make()
     kept = layer._kept.at(layer._weight_key()).train
     slot = (axis, dtype, backward)
+    back = (0, dtype, True)
+    if slot not in kept and with_backward and not backward and axis == -1 and \
+            back not in kept and backward_axes(p)[0] == 0 and \
+            p.backward_operands is not BackwardOperands.DEQUANTIZED:
+        kept[slot], kept[back] = quantize_operand_pair(weight.detach(), p.weights,
+                                                       out_dtype=dtype)
     if slot not in kept:
         kept[slot] = make()
     return kept[slot]
