@@ -21,7 +21,7 @@ WIDTH = 256
 
 
 OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode", "packed_mm",
-       "packed_mm_resq")
+       "packed_mm_resq", "both", "both_bf16", "operand_rows", "operand_cols")
 #: the rows of the weight the packed GEMM multiplies
 OUT = 96
 
@@ -40,6 +40,17 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
         resq_rows(fmt, x, 2, 4)
     elif op == "resq_terms":
         resq_terms(fmt, x.bfloat16(), 2, 4)
+    elif op.startswith("operand_"):  # a GEMM operand written in bf16 (a weight's)
+        quantize_operand(x, fmt, -1 if op == "operand_rows" else 0, out_dtype=torch.bfloat16)
+    elif op.startswith("both"):  # an operand and its backward's, as a training step
+        from fp4rl.gemm import quantize_operand_pair
+
+        if fmt.vector_scales or "both" not in fmt.kernels.triton:
+            return  # each axis on its own: the operand ops above
+        if op == "both":
+            quantize_operand_pair(x, fmt, torch.bfloat16)
+        else:
+            quantize_operand_pair(x.bfloat16(), fmt)
     elif op.startswith("packed_mm"):
         packed_mm(fmt, x, op == "packed_mm_resq")
     else:

@@ -114,6 +114,25 @@ def test_the_packed_gemm_stays_on_the_device(fmt, monkeypatch):
     on_meta(y, *launched)
 
 
+@pytest.mark.parametrize("fmt", ["hif4", "nvfp4"])
+def test_both_axes_from_one_read_stay_on_the_device(fmt, monkeypatch):
+    """The two-axis quantizer as a GPU selects it (NVFP4's tensor scale computed on the
+    device and read by the kernel there), launch recorded, not run."""
+    pytest.importorskip("triton")
+    import fp4rl.kernels
+    from fp4rl.gemm import quantize_operand_pair
+    from fp4rl.kernels import triton_quant
+
+    launched: list[torch.Tensor] = []
+    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
+        a for a in args if isinstance(a, torch.Tensor)))
+    rows, cols = quantize_operand_pair(torch.empty(32, 192, device=META), fmt, torch.bfloat16)
+    assert launched and rows.values.dtype == cols.values.dtype == torch.bfloat16
+    on_meta(rows.values, cols.values, *launched,
+            *(s for s in (rows.scale, cols.scale) if s is not None))
+
+
 def test_nvfp4_tensor_scale_stays_on_the_device():
     """No host sync: the scale is a 0-dim tensor on the device, read by the GEMM there."""
     g = get_format("nvfp4").tensor_scale(torch.empty(4, 64, device=META))

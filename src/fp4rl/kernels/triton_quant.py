@@ -572,6 +572,8 @@ def resq_groups(fmt: KernelFormat) -> list[int]:
     return [g for g in range(fmt.block_size + 1) if fuses_resq(fmt, g)]
 
 
+#: the types a GEMM operand's values are written in by the quantizer (``out_dtype``)
+OPERAND_TYPES = (torch.float32, torch.bfloat16)
 #: (input, output) types the two-axis quantizer takes: a float32 master or gradient into
 #: float32 (``mixed_precision: no``) or into the bf16 GEMM operand, bf16 into bf16
 BOTH_TYPES = ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
@@ -618,6 +620,11 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
             for noise in (False, True):
                 for scale in scales:
                     yield quantize_variant(fmt, dtype, dtype, noise, scale)
+    if ops & QUANTIZE:  # a GEMM operand written in the GEMM's dtype, its scale kept outside
+        for dtype in FLOATS:  # (quantize_operand's out_dtype)
+            for out in OPERAND_TYPES:
+                for scale in scales:
+                    yield quantize_variant(fmt, dtype, out, False, scale, False)
     if "rows_bf16" in ops:
         for scale in scales:
             yield quantize_variant(fmt, torch.bfloat16, torch.bfloat16, False, scale, False)
