@@ -47,6 +47,9 @@ BIASES = (None, torch.bfloat16, torch.float32)
 #: tile do not fit 4 warps' registers (they spilled to local memory on sm_90), and one
 #: HiF4 accumulator of 64 rows on 8 warps spilled a few values on sm_100
 WARPS = {(16, 1): 4, (16, 2): 4, (64, 1): 4, (64, 2): 8}
+#: loop stages by (tile height, terms) where Triton's default fails: Triton 3.6 (torch
+#: 2.11's) stops in its pipeliner on sm_100 with two 64-row accumulators on 8 warps
+STAGES = {(64, 2): 1}
 #: the activations' and output's dtype the kernel takes (every FP4 value is exact in bf16)
 DTYPE = torch.bfloat16
 
@@ -116,7 +119,7 @@ def packed_mm_variant(fmt: KernelFormat, terms: int, bias: torch.dtype | None, b
                    (DTYPE,) + (torch.uint8,) * 4 + (torch.float32,) * 3 + (bias or DTYPE, DTYPE),
                    (("FMT", code), ("BS", bs), ("TERMS", terms), ("HAS_BIAS", bias is not None),
                     ("BM", bm), ("BN", BN), ("BK", BK), ("F32_DOT", f32_dot)),
-                   num_warps=WARPS[bm, terms])
+                   num_warps=WARPS[bm, terms], num_stages=STAGES.get((bm, terms)))
 
 
 def packed_mm_variants(fmt: KernelFormat) -> list[Variant]:

@@ -512,11 +512,15 @@ class Variant:
     #: warps a program runs on (Triton's default, 4, unless a kernel's tile needs more
     #: registers than 4 warps hold)
     num_warps: int = 4
+    #: software-pipelining stages of its loops (None: Triton's default)
+    num_stages: int | None = None
 
     @property
     def options(self) -> dict[str, Any]:
-        """The compiler options of every launch (:data:`COMPILE_OPTIONS`, the warps)."""
-        return {**COMPILE_OPTIONS, "num_warps": self.num_warps}
+        """The compiler options of every launch (:data:`COMPILE_OPTIONS`, the warps, the
+        stages where set)."""
+        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return {**COMPILE_OPTIONS, "num_warps": self.num_warps, **stages}
 
     def signature(self) -> dict[str, str]:
         """``triton.compile``'s signature: each argument's type (integers as i32, the type
