@@ -88,7 +88,7 @@ def _as_record(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-_FORMATS: dict[str, _Format] = {
+_FILE_READERS: dict[str, _Format] = {
     ".jsonl": _Format("line", 1, _jsonl_lines, _decode_json_line),
     ".parquet": _Format("row", 0, _parquet_rows, _as_record),
 }
@@ -98,9 +98,9 @@ def _format_of(path: Path) -> _Format:
     if not path.is_file():
         raise MissingFileError(f"dataset file not found: {path}")
     try:
-        return _FORMATS[path.suffix.lower()]
+        return _FILE_READERS[path.suffix.lower()]
     except KeyError:
-        choices = ", ".join(_FORMATS)
+        choices = ", ".join(_FILE_READERS)
         raise DataError(f"{path}: unsupported file type; expected one of {choices}") from None
 
 

@@ -43,24 +43,24 @@ class ExportFormat:
     takes_recipe: bool = False
 
 
-_FORMATS: Registry[ExportFormat] = Registry("export format", ExportError, key=str.lower)
+_EXPORTS: Registry[ExportFormat] = Registry("export format", ExportError, key=str.lower)
 
 
 def register_export_format(fmt: ExportFormat, *, replace: bool = False) -> ExportFormat:
     """Make ``fmt`` available under its (lower-case) name; a name already taken is refused
     unless ``replace``."""
-    return _FORMATS.register(fmt.name, fmt, replace=replace)
+    return _EXPORTS.register(fmt.name, fmt, replace=replace)
 
 
 def list_export_formats() -> list[str]:
     """Export format names, in registration order."""
-    return _FORMATS.names()
+    return _EXPORTS.names()
 
 
 def get_export_format(name: str) -> ExportFormat:
     """The export format ``name`` (case-insensitive), its dependencies checked; an unknown
     name is one line with the nearest and the choices."""
-    fmt = _FORMATS.get(str(name))
+    fmt = _EXPORTS.get(str(name))
     if fmt.requires is not None:
         fmt.requires()
     return fmt
