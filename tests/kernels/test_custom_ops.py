@@ -117,3 +117,65 @@ def test_a_rollout_linear_compiles_whole_to_the_eager_bits(fmt, spec, dtype):
             got = compiled(x)
             for g, w in zip(got, want, strict=True):
                 assert torch.equal(g, w), (fmt, spec, rows)
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    pytest.importorskip("triton")
+    import fp4rl.kernels.triton_ops  # noqa: F401  (registers the operators)
+
+    monkeypatch.setenv("FP4RL_KERNELS", "triton")
+    monkeypatch.delenv("FP4RL_DISABLE_KERNELS", raising=False)
+
+
+def _fields(fmt: str) -> tuple[int, int, bool]:
+    from fp4rl.formats import get_format
+
+    f = get_format(fmt)
+    assert f.kernels is not None
+    return int(f.kernels.code), f.block_size, f.has_tensor_scale
+
+
+@pytest.mark.parametrize("fmt", ("hif4", "nvfp4", "mxfp8_e4m3"))
+def test_the_triton_operators_pass_opcheck(triton_path, fmt):
+    """Every operator a GPU step launches (the interpreter runs the kernels here): the
+    quantizer along either axis with noise and a scale, the two-axis quantizer, NVFP4's
+    amax and the fused ResQ passes; the fakes agree with the kernels' outputs."""
+    x = inputs(6, torch.float32)
+    code, block, has_scale = _fields(fmt)
+    g = torch.tensor(0.5) if has_scale else None
+    ops = torch.ops.fp4rl
+    noise = torch.rand(6, 64)
+    for axis, n in ((1, noise), (0, None)):
+        torch.library.opcheck(ops.quantize_2d.default,
+                              (x, code, block, has_scale, axis, n, g, torch.bfloat16, False))
+    torch.library.opcheck(ops.quantize_both.default,
+                          (x, code, block, has_scale, g, torch.bfloat16))
+    torch.library.opcheck(ops.finite_amax.default, (x,))
+    if not has_scale:
+        torch.library.opcheck(ops.fused_resq.default, (x, code, block, has_scale, 2, 4))
+        torch.library.opcheck(ops.resq_terms.default,
+                              (x.bfloat16(), code, block, has_scale, 2, 4))
+
+
+def test_a_dispatch_mode_sees_every_launch_of_a_training_step(triton_path):
+    """An FP4 linear's forward and backward along the GPU path: each Triton launch reaches
+    a TorchDispatchMode as an fp4rl operator with its tensors (NVFP4: the amax, the
+    two-axis quantizer of the weight, the activation and the output gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp4rl.nn import FP4Linear, get_recipe
+
+    seen: list[str] = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "fp4rl":
+                seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    layer = FP4Linear.from_linear(torch.nn.Linear(64, 32), get_recipe("nvfp4"))
+    x = torch.randn(8, 64, requires_grad=True)
+    with Seen():
+        layer(x).sum().backward()
+    assert seen.count("quantize_both") == 3 and "finite_amax" in seen

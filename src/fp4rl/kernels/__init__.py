@@ -85,13 +85,13 @@ _AXIS_OPS = {0: "cols", 1: "rows"}
 
 @cache
 def _triton() -> ModuleType | None:
-    try:
-        from fp4rl.kernels import triton_quant
+    try:  # the launchers as custom operators (triton_ops stands in for triton_quant)
+        from fp4rl.kernels import triton_ops
     except ImportError as err:  # no triton wheel for this platform
         warnings.warn(f"fp4rl: Triton kernels unavailable, using the reference path ({err})",
                       RuntimeWarning, stacklevel=3)
         return None
-    return triton_quant
+    return triton_ops
 
 
 def _triton_for(device: torch.device) -> ModuleType | None:
@@ -104,7 +104,7 @@ def _triton_for(device: torch.device) -> ModuleType | None:
 
 
 def _backend(fmt: KernelFormat, device: torch.device, op: str) -> ModuleType | None:
-    """The kernel module that runs ``op`` for ``fmt`` on ``device`` (``triton_quant`` or
+    """The kernel module that runs ``op`` for ``fmt`` on ``device`` (``triton_ops`` or
     ``cpu``), or None. Where Triton is chosen it is the only candidate."""
     support = fmt.kernels
     if support is None:
