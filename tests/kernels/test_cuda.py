@@ -206,3 +206,22 @@ def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
     graph.replay()
     assert _same_or_both_nan(captured, mm(Operand(x9), p.decode(torch.bfloat16).t(),
                                           torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"])
+def test_the_two_axis_quantizer_on_the_gpu(fmt, monkeypatch):
+    """Both axes from one read, compiled and run: each output bit for bit the single-axis
+    kernel's, float32 and bf16 in, float32 and bf16 out."""
+    from fp4rl.gemm import quantize_operand, quantize_operand_pair
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(12)
+    for shape in ((257, 320), (64, 1000), (3, 64)):
+        x = torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
+        for dtype, out in ((torch.float32, None), (torch.float32, torch.bfloat16),
+                           (torch.bfloat16, None)):
+            xd = x.to(dtype).cuda()
+            rows, cols = quantize_operand_pair(xd, fmt, out)
+            for got, axis in ((rows, -1), (cols, 0)):
+                want = quantize_operand(xd, fmt, axis, out_dtype=out)
+                assert _same_or_both_nan(got.values.float().cpu(), want.values.float().cpu())
