@@ -205,7 +205,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     started = time.perf_counter()
     # before anything is written: a bad --config leaves no empty run directory behind
     cfg = _config(config, model, size, seed, device, mixed_precision, rollout_engine)
-    if cfg.rollout_engine == "vllm":
+    if cfg.rollout.engine == "vllm":
         from fp4rl.rollout.vllm.config import require_vllm
 
         require_vllm()
@@ -254,7 +254,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     setting = f"device {where}, mixed_precision={precision}, FP32 master weights"
     _report(out, cfg, config, label, zeros, result, minutes, len(tests[0]), setting)
     (out / "outcome.json").write_text(json.dumps({
-        "seed": seed, "rollout_engine": cfg.rollout_engine, "steps": size.steps,
+        "seed": seed, "rollout_engine": cfg.rollout.engine, "steps": size.steps,
         "mixed_precision": precision, "minutes": minutes,
         "before": {k: v.as_dict() for k, v in before.items()},
         "after": {k: v.as_dict() for k, v in after.items()}}, indent=1))

@@ -126,15 +126,15 @@ def test_paper_presets_roll_out_in_vllm_on_a_gpu_and_in_fp4rls_engine_on_a_cpu(
     from fp4rl.rollout import resolve_engine
 
     cfg = load_config(preset, [])
-    assert cfg.rollout_engine == "auto"
+    assert cfg.rollout.engine == "auto"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     find_spec = importlib.util.find_spec
     for installed in (True, False):
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a, ok=installed: (object() if ok else None)
                             if name == "vllm" else find_spec(name, *a))
-        assert resolve_engine(cfg.rollout_engine, cpu, cfg.recipe()) == "hf"
-        assert resolve_engine(cfg.rollout_engine, cuda, cfg.recipe()) == \
+        assert resolve_engine(cfg.rollout.engine, cpu, cfg.recipe()) == "hf"
+        assert resolve_engine(cfg.rollout.engine, cuda, cfg.recipe()) == \
             ("vllm" if installed else "hf")
         smooth = load_config(preset, ["rollout.recovery={method: smoothquant}"])
         assert resolve_engine("auto", cuda, smooth.recipe()) == "hf"  # vLLM cannot run it

@@ -83,7 +83,7 @@ def test_the_fields_recipes_are_names_and_config_shorthands(name):
     assert bool(recipe.ignore) == (name != "torchao-nvfp4")
     assert get_recipe(f"{name}+resq-2:4").rollout.recovery.method == "resq"
     cfg = load_config("smoke", [f"recipe={name}", "rollout.engine=hf"])
-    assert cfg.recipe() == recipe and cfg.rollout_engine == "hf"
+    assert cfg.recipe() == recipe and cfg.rollout.engine == "hf"
     with pytest.raises(ConfigError, match=f"recipe={name} sets train.*drop train"):
         load_config(None, [f"recipe={name}", "train.weights=hif4"])
 

@@ -46,7 +46,7 @@ def test_an_engine_of_ones_own_registers_once(monkeypatch):
         name = "echo"
 
     assert get_engine("echo") is Echo and list_engines()[-1] == "echo"
-    assert load_config("smoke", ["rollout.engine=echo"]).rollout_engine == "echo"
+    assert load_config("smoke", ["rollout.engine=echo"]).rollout.engine == "echo"
     register_engine(Echo)  # the same class again: nothing to refuse
     with pytest.raises(EngineError, match=r"rollout engine 'hf' is already registered"):
         register_engine(type("Other", (KVCacheEngine,), {"name": "hf"}))

@@ -203,7 +203,7 @@ class Trainer:
         d, device = _setup_distributed(config)
         # an engine that cannot serve the run (vLLM absent, on several processes): one
         # line before minutes of loading
-        get_engine(config.rollout_engine).check(config.recipe(), device, d.world_size)
+        get_engine(config.rollout.engine).check(config.recipe(), device, d.world_size)
         model, tokenizer = load_model(config.model, device=device)
         return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
 
@@ -242,7 +242,7 @@ class Trainer:
         cfg = self.cfg
         # batch_invariant runs fp4rl's own engine (the config refuses another by name)
         name = KVCacheEngine.name if cfg.batch_invariant else \
-            resolve_engine(cfg.rollout_engine, self.device, self.recipe)
+            resolve_engine(cfg.rollout.engine, self.device, self.recipe)
         engine = get_engine(name)
         engine.check(self.recipe, self.device, self.dist.world_size)
         return build_engine(name, RolloutSetup(

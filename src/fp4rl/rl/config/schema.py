@@ -312,11 +312,6 @@ class TrainConfig(_Section):
                     raise ValueError(str(err)) from None
         return self
 
-    @property
-    def rollout_engine(self) -> str:
-        """Where the rollout runs: a registered engine's one name, or ``auto``."""
-        return self.rollout.engine
-
     def engine_options(self, engine: str) -> dict[str, Any]:
         """The settings ``engine`` reads, as :class:`~fp4rl.rollout.base.RolloutSetup`
         hands them to it: its own section of ``rollout``, defaults filled in."""
