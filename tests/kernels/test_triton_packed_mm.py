@@ -220,3 +220,25 @@ def test_the_fp4_layer_decodes_in_the_fused_kernel_at_decode_sizes(triton_path, 
     with batch_invariant():
         run(x)
     assert not launched
+
+
+def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, monkeypatch):
+    """vLLM's batch-invariant mode replaces aten.mm; a packed store built under it keeps its
+    GEMMs there (decode, then mm) instead of the fused kernel."""
+    from fp4rl.kernels import triton_packed_mm
+    from fp4rl.rollout.vllm import stores
+    from fp4rl.rollout.vllm.config import WeightStorage
+
+    g = torch.Generator().manual_seed(10)
+    part = pack_operand(_grid_weight(40, 96, g), "hif4")
+    acts = [Operand(torch.randint(-8, 9, (3, 96), generator=g).to(BF16))]
+    launched: list[int] = []
+    real = triton_packed_mm.packed_mm_2d
+    monkeypatch.setattr(triton_packed_mm, "packed_mm_2d",
+                        lambda *args: launched.append(1) or real(*args))
+    for invariant, fused in ((False, True), (True, False)):
+        monkeypatch.setattr(stores, "_vllm_batch_invariant", lambda v=invariant: v)
+        launched.clear()
+        y = stores.WeightStore.build([part], WeightStorage.PACKED, BF16).apply(acts, BF16, None)
+        assert bool(launched) == fused
+        assert _same(y, mm(acts, part.decode(BF16).t(), BF16))

@@ -43,7 +43,7 @@ class WeightStore(ABC):
         ``Q(W)`` sent as values) are always kept dequantized, as there are no codes."""
         packed = [p for p in parts if isinstance(p, PackedOperand)]
         if storage == WeightStorage.PACKED and len(packed) == len(parts):
-            return PackedStore(dtype, packed)
+            return PackedStore(dtype, packed, fused=not _vllm_batch_invariant())
         operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
         return DequantizedStore(dtype, _gemms(operands, prepack))
 
@@ -127,6 +127,9 @@ class PackedStore(WeightStore):
     storage: ClassVar[WeightStorage] = WeightStorage.PACKED
     dtype: torch.dtype
     parts: list[PackedOperand]
+    #: whether the fused packed GEMM may run (decided when the store is built: not under
+    #: vLLM's batch-invariant mode)
+    fused: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in _part_tensors(p)]
@@ -138,8 +141,7 @@ class PackedStore(WeightStore):
         vLLM's batch-invariant mode (which replaces ``aten.mm``, the op the fused kernel
         would bypass), they are decoded into a weight of the compute dtype, then
         multiplied."""
-        if _vllm_batch_invariant() or not all(fuses_packed(acts, p, dtype)
-                                               for p in self.parts):
+        if not self.fused or not all(fuses_packed(acts, p, dtype) for p in self.parts):
             return super().apply(acts, dtype, bias)
         ys, start = [], 0
         for p in self.parts:
