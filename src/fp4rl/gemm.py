@@ -364,16 +364,41 @@ def mm_packed(a: Operand | list[Operand], w: PackedOperand, dtype: torch.dtype,
     terms = a if isinstance(a, list) else [a]
     if not fuses_packed(terms, w, dtype):
         return mm(terms, w.decode(dtype).t(), dtype, bias)
+    return packed_gemm(terms, PackedCall.of(w), dtype, bias)
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """A packed weight as the ``fp4rl::packed_mm`` operator takes it, resolved once (a
+    serving engine's compiled forward then traces no name lookup or string work)."""
+
+    fields: list[torch.Tensor]
+    names: str
+    fmt: str
+    rows: int
+    cols: int
+    scale: torch.Tensor | None
+
+    @classmethod
+    def of(cls, w: PackedOperand) -> PackedCall:
+        fields = w.row_fields()
+        names = sorted(fields)
+        return cls([fields[n] for n in names], ",".join(names), w.packed.format, w.rows,
+                   w.packed.shape[1], w.scale)
+
+
+def packed_gemm(terms: list[Operand], w: PackedCall, dtype: torch.dtype,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``terms`` (one or two, bf16) times ``w`` through the ``fp4rl::packed_mm`` operator,
+    which takes the fused kernel at up to :data:`~fp4rl.kernels.FUSED_MAX_ROWS` tokens;
+    for a caller that has checked :func:`packed_fusion` but for the token count."""
     _check_scales(terms)
     if bias is not None and len(terms) == 1 and terms[0].scale is None and w.scale is None:
         bias = bias.to(dtype)  # as mm's one unscaled product (nn.Linear under autocast)
-    fields = w.row_fields()
-    names = sorted(fields)
-    scales = [t.scale for t in terms]
     y: torch.Tensor = torch.ops.fp4rl.packed_mm(
-        stack_rows([t.values.to(dtype) for t in terms]), [fields[n] for n in names],
-        ",".join(names), w.packed.format, w.rows, w.packed.shape[1], len(terms),
-        scales[0], scales[1] if len(scales) == 2 else None, w.scale, bias)
+        stack_rows([t.values.to(dtype) for t in terms]), w.fields, w.names, w.fmt, w.rows,
+        w.cols, len(terms), terms[0].scale, terms[1].scale if len(terms) == 2 else None,
+        w.scale, bias)
     return y
 
 
@@ -383,14 +408,17 @@ def _packed_mm(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str
                ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``terms`` bf16 activation terms stacked along the rows (scales ``s0``, ``s1``) times
     the packed ``(rows, cols)`` weight (row fields ``names``, comma-separated, in order;
-    scale ``ws``), in bf16: the fused kernel, or where there is none for ``a``'s device,
-    the decode and :func:`mm`."""
+    scale ``ws``), in bf16: the fused kernel up to :data:`~fp4rl.kernels.FUSED_MAX_ROWS`
+    token rows, else (or where there is no kernel for ``a``'s device) the decode and
+    :func:`mm`. The choice by token count is made here, when the operator runs, so that a
+    compiled forward traced with a symbolic batch size holds no branch on it."""
     by_name = dict(zip(names.split(","), fields, strict=True))
     f = get_format(fmt)
     scales = [s0, s1][:terms]
-    y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
-    if y is not None:
-        return y
+    if a.shape[0] // terms <= FUSED_MAX_ROWS:
+        y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
+        if y is not None:
+            return y
     w = PackedOperand.from_row_fields(f, (rows, cols), by_name, ws).decode(a.dtype)
     m = a.shape[0] // terms
     ops = [Operand(a[i * m:(i + 1) * m], s) for i, s in enumerate(scales)]
@@ -459,7 +487,7 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedOperand",
-           "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_packed", "operand_format",
-           "pack_operand", "packed_fusion", "quantize_operand", "quantize_operand_pair",
-           "stack_rows"]
+__all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedCall",
+           "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_packed",
+           "operand_format", "pack_operand", "packed_fusion", "packed_gemm", "quantize_operand",
+           "quantize_operand_pair", "stack_rows"]

@@ -28,6 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fp4rl.kernels import FUSED_MAX_ROWS
+
 #: name: (HBM bytes/s, dense bf16 FLOP/s)
 GPUS = {"H100": (3.35e12, 990e12), "H200": (4.8e12, 990e12)}
 #: the shape the targets are stated for: 512 tokens of Qwen2.5-3B's up_proj
@@ -103,8 +105,15 @@ class Recorder:
             flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * \
                 (a.shape[0] if a.dim() == 3 else 1)
         elif func.name() == "fp4rl::packed_mm":  # (terms x tokens, in) x (out, in)
-            a, rows, cols = args[0], args[4], args[5]
+            a, fields, rows, cols, terms = args[0], args[1], args[4], args[5], args[6]
             flops = 2 * a.shape[0] * rows * cols
+            if a.shape[0] // terms > FUSED_MAX_ROWS:  # the operator decodes, then multiplies
+                codes = sum(map(_nbytes, fields))
+                weight = rows * cols * a.element_size()
+                self.launches += [Launch("decode_rows", self.current, codes, weight),
+                                  Launch("mm", self.current, read - codes + weight, written,
+                                         flops)]
+                return
         name = _NAMES.get(func, str(func.overloadpacket.__name__))
         self.launches.append(Launch(name, self.current, read, written, flops))
 
@@ -259,7 +268,9 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
     as the vLLM method computes it on a GPU (the recovery's activation operator, then the
     store's GEMM), for each of :data:`ROLLOUT_STORAGES`, against a bf16 linear whose
     weight is bf16 (vLLM's own). The activation, decode and packed GEMM operators are
-    custom ops: each counts as reading its inputs and writing its outputs once."""
+    custom ops: each counts as reading its inputs and writing its outputs once; past the
+    fused kernel's token count the packed GEMM operator decodes, then multiplies, and is
+    counted as those two launches (a scaled GEMM's epilogue passes not included)."""
     from fp4rl.gemm import PackedOperand, mm
     from fp4rl.nn import get_recipe
     from fp4rl.recovery import make_recovery
@@ -280,8 +291,9 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
     activation = TracedActivation(recovery)
     for name in ROLLOUT_STORAGES:
         storage = WeightStorage.DEQUANTIZED if name == "dequantized" else WeightStorage.PACKED
-        part = recovery.weight_operand(w, packed=storage is WeightStorage.PACKED)
-        store = WeightStore.build([part], storage, bf16, prepack=False)
+        with recording():  # built as on a GPU (which decides whether it fuses); not counted
+            part = recovery.weight_operand(w, packed=storage is WeightStorage.PACKED)
+            store = WeightStore.build([part], storage, bf16, prepack=False)
         with recording() as rec:
             acts = activation(x, bf16)
             if name == "packed_decode":  # the packed weight decoded, then the bf16 GEMM

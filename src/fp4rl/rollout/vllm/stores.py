@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from fp4rl.gemm import Operand, PackedOperand, fuses_packed, mm, mm_packed
+from fp4rl.formats import get_format
+from fp4rl.gemm import Operand, PackedCall, PackedOperand, mm, packed_fusion, packed_gemm
 from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
 
 #: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
@@ -43,7 +44,7 @@ class WeightStore(ABC):
         ``Q(W)`` sent as values) are always kept dequantized, as there are no codes."""
         packed = [p for p in parts if isinstance(p, PackedOperand)]
         if storage == WeightStorage.PACKED and len(packed) == len(parts):
-            return PackedStore(dtype, packed, fused=not _vllm_batch_invariant())
+            return PackedStore(dtype, packed, fused=_fuses(packed, dtype))
         operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
         return DequantizedStore(dtype, _gemms(operands, prepack))
 
@@ -127,27 +128,31 @@ class PackedStore(WeightStore):
     storage: ClassVar[WeightStorage] = WeightStorage.PACKED
     dtype: torch.dtype
     parts: list[PackedOperand]
-    #: whether the fused packed GEMM may run (decided when the store is built: not under
-    #: vLLM's batch-invariant mode)
-    fused: bool = True
+    #: whether the fused packed GEMM may run (decided when the store is built: a device
+    #: and formats with the kernel, bf16, not under vLLM's batch-invariant mode)
+    fused: bool = False
+
+    def __post_init__(self) -> None:
+        self.calls = [PackedCall.of(p) for p in self.parts]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in _part_tensors(p)]
 
     def apply(self, acts: list[Operand], dtype: torch.dtype,
               bias: torch.Tensor | None) -> torch.Tensor:
-        """Where :func:`~fp4rl.gemm.fuses_packed` holds (a GPU, decode sizes), each part's
-        codes are read by one kernel that decodes them in registers; elsewhere, and under
-        vLLM's batch-invariant mode (which replaces ``aten.mm``, the op the fused kernel
-        would bypass), they are decoded into a weight of the compute dtype, then
-        multiplied."""
-        if not self.fused or not all(fuses_packed(acts, p, dtype) for p in self.parts):
+        """Where the store fuses (a GPU), each part's codes go to the ``fp4rl::packed_mm``
+        operator, which decodes them in registers at up to 64 tokens and decodes first
+        above; elsewhere (and under vLLM's batch-invariant mode, which replaces
+        ``aten.mm``, the op the fused kernel would bypass) they are decoded into a weight of
+        the compute dtype, then multiplied. Nothing here depends on the token count, so a
+        compiled forward traces one graph for every batch size."""
+        if not self.fused or len(acts) > 2:
             return super().apply(acts, dtype, bias)
         ys, start = [], 0
-        for p in self.parts:
-            b = None if bias is None else bias[start:start + p.rows]
-            ys.append(mm_packed(acts, p, dtype, b))
-            start += p.rows
+        for call in self.calls:
+            b = None if bias is None else bias[start:start + call.rows]
+            ys.append(packed_gemm(acts, call, dtype, b))
+            start += call.rows
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
     def gemms(self) -> list[Gemm]:
@@ -157,6 +162,15 @@ class PackedStore(WeightStore):
 
     def nbytes(self, in_features: int) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+def _fuses(parts: list[PackedOperand], dtype: torch.dtype) -> bool:
+    """Whether a packed store of ``parts`` multiplies through the fused packed GEMM: bf16,
+    every part's format and device with the kernel (any token count: the operator picks
+    by it), not under vLLM's batch-invariant mode."""
+    return not _vllm_batch_invariant() and all(
+        packed_fusion(get_format(p.packed.format), 1, p.packed.fields["codes"].device, dtype)
+        for p in parts)
 
 
 def _vllm_batch_invariant() -> bool:
