@@ -44,10 +44,11 @@ from fp4rl.gemm import (
     UNQUANTIZED,
     Operand,
     OperandFormat,
+    PackedCall,
     PackedOperand,
     mm,
-    mm_packed,
     packed_fusion,
+    packed_gemm,
     quantize_operand,
     quantize_operand_pair,
 )
@@ -203,7 +204,7 @@ class _KeptWeights:
         self.train: dict[tuple[int, torch.dtype, bool], Operand] = {}
         self.rollout: tuple[torch.dtype, Operand] | None = None
         #: the rollout Q(W) as packed codes, where a fused kernel multiplies by them
-        self.rollout_packed: PackedOperand | None = None
+        self.rollout_packed: PackedCall | None = None
         self.received: Operand | None = None
         self.static_scale: torch.Tensor | None = None
 
@@ -418,14 +419,16 @@ class FP4Linear(nn.Linear):
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
         packed = self._packed_rollout_weight(x2, dtype)
-        if packed is not None:
-            y = mm_packed(self.recovery.activation(x2, dtype), packed, dtype, self.bias)
+        acts = None if packed is None else self.recovery.activation(x2, dtype)
+        if packed is not None and acts is not None and len(acts) <= 2:
+            # the checks are made (packed_fusion): straight to the operator
+            y = packed_gemm(acts, packed, dtype, self.bias)
         else:
             y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _packed_rollout_weight(self, x2: torch.Tensor, dtype: torch.dtype
-                               ) -> PackedOperand | None:
+                               ) -> PackedCall | None:
         """The rollout ``Q(W)`` as packed codes (kept for the weight version) where a decode
         step multiplies by them in one fused kernel (:func:`fp4rl.gemm.packed_fusion`: a GPU,
         bf16, a few dozen tokens): it reads about a quarter of the bytes of the bf16
@@ -444,7 +447,7 @@ class FP4Linear(nn.Linear):
             with torch.no_grad():
                 packed = self.recovery.weight_operand(self.weight.detach(), packed=True)
             assert isinstance(packed, PackedOperand)
-            kept.rollout_packed = packed
+            kept.rollout_packed = PackedCall.of(packed)
         return kept.rollout_packed
 
     def extra_repr(self) -> str:
