@@ -206,7 +206,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     # before anything is written: a bad --config leaves no empty run directory behind
     cfg = _config(config, model, size, seed, device, mixed_precision, rollout_engine)
     if cfg.rollout.engine == "vllm":
-        from fp4rl.rollout.vllm.config import require_vllm
+        from fp4rl.rollout.vllm.errors import require_vllm
 
         require_vllm()
     out = Path(output)

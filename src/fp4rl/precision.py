@@ -127,9 +127,10 @@ def compute_dtype(mixed_precision: str) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def autocast(device: torch.device, mixed_precision: str) -> Iterator[None]:
-    """The run's compute context: bf16 autocast on ``device``, or nothing for ``no``."""
-    if mixed_precision != "bf16" or not torch.amp.is_autocast_available(device.type):
+def autocast(device: torch.device, compute: torch.dtype) -> Iterator[None]:
+    """The run's compute context: bf16 autocast on ``device`` for a bf16 ``compute``
+    dtype (:func:`compute_dtype`), or nothing for float32."""
+    if compute != torch.bfloat16 or not torch.amp.is_autocast_available(device.type):
         yield  # a device without autocast (``meta``) runs each op in its inputs' dtype
         return
     with torch.autocast(device.type, dtype=torch.bfloat16):

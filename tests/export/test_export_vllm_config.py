@@ -19,6 +19,8 @@ from fp4rl.models import load_model, tiny_model
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import load_config
+from fp4rl.rollout.vllm.config import RefitWire, WeightStorage
+from fp4rl.rollout.vllm.settings import VLLMSettings
 
 
 def config_of(directory) -> dict:
@@ -227,6 +229,7 @@ def test_settings_no_run_could_use_are_refused_at_config_time(overrides, says):
 def test_each_engine_is_given_its_own_settings_only():
     cfg = load_config(None, [VLLM, "rollout.vllm.refit_wire=bf16",
                              "distributed.strategy=fsdp"])
-    assert cfg.engine_options("vllm")["refit_wire"] == "bf16"
-    assert cfg.engine_options("vllm")["weight_storage"] == "dequantized"
-    assert cfg.engine_options("hf") == {}
+    vllm = cfg.rollout.settings_of("vllm")
+    assert isinstance(vllm, VLLMSettings)  # a typed section, its enums as members
+    assert vllm.refit_wire is RefitWire.BF16 and vllm.weight_storage is WeightStorage.DEQUANTIZED
+    assert cfg.rollout.settings_of("hf") is None

@@ -110,7 +110,8 @@ def test_a_static_scale_is_fixed_per_weight_version_and_shared_by_both_policies(
 def test_the_vllm_plugin_refuses_a_static_scale_in_one_line():
     """vLLM's method scales each call's activations; it keeps no layer scale, so a static
     one would silently run dynamic there."""
-    from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
+    from fp4rl.rollout.vllm.config import rollout_recipe
+    from fp4rl.rollout.vllm.errors import VLLMError
 
     with pytest.raises(VLLMError, match="need the layer's fixed scale"):
         rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale("static"))

@@ -107,7 +107,7 @@ def test_an_engine_brings_its_own_settings_section():
 
     register_engine(EchoEngine)
     cfg = load_config(None, ["rollout.engine=echo", "rollout.echo.depth=5"])
-    assert cfg.engine_options("echo") == {"depth": 5}
+    assert cfg.rollout.settings_of("echo") == EchoSettings(depth=5)
     assert cfg.recipe() == load_config(None, []).recipe()
     fields = {f.key: f for f in config_fields()}
     assert fields["rollout.echo.depth"].default == "3"

@@ -4,6 +4,7 @@ its place below the trainer and the integrations is kept by tests/test_layering.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_the_kv_cache_engine_decodes_as_the_model_does_without_a_cache(recipe):
         fp4rl.quantize_model(model, recipe)
     prompts = _prompts(tok)
     greedy = SamplingConfig(greedy=True, max_new_tokens=8)
-    engine = KVCacheEngine(model, tok.pad_token_id, [tok.eos_token_id], mixed_precision="no")
+    engine = KVCacheEngine(model, tok.pad_token_id, [tok.eos_token_id], compute_dtype=torch.float32)
     got = engine.generate([prompts[:3], prompts[3:]], [[11, 12, 13], [14]], greedy)
     rows = [(b, r) for b in got for r in range(b.response_ids.shape[0])]
     with fp4rl.rollout_mode(model) if recipe else contextlib.nullcontext():
@@ -114,10 +115,30 @@ def test_the_registry_builds_the_kv_cache_engine_from_a_setup():
     model, tok = tiny_model("llama")
     recipe = fp4rl.nn.get_recipe("hif4")
     fp4rl.quantize_model(model, recipe)
-    setup = RolloutSetup(model="tiny", policy=model, recipe=recipe, mixed_precision="no",
+    setup = RolloutSetup(model="tiny", policy=model, recipe=recipe, compute_dtype=torch.float32,
                          seed=0, max_model_len=64, pad_token_id=tok.pad_token_id,
                          eos_token_ids=(tok.eos_token_id,))
     engine = build_engine("hf", setup)
     assert isinstance(engine, KVCacheEngine) and engine.policy is model
     assert engine.sync(model) == {}  # the trainer's own module is always current
+
+
+def test_a_setup_hands_an_engine_its_own_settings_typed():
+    from pydantic import BaseModel
+
+    class Mine(BaseModel):
+        depth: int = 3
+
+    class Theirs(BaseModel):
+        width: int = 1
+
+    model, tok = tiny_model("llama")
+    setup = RolloutSetup(model="tiny", policy=model, recipe=fp4rl.nn.get_recipe("bf16"),
+                         compute_dtype=torch.float32, seed=0, max_model_len=64,
+                         pad_token_id=tok.pad_token_id, eos_token_ids=(1,))
+    assert setup.settings_as(Mine) == Mine()  # none given: the model's defaults
+    setup = dataclasses.replace(setup, settings=Mine(depth=5))
+    assert setup.settings_as(Mine).depth == 5
+    with pytest.raises(TypeError, match="Theirs settings expected, got Mine"):
+        setup.settings_as(Theirs)
 

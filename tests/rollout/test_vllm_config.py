@@ -60,13 +60,20 @@ def test_a_registered_method_says_itself_whether_vllm_runs_it():
         unregister_recovery("stateful")
 
 
-def test_merged_linears_name_their_hugging_face_layers():
-    assert hf_layer_names("model.layers.3.self_attn.qkv_proj") == [
+def test_merged_linears_name_their_hugging_face_layers_as_the_model_maps_them():
+    llama = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    assert hf_layer_names("model.layers.3.self_attn.qkv_proj", llama) == (
         "model.layers.3.self_attn.q_proj", "model.layers.3.self_attn.k_proj",
-        "model.layers.3.self_attn.v_proj"]
-    assert hf_layer_names("model.layers.0.mlp.gate_up_proj") == [
-        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
-    assert hf_layer_names("model.layers.0.mlp.down_proj") == ["model.layers.0.mlp.down_proj"]
+        "model.layers.3.self_attn.v_proj")
+    assert hf_layer_names("model.layers.0.mlp.gate_up_proj", llama) == (
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
+    assert hf_layer_names("model.layers.0.mlp.down_proj", llama) == (
+        "model.layers.0.mlp.down_proj",)
+    # another family's own merge (Phi-3's fused projections), read from its mapping
+    phi3 = {"qkv_proj": ["qkv_proj"], "gate_up_proj": ["gate_up_proj"]}
+    assert hf_layer_names("model.layers.1.mlp.gate_up_proj", phi3) == (
+        "model.layers.1.mlp.gate_up_proj",)
+    assert hf_layer_names("lm_head", {}) == ("lm_head",)
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown where vLLM is not installed")

@@ -19,7 +19,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 
 from fp4rl.gemm import Operand, PackedOperand, pack_operand  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
-from fp4rl.rollout.vllm.config import VLLMError  # noqa: E402
+from fp4rl.rollout.vllm.errors import VLLMError  # noqa: E402
 from fp4rl.rollout.vllm.loading import install, process  # noqa: E402
 from fp4rl.rollout.vllm.method import FP4RLLinearMethod  # noqa: E402
 from fp4rl.rollout.vllm.stores import WeightStore  # noqa: E402

@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 from fp4rl.gemm import pack_operand  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.recovery import make_recovery  # noqa: E402
-from fp4rl.rollout.vllm.config import VLLMError  # noqa: E402
+from fp4rl.rollout.vllm.errors import VLLMError  # noqa: E402
 from fp4rl.rollout.vllm.loading import install, process  # noqa: E402
 from fp4rl.rollout.vllm.quant_config import FP4RLConfig  # noqa: E402
 

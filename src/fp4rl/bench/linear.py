@@ -33,7 +33,7 @@ SHAPES = (
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
-          precision: str) -> Callable[[], None]:
+          precision: torch.dtype) -> Callable[[], None]:
     """One forward + backward (input and weight gradients) of ``layer``."""
     def go() -> None:
         layer.weight.grad = None
@@ -56,13 +56,14 @@ def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
     """fp4 / bf16 (both bf16 compute) and fp4 / fp32 (both fp32) ratios per shape."""
     results = []
     dev = torch.device(device)
+    bf16, fp32 = torch.bfloat16, torch.float32
     for name, m, d, n in shapes:
         plain = nn.Linear(d, n, bias=False).to(dev)
         fp4 = FP4Linear.from_linear(nn.Linear(d, n, bias=False).to(dev), get_recipe(fmt))
         x, g = _inputs(m, d, n, dev)
-        timings = measure({"bf16": _step(plain, x, g, "bf16"), fmt: _step(fp4, x, g, "bf16"),
-                           "fp32": _step(plain, x, g, "no"),
-                           f"{fmt}_fp32": _step(fp4, x, g, "no")}, repeats)
+        timings = measure({"bf16": _step(plain, x, g, bf16), fmt: _step(fp4, x, g, bf16),
+                           "fp32": _step(plain, x, g, fp32),
+                           f"{fmt}_fp32": _step(fp4, x, g, fp32)}, repeats)
         label = f"linear.{name}[{m}x{d}->{n}]"
         results += [compare(f"{label}.{fmt}_vs_bf16", timings, fmt, "bf16",
                             "<= 1.5 where in/out >= 2048"),

@@ -36,6 +36,7 @@ from rich.table import Table
 from fp4rl.analysis.prompts import BUILTIN_PROMPTS, encode_prompts
 from fp4rl.bench.common import Comparison, compare, measure
 from fp4rl.nn import quantize_model
+from fp4rl.precision import compute_dtype
 from fp4rl.rollout import (
     KVCacheEngine,
     RolloutEngine,
@@ -56,7 +57,7 @@ def check_engines(engines: Sequence[str]) -> tuple[str, ...]:
     an unknown name, or vLLM's absence, is one line."""
     names = {engine_name(e) for e in engines or ["(none)"]}
     if "vllm" in names:
-        from fp4rl.rollout.vllm.config import require_vllm
+        from fp4rl.rollout.vllm.errors import require_vllm
 
         require_vllm()
     return tuple(e for e in list_engines() if e in names)
@@ -119,7 +120,8 @@ def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
             engine.generate([prompts], [list(range(len(prompts)))], sampling)
 
         def engine(model: torch.nn.Module, precision: str) -> KVCacheEngine:
-            return KVCacheEngine(model, tok.pad_token_id, [], mixed_precision=precision)
+            return KVCacheEngine(model, tok.pad_token_id, [],
+                                 compute_dtype=compute_dtype(precision))
 
         def policy(name: str) -> Callable[[], None]:
             """One rollout of a new policy version: weights quantized once, then cached."""

@@ -25,7 +25,13 @@ from fp4rl.export.targets import ExportError, block_linears
 from fp4rl.gemm import UNQUANTIZED, PackedOperand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
-from fp4rl.rollout.vllm.config import MERGED, quantization_config, rollout_recipe
+from fp4rl.rollout.vllm.config import quantization_config, rollout_recipe
+
+#: the linears vLLM merges into one layer in the model families fp4rl exports (Llama,
+#: Qwen2, Mistral: their ``packed_modules_mapping``); an export is checked against it
+#: offline, where no vLLM model is at hand (inside an engine the model's own mapping is read)
+MERGED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                  "gate_up_proj": ("gate_proj", "up_proj")}
 
 #: the rollout recipe ``fp4rl export --format vllm`` writes when none is given
 DEFAULT_VLLM_RECIPE = "hif4+resq-2:4"
@@ -90,7 +96,7 @@ def check_merged(names: Iterable[str], recipe: Recipe) -> None:
     groups: dict[str, list[str]] = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
-        for merged, parts in MERGED.items():
+        for merged, parts in MERGED_LINEARS.items():
             if leaf in parts:
                 groups.setdefault(f"{parent}.{merged}", []).append(name)
     for merged, members in groups.items():

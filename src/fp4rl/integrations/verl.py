@@ -57,12 +57,8 @@ from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.precision import compute_dtype
-from fp4rl.rollout.vllm.config import (
-    QUANT_METHOD,
-    RECIPE_ENV,
-    WeightStorage,
-    quantization_config,
-)
+from fp4rl.rollout.vllm.config import QUANT_METHOD, WeightStorage, quantization_config
+from fp4rl.rollout.vllm.host import RECIPE_ENV
 
 #: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
 DEFAULT_RECIPE = "hif4+resq-2:4"

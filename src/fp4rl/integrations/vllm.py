@@ -35,18 +35,11 @@ in :mod:`fp4rl.rollout.vllm`, the ``vllm`` rollout engine.
 
 from fp4rl.rollout.vllm.config import (
     CONFIG_KEYS,
-    MERGED,
     QUANT_METHOD,
-    RECIPE_ENV,
     WEIGHT_STORAGES,
-    WORKER_EXTENSION,
-    VLLMError,
-    check_actor_recipe,
     check_storage,
-    hf_layer_names,
     quantization_config,
     recipe_from_config,
-    require_vllm,
     rollout_recipe,
     storage_from_config,
     supported_recovery,
@@ -61,10 +54,13 @@ from fp4rl.rollout.vllm.engine import (
     model_dir,
     sharing_the_process,
 )
+from fp4rl.rollout.vllm.errors import VLLMError, require_vllm
+from fp4rl.rollout.vllm.host import RECIPE_ENV, WORKER_EXTENSION, check_actor_recipe
+from fp4rl.rollout.vllm.names import hf_layer_names
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import RefitPayload, RefitStats, refit, refit_payload
 
-__all__ = ["CONFIG_KEYS", "MERGED", "QUANT_METHOD", "RECIPE_ENV", "WEIGHT_STORAGES",
+__all__ = ["CONFIG_KEYS", "QUANT_METHOD", "RECIPE_ENV", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",
            "VLLMError", "check_actor_recipe", "check_storage", "default_kv_cache_bytes",
            "engine_model", "hf_layer_names", "make_llm", "method_kwargs", "model_dir",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fp4rl.data import Example
-from fp4rl.precision import resolve_mixed_precision
+from fp4rl.precision import compute_dtype, resolve_mixed_precision
 from fp4rl.rl.datasets import stop_token_ids
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import (
@@ -79,7 +79,8 @@ def evaluate(model: torch.nn.Module | None, tokenizer: Any, examples: list[Examp
         device = next(model.parameters()).device
         engine = KVCacheEngine(model, tokenizer.pad_token_id,
                                eos_token_ids or stop_token_ids(tokenizer),
-                               mixed_precision=resolve_mixed_precision(mixed_precision, device))
+                               compute_dtype=compute_dtype(
+                                   resolve_mixed_precision(mixed_precision, device)))
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                               greedy=k == 1)
     rows = [(p, sample_seed(seed, i, j)) for i, p in enumerate(prompts) for j in range(k)]

@@ -39,36 +39,29 @@ from fp4rl.nn import (
 )
 from fp4rl.precision import (
     autocast,
-    compute_dtype,
-    resolve_mixed_precision,
     slow_bf16_note,
 )
 from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
 from fp4rl.rl.distributed import (
-    Dist,
     all_gather,
     gradient_sync,
     reduce_metrics,
-    setup,
     wrap_model,
 )
 from fp4rl.rl.grpo import group_advantages, grpo_loss, masked_mean, mismatch_stats
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rl.optim import build_optimizer
+from fp4rl.rl.plan import RunPlan, plan_run
 from fp4rl.rl.resume import Checkpointer
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rl.rundir import RunDir, check_same_run
 from fp4rl.rollout import (
-    KVCacheEngine,
     RolloutBatch,
     RolloutEngine,
     RolloutSetup,
     SamplingConfig,
-    build_engine,
     concat_batches,
-    get_engine,
-    resolve_engine,
     sample_seed,
 )
 from fp4rl.rollout.weight_sync import is_fsdp
@@ -123,22 +116,22 @@ class UpdateResult:
 class Trainer:
     """GRPO on one model object that serves as both the rollout and the training policy."""
 
-    def __init__(self, config: TrainConfig, output_dir: str | Path,
+    def __init__(self, config: TrainConfig | RunPlan, output_dir: str | Path,
                  model: torch.nn.Module, tokenizer: Any, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  examples: list[Example] | None = None,
                  log: Callable[[str], None] = print) -> None:
-        """``optimizer`` must hold ``model``'s parameters (default: ``optimizer`` of the
-        config); ``examples`` default to the config's ``data`` training split."""
-        self.dist, self.device = _setup_distributed(config)
-        self.mixed_precision = resolve_mixed_precision(config.mixed_precision, self.device)
+        """``config`` is resolved here (:func:`~fp4rl.rl.plan.plan_run`) unless it is a
+        plan already; ``optimizer`` must hold ``model``'s parameters (default:
+        ``optimizer`` of the config); ``examples`` default to the config's ``data``
+        training split."""
+        #: the run resolved once: device, process group, compute dtype, recipe, engine
+        self.plan = plan = config if isinstance(config, RunPlan) else plan_run(config)
+        self.dist, self.device = plan.dist, plan.device
+        self.mixed_precision = plan.mixed_precision
         #: the config as run: device, precision and strategy resolved, so it reproduces
         #: the run
-        self.cfg = config = config.model_copy(update={
-            "device": str(self.device), "mixed_precision": self.mixed_precision,
-            "distributed": config.distributed.model_copy(
-                update={"strategy": self.dist.strategy})})
-        self.dist.check_divides(config.grpo.batch_size)  # every rank samples as many prompts
+        self.cfg = config = plan.config
         self.out = Path(output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         #: where the run's files go (:mod:`fp4rl.rl.rundir`)
@@ -147,12 +140,12 @@ class Trainer:
         _seed_everything(config.run.seed)
         self.model, self.tok = _fp32_masters(model, log).to(self.device), tokenizer
         log(f"device {self.device}, mixed_precision={self.mixed_precision} (compute "
-            f"{str(compute_dtype(self.mixed_precision)).removeprefix('torch.')}, "
+            f"{str(plan.compute_dtype).removeprefix('torch.')}, "
             "FP32 master weights and optimizer)")
         note = slow_bf16_note(self.mixed_precision, self.device)
         if note:
             log(note)
-        self.recipe = config.recipe()
+        self.recipe = plan.recipe
         quantize_model(self.model, self.recipe, batch_invariant=config.batch_invariant,
                        weight_cache=config.weight_cache and not self.dist.shards)
         self.model.eval()  # no dropout in either policy; gradients still flow
@@ -200,12 +193,11 @@ class Trainer:
         if config.model not in REGISTRY:
             local_model_dir(config.model)  # a model that is not there: one line, first
         examples = load_split(config.data, "train", config.run.seed)  # then a data error
-        d, device = _setup_distributed(config)
         # an engine that cannot serve the run (vLLM absent, on several processes): one
         # line before minutes of loading
-        get_engine(config.rollout.engine).check(config.recipe(), device, d.world_size)
-        model, tokenizer = load_model(config.model, device=device)
-        return cls(config, output_dir, model, tokenizer, examples=examples, log=log)
+        plan = plan_run(config)
+        model, tokenizer = load_model(config.model, device=plan.device)
+        return cls(plan, output_dir, model, tokenizer, examples=examples, log=log)
 
     # ----- data ----------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
@@ -236,21 +228,15 @@ class Trainer:
         return [rows[k:k + size] for k in range(0, len(rows), size)]
 
     def _rollout_engine(self) -> RolloutEngine:
-        """The engine ``rollout.engine`` names, serving ``self.policy``; one that cannot
-        serve this run (the config has already refused recipes it cannot run) is one
-        line, before any step."""
-        cfg = self.cfg
-        # batch_invariant runs fp4rl's own engine (the config refuses another by name)
-        name = KVCacheEngine.name if cfg.batch_invariant else \
-            resolve_engine(cfg.rollout.engine, self.device, self.recipe)
-        engine = get_engine(name)
-        engine.check(self.recipe, self.device, self.dist.world_size)
-        return build_engine(name, RolloutSetup(
+        """The engine the plan chose, serving ``self.policy`` (the plan has refused an
+        engine that cannot serve this run, before any loading)."""
+        cfg, plan = self.cfg, self.plan
+        return plan.engine.from_setup(RolloutSetup(
             model=cfg.model, policy=self.policy, recipe=self.recipe,
-            mixed_precision=self.mixed_precision, seed=cfg.run.seed,
+            compute_dtype=plan.compute_dtype, seed=cfg.run.seed,
             max_model_len=cfg.grpo.max_prompt_length + cfg.grpo.max_response_length,
             pad_token_id=self.tok.pad_token_id, eos_token_ids=tuple(self.eos_ids),
-            world_size=self.dist.world_size, options=cfg.engine_options(name)))
+            world_size=self.dist.world_size, settings=plan.engine_settings))
 
     def rollout(self, chunks: list[list[tuple[int, int, int]]]) -> dict[int, RolloutBatch]:
         """This rank's chunks of the step's rollout (dealt round-robin), by chunk number:
@@ -486,7 +472,7 @@ class Trainer:
 
     def compute(self) -> contextlib.AbstractContextManager[None]:
         """The run's compute context (bf16 autocast under mixed_precision=bf16)."""
-        return autocast(self.device, self.mixed_precision)
+        return autocast(self.device, self.plan.compute_dtype)
 
     def close(self) -> None:
         """Release the rollout engine (a vLLM engine's memory and process groups)."""
@@ -631,11 +617,6 @@ def _stopwatch(timings: StepTimings, phase: str) -> Iterator[None]:
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return RolloutBatch(*(getattr(batch, f.name).to(device) for f in fields(batch)))
-
-
-def _setup_distributed(config: TrainConfig) -> tuple[Dist, torch.device]:
-    d = config.distributed
-    return setup(d.strategy, d.backend, config.device, d.timeout_s)
 
 
 def _seed_everything(seed: int) -> None:

@@ -14,9 +14,9 @@ one after another (fp4rl's KV-cache engine: a chunk is a micro-batch) or all in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 from pydantic import BaseModel
@@ -25,6 +25,8 @@ from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
+
+_S = TypeVar("_S", bound=BaseModel)
 
 ProgressFn = Callable[[int], None]
 """Called as sampling goes with the number of tokens produced since the last call."""
@@ -36,21 +38,33 @@ class RolloutSetup:
 
     ``policy`` is the module holding the rollout policy (the trainer's model, or its FSDP
     rollout copy); ``model`` the name, directory or Hub id it was loaded from (an engine
-    that loads the weights itself starts from there). ``mixed_precision`` is resolved
-    (``no`` or ``bf16``); ``max_model_len`` is the longest prompt plus response;
-    ``world_size`` the processes sharing the step's rollout; ``options`` the engine's own
-    settings (``rollout.vllm`` for vLLM)."""
+    that loads the weights itself starts from there). ``compute_dtype`` is the run's
+    (float32, or bf16 under ``mixed_precision: bf16``); ``max_model_len`` is the longest
+    prompt plus response; ``world_size`` the processes sharing the step's rollout;
+    ``settings`` the engine's own settings as its ``settings`` model validated them
+    (``rollout.vllm``: :class:`~fp4rl.rollout.vllm.settings.VLLMSettings`; None: the
+    model's defaults, or an engine that takes none)."""
 
     model: str
     policy: torch.nn.Module
     recipe: Recipe
-    mixed_precision: str
+    compute_dtype: torch.dtype
     seed: int
     max_model_len: int
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     world_size: int = 1
-    options: Mapping[str, Any] = field(default_factory=dict)
+    settings: BaseModel | None = None
+
+    def settings_as(self, model: type[_S]) -> _S:
+        """``settings`` as the engine's own ``model`` (its defaults where None): an engine
+        reads its fields typed, and a section of another engine's model is refused."""
+        if self.settings is None:
+            return model()
+        if not isinstance(self.settings, model):
+            raise TypeError(f"{model.__name__} settings expected, got "
+                            f"{type(self.settings).__name__}")
+        return self.settings
 
 
 class RolloutEngine(Protocol):
@@ -62,7 +76,7 @@ class RolloutEngine(Protocol):
     #: what it is, in a few words (``fp4rl train --help-config`` lists the engines so)
     summary: ClassVar[str]
     #: the model of its own settings, ``rollout.<name>`` in a training config (None: it
-    #: takes none); :class:`RolloutSetup` ``options`` hands them to it, defaults filled in
+    #: takes none); :class:`RolloutSetup` ``settings`` hands them to it
     settings: ClassVar[type[BaseModel] | None]
 
     @classmethod

@@ -207,12 +207,14 @@ class KVCacheEngine:
         """Every config runs here."""
 
     def __init__(self, policy: torch.nn.Module, pad_token_id: int,
-                 eos_token_ids: Sequence[int], *, mixed_precision: str = "no",
-                 world_size: int = 1) -> None:
+                 eos_token_ids: Sequence[int], *,
+                 compute_dtype: torch.dtype = torch.float32, world_size: int = 1) -> None:
+        """``compute_dtype``: the run's (:func:`fp4rl.precision.compute_dtype`); bf16
+        samples under bf16 autocast, as the trainer's forward runs."""
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
-        self.mixed_precision = mixed_precision
+        self.compute_dtype = compute_dtype
         self.world_size = world_size
 
     @classmethod
@@ -222,7 +224,7 @@ class KVCacheEngine:
     @classmethod
     def from_setup(cls, setup: RolloutSetup) -> KVCacheEngine:
         return cls(setup.policy, setup.pad_token_id, setup.eos_token_ids,
-                   mixed_precision=setup.mixed_precision, world_size=setup.world_size)
+                   compute_dtype=setup.compute_dtype, world_size=setup.world_size)
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
         """Nothing for a whole model (the engine samples from it); for an FSDP2-sharded
@@ -244,7 +246,7 @@ class KVCacheEngine:
         mode = rollout_mode(self.policy) if patched else contextlib.nullcontext()
         on_step, bar = _progress_fn(progress, len(chunks) * sampling.max_new_tokens)
         try:
-            with autocast(device, self.mixed_precision), mode:
+            with autocast(device, self.compute_dtype), mode:
                 return [generate(self.policy, chunk, sampling, pad_token_id=self.pad_token_id,
                                  eos_token_ids=self.eos_token_ids,
                                  generator=row_generators(chunk_seeds, device),

@@ -16,8 +16,9 @@ from fp4rl.errors import UserError
 from fp4rl.registry import Registry
 from fp4rl.rollout.base import RolloutEngine, RolloutSetup
 from fp4rl.rollout.kv_cache import KVCacheEngine
-from fp4rl.rollout.vllm.config import VLLMError, rollout_recipe
+from fp4rl.rollout.vllm.config import rollout_recipe
 from fp4rl.rollout.vllm.engine import VLLMEngine
+from fp4rl.rollout.vllm.errors import VLLMError
 
 if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe

@@ -312,12 +312,6 @@ class TrainConfig(_Section):
                     raise ValueError(str(err)) from None
         return self
 
-    def engine_options(self, engine: str) -> dict[str, Any]:
-        """The settings ``engine`` reads, as :class:`~fp4rl.rollout.base.RolloutSetup`
-        hands them to it: its own section of ``rollout``, defaults filled in."""
-        settings = self.rollout.settings_of(engine)
-        return settings.model_dump() if settings is not None else {}
-
     def recipe(self) -> Recipe:
         recipe = Recipe(train=self.train, rollout=self.rollout.policy(), ignore=self.ignore)
         return recipe.with_nvfp4_scale(self.nvfp4_scale)

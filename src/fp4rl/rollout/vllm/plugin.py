@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from fp4rl.rollout.vllm.compat import check_version
-from fp4rl.rollout.vllm.config import QUANT_METHOD, require_vllm
+from fp4rl.rollout.vllm.config import QUANT_METHOD
+from fp4rl.rollout.vllm.errors import require_vllm
 
 _REGISTERED = False
 

@@ -17,13 +17,13 @@ from fp4rl.nn.recipe import Recipe
 from fp4rl.nn.select import BLOCK_INDEX
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
-    VLLMError,
     WeightStorage,
-    hf_layer_names,
     recipe_from_config,
     storage_from_config,
 )
+from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.method import FP4RLLinearMethod
+from fp4rl.rollout.vllm.names import hf_layer_names
 
 
 class FP4RLConfig(QuantizationConfig):
@@ -54,22 +54,26 @@ class FP4RLConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> FP4RLConfig:
         return cls(recipe_from_config(config), storage_from_config(config))
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str
+                         ) -> FP4RLLinearMethod | None:
+        """fp4rl's method for a linear (None: vLLM's own for anything else). The Hugging
+        Face layers a merged linear holds are the model's ``packed_modules_mapping``,
+        which vLLM sets on this config before it builds the model."""
         if not isinstance(layer, LinearBase):
             return None
-        names = hf_layer_names(prefix)
+        names = hf_layer_names(prefix, self.packed_modules_mapping)
         ignored = [self.recipe.ignores(n, _block_count()) for n in names]
         self._layers += 1
         if BLOCK_INDEX.search(prefix) is None or all(ignored):
             # unquantized, but through this method: vLLM's own CPU method repacks the
             # weight and drops it, which a refit could not load into
-            return FP4RLLinearMethod(Recipe(), self._layers - 1, self.weight_storage)
+            return FP4RLLinearMethod(Recipe(), self._layers - 1, self.weight_storage, names)
         if any(ignored):
             raise VLLMError(f"ignore leaves part of vLLM's merged linear {prefix} "
                             f"({', '.join(n for n, i in zip(names, ignored, strict=True) if i)})"
                             " unquantized; vLLM runs it as one layer: ignore all of "
                             f"{', '.join(names)} or none")
-        return FP4RLLinearMethod(self.recipe, self._layers - 1, self.weight_storage)
+        return FP4RLLinearMethod(self.recipe, self._layers - 1, self.weight_storage, names)
 
 
 

