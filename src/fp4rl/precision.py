@@ -22,14 +22,16 @@ import os
 import platform
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from fp4rl.errors import UserError
 
+#: the ``mixed_precision`` values (accelerate's names), declared once: the config's field
+#: type and the check of a value given elsewhere (``fp4rl eval``, the demo) read it
 MixedPrecision = Literal["no", "bf16", "auto"]
-MIXED_PRECISION = ("no", "bf16", "auto")
+MIXED_PRECISION: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 #: CPU feature flags that mean a bf16 GEMM runs natively (faster than fp32)
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 

@@ -149,8 +149,7 @@ def test_a_store_of_several_parts_fuses_each(triton_path, monkeypatch):
     and gate_up carry them): the packed store multiplies each part in the fused kernel,
     and equals the dequantized store's GEMMs, bias slices included."""
     from fp4rl.kernels import triton_packed_mm
-    from fp4rl.rollout.vllm.config import WeightStorage
-    from fp4rl.rollout.vllm.stores import WeightStore
+    from fp4rl.rollout.vllm.stores import DequantizedStore, PackedStore
 
     g = torch.Generator().manual_seed(7)
     parts = [pack_operand(_grid_weight(40, 96, g) * s, "nvfp4") for s in (1.0, 8.0)]
@@ -161,10 +160,10 @@ def test_a_store_of_several_parts_fuses_each(triton_path, monkeypatch):
     real = triton_packed_mm.packed_mm_2d
     monkeypatch.setattr(triton_packed_mm, "packed_mm_2d",
                         lambda *args: launched.append(args[4]) or real(*args))
-    packed = WeightStore.build(list(parts), WeightStorage.PACKED, BF16)
+    packed = PackedStore.of(list(parts), BF16)
     y = packed.apply(acts, BF16, bias)
     assert launched == [40, 40]
-    dense = WeightStore.build(list(parts), WeightStorage.DEQUANTIZED, BF16, prepack=False)
+    dense = DequantizedStore.of(list(parts), BF16, prepack=False)
     assert _same(y, dense.apply(acts, BF16, bias))
 
 
@@ -227,7 +226,6 @@ def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, m
     GEMMs there (decode, then mm) instead of the fused kernel."""
     from fp4rl.kernels import triton_packed_mm
     from fp4rl.rollout.vllm import stores
-    from fp4rl.rollout.vllm.config import WeightStorage
 
     g = torch.Generator().manual_seed(10)
     part = pack_operand(_grid_weight(40, 96, g), "hif4")
@@ -239,6 +237,6 @@ def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, m
     for invariant, fused in ((False, True), (True, False)):
         monkeypatch.setattr(stores, "_vllm_batch_invariant", lambda v=invariant: v)
         launched.clear()
-        y = stores.WeightStore.build([part], WeightStorage.PACKED, BF16).apply(acts, BF16, None)
+        y = stores.PackedStore.of([part], BF16).apply(acts, BF16, None)
         assert bool(launched) == fused
         assert _same(y, mm(acts, part.decode(BF16).t(), BF16))

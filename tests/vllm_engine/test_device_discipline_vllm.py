@@ -22,7 +22,7 @@ from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.rollout.vllm.errors import VLLMError  # noqa: E402
 from fp4rl.rollout.vllm.loading import install, process  # noqa: E402
 from fp4rl.rollout.vllm.method import FP4RLLinearMethod  # noqa: E402
-from fp4rl.rollout.vllm.stores import WeightStore  # noqa: E402
+from fp4rl.rollout.vllm.stores import DequantizedStore  # noqa: E402
 
 META = torch.device("meta")
 IN, PARTS = 128, [32, 16, 16]  # a merged q/k/v layer
@@ -130,18 +130,17 @@ def test_a_compiled_store_refuses_a_layout_change():
     """A compiled engine's forward (and its CUDA graphs) read the tensors they traced:
     a refit that would swap in tensors of another shape, dtype or device is refused, not
     installed beside the ones the graph reads."""
-    old = WeightStore.build([Operand(torch.zeros(8, 64, dtype=torch.bfloat16))],
-                            "dequantized", torch.bfloat16, prepack=False)
+    old = DequantizedStore.of([Operand(torch.zeros(8, 64, dtype=torch.bfloat16))],
+                              torch.bfloat16, prepack=False)
     for new_values in (torch.zeros(8, 64, dtype=torch.float32),
                        torch.zeros(8, 64, dtype=torch.bfloat16, device=META),
                        torch.zeros(4, 64, dtype=torch.bfloat16)):
-        new = WeightStore.build([Operand(new_values)], "dequantized", new_values.dtype,
-                                prepack=False)
+        new = DequantizedStore.of([Operand(new_values)], new_values.dtype, prepack=False)
         with pytest.raises(VLLMError, match="changed the layout of a compiled engine"):
             old.refilled(new, in_place=True)
         assert old.refilled(new) is new  # an eager engine takes the new tensors
-    same = WeightStore.build([Operand(torch.ones(8, 64, dtype=torch.bfloat16))],
-                             "dequantized", torch.bfloat16, prepack=False)
+    same = DequantizedStore.of([Operand(torch.ones(8, 64, dtype=torch.bfloat16))],
+                               torch.bfloat16, prepack=False)
     assert old.refilled(same, in_place=True) is old
     assert torch.equal(old.tensors()[0], same.tensors()[0])
 

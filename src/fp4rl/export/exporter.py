@@ -117,7 +117,10 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt
     check_recipe(name, recipe)
     directory = Path(output)
     check_output(directory)
-    payload = get_export_format(name).payload(model, ignores, recipe)
+    export = get_export_format(name)
+    # the recipe read in once, here: the format's payload takes the object
+    rollout = vllm_recipe(recipe or DEFAULT_VLLM_RECIPE) if export.takes_recipe else None
+    payload = export.payload(model, ignores, rollout)
     write_directory(directory, model, tokenizer, payload)
     return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),
                         bf16_bytes(model))

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from fp4rl.nn.recipe import Recipe
 
 #: ``payload(model, ignores, recipe)``: the directory's tensors; ``ignores(name)`` says
-#: which linears stay unquantized, ``recipe`` is the rollout recipe where a format takes one
-PayloadFn = Callable[["PreTrainedModel", Callable[[str], bool], "str | Recipe | None"], Payload]
+#: which linears stay unquantized, ``recipe`` is the rollout recipe, resolved, where a
+#: format takes one (``takes_recipe``; None otherwise)
+PayloadFn = Callable[["PreTrainedModel", Callable[[str], bool], "Recipe | None"], Payload]
 
 
 @dataclass(frozen=True)
@@ -77,25 +78,25 @@ def _block_linears(model: PreTrainedModel, ignores: Callable[[str], bool], fmt: 
 
 
 def _bf16(model: PreTrainedModel, ignores: Callable[[str], bool],
-          recipe: str | Recipe | None) -> Payload:
+          recipe: Recipe | None) -> Payload:
     return Payload(unquantized_tensors(model, skip=set()))
 
 
 def _compressed(fmt: str) -> PayloadFn:
     def payload(model: PreTrainedModel, ignores: Callable[[str], bool],
-                recipe: str | Recipe | None) -> Payload:
+                recipe: Recipe | None) -> Payload:
         return compressed_payload(model, _block_linears(model, ignores, fmt), fmt)
     return payload
 
 
 def _hif4(model: PreTrainedModel, ignores: Callable[[str], bool],
-          recipe: str | Recipe | None) -> Payload:
+          recipe: Recipe | None) -> Payload:
     return hif4_payload(model, _block_linears(model, ignores, "hif4"))
 
 
 def _vllm(model: PreTrainedModel, ignores: Callable[[str], bool],
-          recipe: str | Recipe | None) -> Payload:
-    return vllm_payload(model, vllm_recipe(recipe or DEFAULT_VLLM_RECIPE))
+          recipe: Recipe | None) -> Payload:
+    return vllm_payload(model, recipe or vllm_recipe(DEFAULT_VLLM_RECIPE))
 
 
 register_export_format(ExportFormat("bf16", _bf16))

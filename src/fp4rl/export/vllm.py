@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError, block_linears
 from fp4rl.gemm import UNQUANTIZED, PackedOperand
-from fp4rl.nn.recipe import Recipe
+from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.rollout.vllm.config import quantization_config, rollout_recipe
 
@@ -51,13 +51,14 @@ def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = Fals
             raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
                               "names); with --model give a recipe name, e.g. hif4+resq-2:4")
         return
-    rollout_recipe(recipe)
+    vllm_recipe(recipe)
 
 
 def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
-    """``recipe`` checked for the plug-in, with a run's ``ignore`` patterns added to its
-    own (the layers the run left unquantized stay so when vLLM serves it)."""
-    recipe = rollout_recipe(recipe)
+    """``recipe`` (a name, read here, or a Recipe) checked for the plug-in, with a run's
+    ``ignore`` patterns added to its own (the layers the run left unquantized stay so when
+    vLLM serves it)."""
+    recipe = rollout_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
     ignore = tuple(dict.fromkeys((*recipe.ignore, *run_ignore)))
     return recipe.replace(ignore=ignore) if ignore != recipe.ignore else recipe
 

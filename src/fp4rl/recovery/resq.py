@@ -29,6 +29,7 @@ def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
     Float32 inputs with a dense or n:m pattern take one fused kernel pass (bit-identical
     to the composed steps below, which every other case uses).
     """
+    fmt = get_format(fmt)  # the public functions read names; below them, objects
     fused = _fused(x, fmt, parse_pattern(pattern))
     if fused is not None:
         return fused
@@ -36,11 +37,10 @@ def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
     return qx + sparsify(quantize(x - qx, fmt), pattern)
 
 
-def _kernel_args(fmt: str | NumberFormat, pattern: SparsityPattern
+def _kernel_args(f: NumberFormat, pattern: SparsityPattern
                  ) -> tuple[BlockFormat, int, int] | None:
     """(format, keep, group) for the fused kernels (group 0: dense), or None where
     they do not apply (a non-block format, a channel or block pattern)."""
-    f = get_format(fmt)
     if not isinstance(f, BlockFormat) or not isinstance(pattern, Dense | NM):
         return None
     if isinstance(pattern, NM) and pattern.n < pattern.m:
@@ -48,7 +48,7 @@ def _kernel_args(fmt: str | NumberFormat, pattern: SparsityPattern
     return f, 0, 0  # dense, or n:n, which keeps every value
 
 
-def _fused(x: torch.Tensor, fmt: str | NumberFormat, pattern: SparsityPattern
+def _fused(x: torch.Tensor, fmt: NumberFormat, pattern: SparsityPattern
            ) -> torch.Tensor | None:
     args = _kernel_args(fmt, pattern)
     if args is None or x.dim() == 0:
@@ -57,7 +57,7 @@ def _fused(x: torch.Tensor, fmt: str | NumberFormat, pattern: SparsityPattern
     return None if out is None else out.reshape(x.shape)
 
 
-def _fused_terms(x: torch.Tensor, fmt: str | NumberFormat,
+def _fused_terms(x: torch.Tensor, fmt: NumberFormat,
                  pattern: SparsityPattern) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``Q(x)`` and ``S(Q(x - Q(x)))`` as bf16 rows from one kernel pass, where there is one."""
     args = _kernel_args(fmt, pattern)

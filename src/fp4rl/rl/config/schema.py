@@ -24,6 +24,7 @@ from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.formats.nvfp4 import ScaleRule
 from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
+from fp4rl.precision import MixedPrecision
 from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
     AUTO,
@@ -247,7 +248,7 @@ class RolloutConfig(RolloutPrecision):
 class TrainConfig(_Section):
     model: str = Field("smollm2-135m", description="the policy: an embedded model's name, "
                        "a local Hugging Face directory, or a Hub id ORG/NAME")
-    mixed_precision: Literal["no", "bf16", "auto"] = Field(
+    mixed_precision: MixedPrecision = Field(
         "auto", description="the compute dtype (accelerate's names): no = fp32, bf16, auto "
         "= bf16 where the device runs it natively; masters and optimizer are always FP32")
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda or "

@@ -54,9 +54,8 @@ WEIGHT_STORAGES = tuple(s.value for s in WeightStorage)
 CONFIG_KEYS = ("quant_method", "rollout", "ignore", "weight_storage", "fp4rl_version")
 
 
-def rollout_recipe(recipe: Recipe | str) -> Recipe:
-    """``recipe`` (a recipe name or a Recipe) checked for what the plug-in runs."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+def rollout_recipe(recipe: Recipe) -> Recipe:
+    """``recipe`` checked for what the plug-in runs."""
     method = recipe.rollout.recovery.method
     if not get_recovery(method).serves_in_engines:
         raise VLLMError(f"rollout recovery {method!r} cannot run inside vLLM: the vLLM "
@@ -82,7 +81,7 @@ def quantization_config(recipe: Recipe | str,
                         ) -> dict[str, Any]:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
-    recipe = rollout_recipe(recipe)
+    recipe = rollout_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
     check_storage(weight_storage)
     return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
             "ignore": list(recipe.ignore), "weight_storage": str(weight_storage),

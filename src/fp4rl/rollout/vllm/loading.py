@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,7 +29,6 @@ from fp4rl.gemm import Operand, OperandFormat, PackedOperand, has_tensor_scale
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
-from fp4rl.rollout.vllm.config import WeightStorage
 from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.sharding import (
     QKV_SHARDS,
@@ -41,6 +40,22 @@ from fp4rl.rollout.vllm.sharding import (
 from fp4rl.rollout.vllm.stores import Part, WeightStore, release_freed_memory
 
 
+class WeightLayout(Protocol):
+    """How a layer makes and keeps ``Q(W)``: the layer's scheme (:mod:`.method`, one per
+    :class:`~fp4rl.rollout.vllm.config.WeightStorage`) answers, so that nothing here
+    branches on the storage."""
+
+    def quantize(self, state: LayerState, shard: torch.Tensor,
+                 tensor_scale: torch.Tensor | None) -> Part:
+        """``Q(W)`` of one logical layer's loaded weight ``shard``, as the layout keeps it."""
+
+    def accept(self, state: LayerState, parts: list[Part]) -> None:
+        """Refuse, in one line, ready-made parts this layout cannot keep."""
+
+    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
+        """The store holding ``parts``."""
+
+
 @dataclass
 class LayerState:
     """What one fp4rl linear of an engine holds: its parts' rows, format, compute dtype,
@@ -50,7 +65,8 @@ class LayerState:
     in_features: int
     dtype: torch.dtype
     fmt: OperandFormat
-    storage: WeightStorage
+    #: the layer's scheme, as its weight storage asks
+    layout: WeightLayout
     recovery: RolloutRecovery
     #: the recovery's activation as one traceable operator (:mod:`fp4rl.recovery.ops`)
     activation: TracedActivation
@@ -200,11 +216,7 @@ def install(layer: torch.nn.Module, parts: list[Part]) -> None:
     if [p.values.shape[0] if isinstance(p, Operand) else p.rows for p in parts] != state.shards:
         raise VLLMError(f"a refit sent parts of {len(parts)} layers for an fp4rl layer of "
                         f"parts {state.shards}")
-    if state.storage == WeightStorage.PACKED and isinstance(state.fmt, NumberFormat) and \
-            any(isinstance(p, Operand) for p in parts):
-        raise VLLMError("an engine with weight_storage=packed keeps the 4-bit codes it is "
-                        "sent: refit it with the packed wire (refit(..., packed=True), "
-                        "rollout.vllm.refit_wire=packed)")
+    state.layout.accept(state, parts)
     state.ready = parts
 
 
@@ -226,11 +238,10 @@ def process(layer: torch.nn.Module) -> bool:
             # layout until the first load, which then writes into the same tensors
             zeros = torch.zeros(sum(state.shards), state.in_features, dtype=state.dtype,
                                 device=weight.device)
-            state.store = WeightStore.build(_quantized_parts(state, zeros, whole=False),
-                                            state.storage, state.dtype, state.prepack)
+            state.store = state.layout.keep(state, _quantized_parts(state, zeros, whole=False))
         return False
     parts = [_on(p, weight.device) for p in parts]
-    new = WeightStore.build(parts, state.storage, state.dtype, state.prepack)
+    new = state.layout.keep(state, parts)
     state.store = new if state.store is None else \
         state.store.refilled(new, in_place=not state.prepack)
     return True
@@ -286,17 +297,16 @@ def _from_weight(layer: torch.nn.Module) -> list[Part] | None:
 
 
 def _quantized_parts(state: LayerState, w: torch.Tensor, whole: bool = True) -> list[Part]:
-    """``Q(W)`` of each logical layer of ``w``, packed where the layer stores 4-bit codes;
-    ``whole``: NVFP4's scale over the whole weight (of a rank's share, its ranks agree on
-    it; zeros, as a dummy start holds, need no agreement)."""
+    """``Q(W)`` of each logical layer of ``w``, as the layer's layout makes it; ``whole``:
+    NVFP4's scale over the whole weight (of a rank's share, its ranks agree on it; zeros,
+    as a dummy start holds, need no agreement)."""
     parts: list[Part] = []
     start = 0
     with torch.no_grad():
         for rows in state.shards:
             shard = w[start:start + rows]
-            parts.append(state.recovery.weight_operand(
-                shard, packed=state.storage == WeightStorage.PACKED,
-                tensor_scale=_whole_scale(state, shard) if whole else None))
+            parts.append(state.layout.quantize(
+                state, shard, _whole_scale(state, shard) if whole else None))
             start += rows
     return parts
 

@@ -1,10 +1,18 @@
 """The vLLM linear method of the ``fp4rl`` quantization method (imported only where vLLM
-is): a layer's parameters and its rollout-mode forward. :mod:`.quant_config` decides which
-layers get it, :mod:`.loading` fills it, :mod:`.stores` keeps ``Q(W)``."""
+is), as vLLM's own quantization methods are built: the config (:mod:`.quant_config`)
+picks a method per layer, and the method hands each of vLLM's three calls
+(``create_weights``, ``process_weights_after_loading``, ``apply``) to one scheme object
+per weight layout, :class:`DequantizedScheme` or :class:`PackedScheme`. What the layouts
+share (the parameters a layer registers, the rollout-mode forward) is the base
+:class:`FP4RLScheme`'s; what differs (how ``Q(W)`` is made from a loaded weight, what a
+refit may send, which store keeps it) is each scheme's own. :mod:`.loading` fills a layer
+through its scheme, :mod:`.stores` keeps ``Q(W)``."""
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinear
@@ -12,6 +20,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import NumberFormat
+from fp4rl.gemm import Operand, PackedOperand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
@@ -29,36 +38,41 @@ from fp4rl.rollout.vllm.loading import (
     weight_loader_of,
 )
 from fp4rl.rollout.vllm.sharding import Partition, check_partition
+from fp4rl.rollout.vllm.stores import DequantizedStore, PackedStore, Part, WeightStore
 
 
-class FP4RLLinearMethod(LinearMethodBase):
-    """fp4rl's rollout-mode forward for one vLLM linear (merged or not)."""
+class FP4RLScheme(ABC):
+    """One weight layout of the fp4rl method for one vLLM linear (merged or not): vLLM's
+    three calls, and the layout's answers to :class:`~.loading.WeightLayout`."""
 
-    def __init__(self, recipe: Recipe, seed: int,
-                 storage: WeightStorage = WeightStorage.DEQUANTIZED,
-                 hf_names: tuple[str, ...] = ()) -> None:
+    #: the ``weight_storage`` this scheme serves
+    storage: ClassVar[WeightStorage]
+
+    def __init__(self, recipe: Recipe, seed: int, hf_names: tuple[str, ...] = ()) -> None:
         """``hf_names``: the Hugging Face layers the linear stands for, in row order (a
         refit sends ``Q(W)`` by those names)."""
         self.recipe = recipe
         self.seed = seed
-        self.storage = storage
         self.hf_names = hf_names
 
+    # ----- vLLM's calls ----------------------------------------------------------------
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+                       params_dtype: torch.dtype, weight_loader: Callable[..., Any],
+                       extra_weight_attrs: dict[str, Any]) -> None:
         """A ``weight`` without storage until something is loaded into it, and, for a
-        quantized layer, one empty parameter per packed field of its format."""
-        weight_loader = weak_loader(extra_weight_attrs.pop("weight_loader"))
+        quantized layer, one empty parameter per packed field of its format (an fp4rl
+        export's fields, in either layout)."""
+        loader = weak_loader(weight_loader)
         r = self.recipe.rollout
         recovery = make_recovery(r.recovery, r.activations, input_size_per_partition,
                                  self.seed, weight_format=r.weights)
         partition = Partition(input_size, input_size_per_partition, output_size,
-                              tuple(output_partition_sizes), weight_loader,
+                              tuple(output_partition_sizes), loader,
                               qkv=isinstance(layer, QKVParallelLinear))
         check_partition(partition, self.recipe)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
-                           params_dtype, r.weights, self.storage, recovery,
+                           params_dtype, r.weights, self, recovery,
                            TracedActivation(recovery),
                            # a prepacked kernel returns rounded products: one unscaled
                            # activation operand only (not ResQ's two terms in bf16)
@@ -70,7 +84,7 @@ class FP4RLLinearMethod(LinearMethodBase):
         weight = ModelWeightParameter(data=torch.empty(0, input_size_per_partition,
                                                        dtype=params_dtype),
                                       input_dim=1, output_dim=0,
-                                      weight_loader=weight_loader_of(layer, weight_loader))
+                                      weight_loader=weight_loader_of(layer, loader))
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
         if not isinstance(state.fmt, NumberFormat):  # a W16 rollout: the weight is all
@@ -84,8 +98,8 @@ class FP4RLLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         process(layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
         """fp4rl's rollout forward as ``RolloutRecovery.forward`` computes it for the
         methods the plug-in runs (none, resq): the recovery's activation operands times
         ``Q(W)`` as the layer's store multiplies them (``WeightStore.apply``: the GEMM on
@@ -104,5 +118,84 @@ class FP4RLLinearMethod(LinearMethodBase):
         y = state.store.apply(acts, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    # ----- the layout's own (loading.WeightLayout) ---------------------------------------
+    #: whether ``Q(W)`` made from a loaded weight is kept as the format's codes
+    packs: ClassVar[bool] = False
 
-__all__ = ["FP4RLLinearMethod"]
+    def quantize(self, state: LayerState, shard: torch.Tensor,
+                 tensor_scale: torch.Tensor | None) -> Part:
+        return state.recovery.weight_operand(shard, packed=self.packs,
+                                             tensor_scale=tensor_scale)
+
+    def accept(self, state: LayerState, parts: list[Part]) -> None:  # noqa: B027
+        """Either wire's parts: values are kept as they are, codes decoded once (a
+        layout that cannot keep one overrides this)."""
+
+    @abstractmethod
+    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
+        """The store holding ``parts``."""
+
+
+class DequantizedScheme(FP4RLScheme):
+    """``Q(W)``'s values in the compute dtype, multiplied by vLLM's own GEMM (its prepacked
+    oneDNN weight on a CPU): a bf16 engine's memory, a bf16 GEMM's speed."""
+
+    storage: ClassVar[WeightStorage] = WeightStorage.DEQUANTIZED
+
+    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
+        return DequantizedStore.of(parts, state.dtype, state.prepack)
+
+
+class PackedScheme(FP4RLScheme):
+    """``Q(W)`` as the format's 4-bit codes and scales, decoded at each forward (in
+    registers, by the fused packed GEMM, at decode sizes on a GPU)."""
+
+    storage: ClassVar[WeightStorage] = WeightStorage.PACKED
+    packs: ClassVar[bool] = True
+
+    def accept(self, state: LayerState, parts: list[Part]) -> None:
+        if isinstance(state.fmt, NumberFormat) and any(isinstance(p, Operand) for p in parts):
+            raise VLLMError("an engine with weight_storage=packed keeps the 4-bit codes it is "
+                            "sent: refit it with the packed wire (refit(..., packed=True), "
+                            "rollout.vllm.refit_wire=packed)")
+
+    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
+        """Codes as they are; dense parts (an unquantized layer has no codes) as values."""
+        packed = [p for p in parts if isinstance(p, PackedOperand)]
+        if len(packed) == len(parts):
+            return PackedStore.of(packed, state.dtype)
+        return DequantizedStore.of(parts, state.dtype, state.prepack)
+
+
+#: the scheme of each weight layout
+SCHEMES: dict[WeightStorage, type[FP4RLScheme]] = {
+    s.storage: s for s in (DequantizedScheme, PackedScheme)}
+
+
+class FP4RLLinearMethod(LinearMethodBase):
+    """fp4rl's rollout-mode linear method: vLLM's calls handed to the scheme of the
+    layer's weight layout (``scheme``)."""
+
+    def __init__(self, recipe: Recipe, seed: int,
+                 storage: WeightStorage = WeightStorage.DEQUANTIZED,
+                 hf_names: tuple[str, ...] = ()) -> None:
+        self.scheme = SCHEMES[storage](recipe, seed, hf_names)
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        loader = extra_weight_attrs.pop("weight_loader")
+        self.scheme.create_weights(layer, input_size_per_partition, output_partition_sizes,
+                                   input_size, output_size, params_dtype, loader,
+                                   extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.scheme.process_weights_after_loading(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scheme.apply_weights(layer, x, bias)
+
+
+__all__ = ["SCHEMES", "DequantizedScheme", "FP4RLLinearMethod", "FP4RLScheme",
+           "PackedScheme"]

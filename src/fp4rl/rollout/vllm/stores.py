@@ -1,5 +1,6 @@
 """How an fp4rl layer of a vLLM engine keeps ``Q(W)`` between weight versions: one store
-class per :class:`~fp4rl.rollout.vllm.config.WeightStorage` (imported only where vLLM is).
+class per :class:`~fp4rl.rollout.vllm.config.WeightStorage`, which the layer's scheme
+(:mod:`.method`) builds. Nothing here imports vLLM at import time.
 
 - :class:`DequantizedStore` (the default): ``Q(W)`` once, in the compute dtype (FP4 values
   are exact in bf16); on a CPU with oneDNN that one copy is vLLM's prepacked GEMM weight,
@@ -37,17 +38,6 @@ class WeightStore(ABC):
 
     storage: ClassVar[WeightStorage]
     dtype: torch.dtype
-
-    @staticmethod
-    def build(parts: list[Part], storage: WeightStorage, dtype: torch.dtype,
-              prepack: bool = True) -> WeightStore:
-        """The store of ``parts`` as ``storage`` asks; dense parts (an unquantized layer, or
-        ``Q(W)`` sent as values) are always kept dequantized, as there are no codes."""
-        packed = [p for p in parts if isinstance(p, PackedOperand)]
-        if storage == WeightStorage.PACKED and len(packed) == len(parts):
-            return PackedStore(dtype, packed, fused=_fuses(packed, dtype))
-        operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
-        return DequantizedStore(dtype, _gemms(operands, prepack))
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -109,6 +99,14 @@ class DequantizedStore(WeightStore):
     dtype: torch.dtype
     ready: list[Gemm]
 
+    @classmethod
+    def of(cls, parts: list[Part], dtype: torch.dtype, prepack: bool = True
+           ) -> DequantizedStore:
+        """``parts`` (values, or packed fields decoded here) kept in ``dtype``; with
+        ``prepack``, on vLLM's prepacked GEMM weight where there is one."""
+        operands = [p.to(dtype) if isinstance(p, Operand) else p.decode(dtype) for p in parts]
+        return cls(dtype, _gemms(operands, prepack))
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, op, _ in self.ready for t in _part_tensors(op)]
 
@@ -135,6 +133,12 @@ class PackedStore(WeightStore):
 
     def __post_init__(self) -> None:
         self.calls = [PackedCall.of(p) for p in self.parts]
+
+    @classmethod
+    def of(cls, parts: list[PackedOperand], dtype: torch.dtype) -> PackedStore:
+        """``parts``' codes and scales kept as they are, multiplied in ``dtype`` (through
+        the fused packed GEMM where the device and formats have it)."""
+        return cls(dtype, parts, fused=_fuses(parts, dtype))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in _part_tensors(p)]
