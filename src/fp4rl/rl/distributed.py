@@ -134,7 +134,7 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def reduce_metrics(metrics: dict[str, Any], d: Dist) -> dict[str, Any]:
+def reduce_metrics(metrics: dict[str, float], d: Dist) -> dict[str, float]:
     """One metrics line for the whole run from every rank's line.
 
     Ranks hold equal shares, so a mean over a rank's sequences averages to the mean over
@@ -143,9 +143,9 @@ def reduce_metrics(metrics: dict[str, Any], d: Dist) -> dict[str, Any]:
     """
     if not d.active:
         return metrics
-    lines: list[dict[str, Any]] = [{} for _ in range(d.world_size)]
+    lines: list[dict[str, float]] = [{} for _ in range(d.world_size)]
     dist.all_gather_object(lines, metrics)
-    out: dict[str, Any] = {}
+    out: dict[str, float] = {}
     for key, value in metrics.items():
         values = [line[key] for line in lines if key in line]
         if key in ("step", "lr") or not isinstance(value, int | float):

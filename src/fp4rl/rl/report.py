@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from statistics import mean
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from fp4rl.rl.rundir import RunDir
+from fp4rl.rl.rundir import Metrics, RunDir
 from fp4rl.rollout.mismatch import NEMO_RL_LIMITS, nemo_rl_means, nemo_rl_verdict
 
 PANELS = (
@@ -32,7 +31,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return [mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
-def plot_curves(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def plot_curves(rows: list[Metrics], path: Path, title: str = "") -> None:
     fig, axes = plt.subplots(2, 4, figsize=(16, 6))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes.flat, PANELS, strict=True):

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.yaml"
 #: one JSON line per step
 METRICS = "metrics.jsonl"
+#: one step's metrics line: every value a number (``step`` an int, the rest floats)
+Metrics = dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class RunDir:
                                   + "; ".join(problems))
 
     # ----- metrics -----------------------------------------------------------------------
-    def append_metrics(self, metrics: dict[str, Any]) -> None:
+    def append_metrics(self, metrics: Metrics) -> None:
         """One step's line, on disk before the next step starts."""
         with open(self.metrics_file, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -145,7 +147,7 @@ class RunDir:
         """Drop the lines of a run that never reached a checkpoint."""
         self.metrics_file.unlink(missing_ok=True)
 
-    def read_metrics(self) -> list[dict[str, Any]]:
+    def read_metrics(self) -> list[Metrics]:
         return read_metrics(self.metrics_file)
 
 
@@ -180,7 +182,7 @@ def _parse_step(line: str) -> int | None:
         return None  # a line cut short by a kill
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: str | Path) -> list[Metrics]:
     """All complete lines of a metrics.jsonl file."""
     rows = []
     for line in Path(path).read_text().splitlines():

@@ -55,7 +55,7 @@ from fp4rl.rl.optim import build_optimizer
 from fp4rl.rl.plan import RunPlan, plan_run
 from fp4rl.rl.resume import Checkpointer
 from fp4rl.rl.rewards import get_reward
-from fp4rl.rl.rundir import RunDir, check_same_run
+from fp4rl.rl.rundir import Metrics, RunDir, check_same_run
 from fp4rl.rollout import (
     RolloutBatch,
     RolloutEngine,
@@ -264,7 +264,7 @@ class Trainer:
     def _reward_name(self, example: Example) -> str:
         return self.cfg.data.reward or example.reward
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> Metrics:
         """Run one RL step and return its metrics (timings in ``last_timings`` too)."""
         g = self.cfg.grpo
         self.step += 1
@@ -306,7 +306,7 @@ class Trainer:
         return _to_device(batch, self.device), torch.cat([rewards[c] for c in order])
 
     def _metrics(self, rewards: torch.Tensor, batch: RolloutBatch, stats: dict[str, float],
-                 timings: StepTimings) -> dict[str, Any]:
+                 timings: StepTimings) -> Metrics:
         grouped = rewards.reshape(-1, self.cfg.grpo.num_generations)
         lengths = batch.response_mask.sum(1).float()
         return {
@@ -533,8 +533,8 @@ class Trainer:
         return True
 
     def train(self, steps: int | None = None, resume: bool = False,
-              progress: Callable[[int, int, dict[str, Any]], None] | None = None
-              ) -> list[dict[str, Any]]:
+              progress: Callable[[int, int, Metrics], None] | None = None
+              ) -> list[Metrics]:
         """Run until ``steps`` (default ``run.steps``); returns this call's metrics."""
         total = steps or self.cfg.run.steps
         resumed = resume and self.resume()
