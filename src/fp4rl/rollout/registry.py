@@ -1,6 +1,6 @@
-"""The rollout engines by name: ``hf`` (fp4rl's KV-cache engine, also accepted as
-``fp4rl``) and ``vllm`` (vLLM with the fp4rl quantization method); ``auto`` picks vLLM on
-a GPU where it is installed, else ``hf``. The training config's
+"""The rollout engines by name: ``hf`` (fp4rl's KV-cache engine) and ``vllm`` (vLLM with
+the fp4rl quantization method); ``auto`` picks vLLM on a GPU where it is installed, else
+``hf``. The training config's
 ``rollout.engine``, ``fp4rl demo --rollout-engine``, ``fp4rl bench rollout --engine`` and
 the TRL plug-in's ``fp4_rollout_engine`` all read names from here; an engine of one's own
 registers with :func:`register_engine` and is then accepted wherever those are."""
