@@ -9,7 +9,7 @@ the TRL plug-in sample through it. This package sits below ``rl/`` and ``integra
 and imports neither.
 """
 
-from fp4rl.rollout.base import ProgressFn, RolloutEngine, RolloutSetup
+from fp4rl.rollout.base import ProgressFn, RolloutEngine, RolloutSetup, settings_as
 from fp4rl.rollout.batch import (
     RolloutBatch,
     SamplingConfig,
@@ -34,4 +34,4 @@ __all__ = ["EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
            "RolloutEngine", "RolloutSetup", "SamplingConfig", "VLLMEngine", "build_engine",
            "concat_batches", "engine_name", "generate", "get_engine", "left_pad", "list_engines",
            "position_ids", "register_engine", "resolve_engine", "row_generators", "sample_next",
-           "sample_seed"]
+           "sample_seed", "settings_as"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import torch
 from pydantic import BaseModel
@@ -57,14 +57,18 @@ class RolloutSetup:
     settings: BaseModel | None = None
 
     def settings_as(self, model: type[_S]) -> _S:
-        """``settings`` as the engine's own ``model`` (its defaults where None): an engine
-        reads its fields typed, and a section of another engine's model is refused."""
-        if self.settings is None:
-            return model()
-        if not isinstance(self.settings, model):
-            raise TypeError(f"{model.__name__} settings expected, got "
-                            f"{type(self.settings).__name__}")
-        return self.settings
+        """``settings`` as the engine's own ``model`` (:func:`settings_as`)."""
+        return settings_as(self.settings, model)
+
+
+def settings_as(settings: BaseModel | None, model: type[_S]) -> _S:
+    """``settings`` as an engine's own ``model`` (its defaults where None): an engine reads
+    its fields typed, and a section of another engine's model is refused."""
+    if settings is None:
+        return model()
+    if not isinstance(settings, model):
+        raise TypeError(f"{model.__name__} settings expected, got {type(settings).__name__}")
+    return settings
 
 
 class RolloutEngine(Protocol):
@@ -80,13 +84,14 @@ class RolloutEngine(Protocol):
     settings: ClassVar[type[BaseModel] | None]
 
     @classmethod
-    def check_config(cls, settings: Any, recipe: Recipe, shards: bool,
+    def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
                      named: bool) -> None:
         """Refuse, in one line, a training config this engine could not serve, before
         anything loads and without importing the engine's own library: ``settings`` its
-        validated section, ``shards`` whether the run shards its model (FSDP2), ``named``
-        whether the config names this engine (else ``auto`` may pick it). ``settings`` is
-        typed Any: each engine takes an instance of its own ``settings`` model (or None)."""
+        validated section (an instance of its ``settings`` model, read typed with
+        :func:`settings_as`; None for an engine that takes none), ``shards`` whether the
+        run shards its model (FSDP2), ``named`` whether the config names this engine (else
+        ``auto`` may pick it)."""
 
     @classmethod
     def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:

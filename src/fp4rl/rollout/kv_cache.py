@@ -203,7 +203,8 @@ class KVCacheEngine:
     settings: ClassVar[type[BaseModel] | None] = None
 
     @classmethod
-    def check_config(cls, settings: None, recipe: Recipe, shards: bool, named: bool) -> None:
+    def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
+                     named: bool) -> None:
         """Every config runs here."""
 
     def __init__(self, policy: torch.nn.Module, pad_token_id: int,

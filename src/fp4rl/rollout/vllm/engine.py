@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fp4rl.errors import ConfigError
-from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds
+from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds, settings_as
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
@@ -194,11 +194,12 @@ class VLLMEngine:
     settings: ClassVar[type[BaseModel] | None] = VLLMSettings
 
     @classmethod
-    def check_config(cls, settings: VLLMSettings, recipe: Recipe, shards: bool,
+    def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
                      named: bool) -> None:
         """What would pass and then fail inside vLLM: packed storage under FSDP (whose refit
         sends values, not codes), and, when named, a rollout the plug-in cannot run."""
-        if shards and settings.weight_storage is WeightStorage.PACKED:
+        if shards and settings_as(settings, VLLMSettings).weight_storage is \
+                WeightStorage.PACKED:
             raise ConfigError("distributed.strategy=fsdp refits each engine with Q(W)'s "
                               "values gathered from the shards, which rollout.vllm."
                               "weight_storage=packed cannot keep: use weight_storage="
