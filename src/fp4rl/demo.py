@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from fp4rl.rl.datasets import encode_examples, load_split
 from fp4rl.rl.evaluate import EvalResult, evaluate
 from fp4rl.rl.report import plot_curves
 from fp4rl.rl.trainer import Trainer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
 MISMATCH = "sampling/sampling_logp_difference/mean"
@@ -163,16 +167,18 @@ def _recipe_label(cfg: TrainConfig) -> str:
     return f"{label}+{r.recovery.label}" if r.recovery.label else label
 
 
-def _evaluate(net: torch.nn.Module, tok: object, examples: list, prompts: list,
-              cfg: TrainConfig, precision: str, k: int = 1, batch_size: int = 50) -> EvalResult:
+def _evaluate(net: torch.nn.Module, tok: PreTrainedTokenizerBase, examples: list,
+              prompts: list, cfg: TrainConfig, precision: str, k: int = 1,
+              batch_size: int = 50) -> EvalResult:
     """Greedy Mean@1 (``k`` 1) or ``k`` samples per prompt at the training temperature."""
     return evaluate(net, tok, examples, prompts, k=k, batch_size=batch_size,
                     temperature=cfg.grpo.temperature, mixed_precision=precision,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.grpo.max_response_length)
 
 
-def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, task: Prompts,
-                  words: Prompts, precision: str, samples: int) -> dict[str, EvalResult]:
+def _evaluate_all(net: torch.nn.Module, tok: PreTrainedTokenizerBase, cfg: TrainConfig,
+                  task: Prompts, words: Prompts, precision: str, samples: int
+                  ) -> dict[str, EvalResult]:
     """Greedy accuracy of the master weights as the FP4 rollout policy and unquantized,
     and the FP4 policy's reward sampled as in training (the same sampling seed before and
     after training, so the two draws share their random numbers), on the held-out
@@ -185,7 +191,7 @@ def _evaluate_all(net: torch.nn.Module, tok: object, cfg: TrainConfig, task: Pro
             REWARD: sampled, TRANSFER: _evaluate(net, tok, *words, cfg, precision)}
 
 
-def _held_out(cfg: TrainConfig, tok: object, seed: int, n: int,
+def _held_out(cfg: TrainConfig, tok: PreTrainedTokenizerBase, seed: int, n: int,
               data: dict[str, str] | None = None) -> Prompts:
     """``n`` test examples of the config's task (or of ``data`` changed into it) and their
     token ids."""
@@ -262,7 +268,8 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     return 0
 
 
-def _zero_collapse(net: torch.nn.Module, tok: object) -> dict[str, dict[str, float]]:
+def _zero_collapse(net: torch.nn.Module, tok: PreTrainedTokenizerBase
+                   ) -> dict[str, dict[str, float]]:
     acts = capture_linear_inputs(net, encode_prompts(tok, BUILTIN_PROMPTS[:6]),
                                  r"mlp\.down_proj$")
     return zero_fractions(acts, ZERO_FORMATS)

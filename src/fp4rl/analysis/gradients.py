@@ -43,7 +43,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -74,6 +74,9 @@ from fp4rl.rollout import (
     row_generators,
     sample_seed,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 GEMMS = ("Y", "dX", "dW")
 SCHEMES = ("requantize", "reuse_forward")
@@ -212,7 +215,8 @@ class GradientBatch:
                 "temperature": self.temperature, "advantages": self.advantage_source}
 
 
-def sample_batch(model: nn.Module, tokenizer: Any, fmt: str, *, prompts: int = 4,
+def sample_batch(model: nn.Module, tokenizer: PreTrainedTokenizerBase, fmt: str, *,
+                 prompts: int = 4,
                  group: int = 4, max_new_tokens: int = 64, levels: Sequence[int] = (1, 2),
                  temperature: float = 0.8, seed: int = 0, max_sequences: int = 16,
                  loss: LossConfig | None = None) -> GradientBatch:

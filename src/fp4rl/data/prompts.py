@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fp4rl.data.example import Example, Message
 from fp4rl.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _PLACEHOLDER = "{problem}"
 
@@ -81,14 +84,14 @@ def prompt_messages(
     return [dict(turn) for turn in example.prompt]
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: PreTrainedTokenizerBase | None) -> bool:
     """Whether ``tokenizer`` carries a chat template (instruct models do, base models not)."""
     return bool(getattr(tokenizer, "chat_template", None))
 
 
 def build_prompt(
     example: Example,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     template: PromptTemplate | str | None = None,
 ) -> str:
     """The model input text for an example.
@@ -98,6 +101,8 @@ def build_prompt(
     blank lines, ending in a newline so generation starts on a fresh line.
     """
     messages = prompt_messages(example, template)
-    if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if tokenizer is not None and has_chat_template(tokenizer):
+        # with tokenize=False the template returns the text
+        return str(tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                 add_generation_prompt=True, tokenize=False))
     return "\n\n".join(turn["content"] for turn in messages) + "\n"

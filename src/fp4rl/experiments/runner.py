@@ -28,7 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -37,6 +37,9 @@ from fp4rl.errors import UserError
 from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPlan
 from fp4rl.paths import write_json
 from fp4rl.rollout.mismatch import nemo_rl_means
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 RESULT = "result.json"
 INITIAL = "initial.json"
@@ -184,7 +187,8 @@ def _holder_alive(lock: Path) -> bool:
     return True
 
 
-def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, list]]:
+def _eval_sets(exp: Experiment, cfg: Any, tok: PreTrainedTokenizerBase
+               ) -> list[tuple[str, list, list]]:
     from fp4rl.rl.datasets import encode_examples, load_split
     from fp4rl.rl.sources import eval_examples
 
@@ -208,7 +212,7 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: Any) -> list[tuple[str, list, lis
     return sets
 
 
-def _score(model: torch.nn.Module, tok: Any, cfg: Any,
+def _score(model: torch.nn.Module, tok: PreTrainedTokenizerBase, cfg: Any,
            sets: list[tuple[str, list, list]]) -> dict[str, Any]:
     from fp4rl.rl.evaluate import evaluate
 

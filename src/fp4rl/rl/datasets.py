@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fp4rl.data import Example, build_prompt, load_examples, synthetic_dataset
 from fp4rl.data.loaders import DataError
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import ConfigError
 from fp4rl.rl.config import DataConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_split(cfg: DataConfig, split: str, seed: int = 0,
@@ -30,7 +33,8 @@ def load_split(cfg: DataConfig, split: str, seed: int = 0,
     return load_examples(cfg.source, path, fields=cfg.fields, strict=cfg.strict, limit=n)
 
 
-def encode_examples(examples: list[Example], tokenizer: Any, max_prompt_length: int,
+def encode_examples(examples: list[Example], tokenizer: PreTrainedTokenizerBase,
+                    max_prompt_length: int,
                     template: str | None = None, strict: bool = False,
                     log: Callable[[str], None] = print
                     ) -> tuple[list[Example], list[list[int]]]:
@@ -58,7 +62,7 @@ def encode_examples(examples: list[Example], tokenizer: Any, max_prompt_length: 
     return kept, encoded
 
 
-def stop_token_ids(tokenizer: Any) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS plus the chat end-of-turn tokens a chat model may emit instead."""
     ids = {tokenizer.eos_token_id}
     vocab = tokenizer.get_vocab()

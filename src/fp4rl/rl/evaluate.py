@@ -15,7 +15,7 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from fp4rl.rollout import (
     concat_batches,
     sample_seed,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -61,7 +64,8 @@ def prompt_digest(examples: list[Example]) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module | None, tokenizer: Any, examples: list[Example],
+def evaluate(model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
+             examples: list[Example],
              prompts: list[list[int]], *, k: int = 1, temperature: float = 1.0,
              max_new_tokens: int = 256, seed: int = 0, batch_size: int = 32,
              reward: str | None = None, eos_token_ids: list[int] | None = None,

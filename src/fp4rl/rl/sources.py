@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
@@ -17,6 +17,9 @@ from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import DataConfig, recipe_of
 from fp4rl.rl.datasets import encode_examples, load_split
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class CheckpointNotFoundError(UserError, FileNotFoundError):
@@ -42,7 +45,7 @@ class TrainedPolicy:
     """A run's trained master weights on its base model, and where they came from."""
 
     model: torch.nn.Module
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     path: Path
     recipe: Recipe
 
@@ -105,7 +108,8 @@ def field_mapping(fields: list[str]) -> dict[str, str]:
     return mapping
 
 
-def eval_examples(spec: str, tokenizer: Any, n: int, levels: list[int], seed: int = 0,
+def eval_examples(spec: str, tokenizer: PreTrainedTokenizerBase, n: int, levels: list[int],
+                  seed: int = 0,
                   fields: list[str] | None = None,
                   max_prompt_length: int = 4096, template: str | None = None
                   ) -> tuple[list[Example], list[list[int]]]:

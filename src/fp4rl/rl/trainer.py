@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from fp4rl.rollout import (
     sample_seed,
 )
 from fp4rl.rollout.weight_sync import is_fsdp
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class _Sequences(NamedTuple):
@@ -117,7 +120,7 @@ class Trainer:
     """GRPO on one model object that serves as both the rollout and the training policy."""
 
     def __init__(self, config: TrainConfig | RunPlan, output_dir: str | Path,
-                 model: torch.nn.Module, tokenizer: Any, *,
+                 model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, *,
                  optimizer: torch.optim.Optimizer | None = None,
                  examples: list[Example] | None = None,
                  log: Callable[[str], None] = print) -> None:
