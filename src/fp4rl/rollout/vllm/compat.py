@@ -12,7 +12,7 @@ import importlib.metadata
 import warnings
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -86,7 +86,7 @@ def _layerwise_info() -> Callable[[torch.nn.Module], Any] | None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     except ImportError:
         return None
-    return get_layerwise_info
+    return cast("Callable[[torch.nn.Module], Any]", get_layerwise_info)  # vLLM: untyped
 
 
 __all__ = ["SUPPORTED", "check_version", "declare_reload_weight", "in_layerwise_reload",

@@ -160,7 +160,8 @@ def engine_model(llm: Any) -> torch.nn.Module:
     a refit goes through :func:`refit`)."""
     executor = llm.llm_engine.model_executor
     worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
-    return worker.model_runner.model
+    model: torch.nn.Module = worker.model_runner.model  # vLLM's objects are untyped here
+    return model
 
 
 def model_dir(name_or_path: str) -> str:

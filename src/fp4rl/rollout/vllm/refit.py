@@ -12,11 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fp4rl.gemm import Operand, PackedOperand
+
+if TYPE_CHECKING:
+    from fp4rl.nn import FP4Linear
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ def _units(model: torch.nn.Module, layers: Mapping[str, torch.nn.Linear]
             yield {name: p}
 
 
-def _grid(layer: Any, packed: bool) -> Operand | PackedOperand:
+def _grid(layer: FP4Linear, packed: bool) -> Operand | PackedOperand:
     if packed:
         return layer.recovery.weight_operand(layer.weight.detach(), packed=True)
     return layer.rollout_weight(torch.float32).to(torch.bfloat16)
@@ -177,8 +180,8 @@ def workers_in_this_process(llm: Any) -> bool:
     if type(llm.llm_engine.engine_core).__name__ != "InprocClient":
         return False
     parallel = llm.llm_engine.vllm_config.parallel_config
-    return parallel.world_size == 1 or \
-        parallel.distributed_executor_backend == "external_launcher"
+    return bool(parallel.world_size == 1 or
+                parallel.distributed_executor_backend == "external_launcher")
 
 
 def refit(llm: Any, model: torch.nn.Module, packed: bool = False,
