@@ -25,7 +25,7 @@ import pickle
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors import SafetensorError
@@ -38,6 +38,21 @@ CHECKPOINTS = "checkpoints"
 SHARDS = "dcp"  # torch.distributed.checkpoint directory of a sharded checkpoint
 LATEST = "latest"
 COMPLETE = "trainer_state.json"  # written last inside a checkpoint
+
+
+class RunState(TypedDict):
+    """What a checkpoint keeps of a run beside its weights and optimizer (``state.pt``,
+    the trainer's ``state()``): the step, the data cursor (epoch, index), every random
+    generator, the rollout recoveries' own state by layer, and the config as run (its
+    JSON form, which a resume compares with the config it is given)."""
+
+    step: int
+    cursor: tuple[int, int]
+    torch_rng: torch.Tensor
+    python_rng: tuple[Any, ...]
+    numpy_rng: tuple[Any, ...] | dict[str, Any]
+    recovery: dict[str, Any]
+    config: dict[str, Any]
 
 
 def _fsync_tree(path: Path) -> None:
@@ -54,7 +69,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    optimizer: torch.optim.Optimizer, state: RunState,
                     keep: int = 2) -> Path:
     """Atomically write checkpoint ``step`` and point ``latest`` at it; prune old ones."""
     root = run_dir / CHECKPOINTS
@@ -67,7 +82,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
 
 
 def save_sharded_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                            optimizer: torch.optim.Optimizer, state: RunState,
                             rank: int, keep: int = 2,
                             consolidated: torch.nn.Module | None = None) -> Path:
     """Every rank of an FSDP2 run writes its model and optimizer shards and its state;
@@ -191,7 +206,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def restore_checkpoint(path: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+                    optimizer: torch.optim.Optimizer | None = None) -> RunState:
     """Restore a whole model (and optimizer) in place; return the saved trainer state.
 
     A sharded checkpoint without a consolidated ``model.safetensors`` loads its model
@@ -203,7 +218,7 @@ def restore_checkpoint(path: Path, model: torch.nn.Module,
     load_weights(path, model)
     if optimizer is not None:
         optimizer.load_state_dict(read_torch(path / "optimizer.pt"))
-    state: dict[str, Any] = read_torch(path / "state.pt")
+    state: RunState = read_torch(path / "state.pt")
     return state
 
 
@@ -235,7 +250,7 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
 
 
 def restore_sharded_checkpoint(path: Path, model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
+                            optimizer: torch.optim.Optimizer, rank: int) -> RunState:
     """Restore this rank's model and optimizer shards of an FSDP2 run (the same world
     size that wrote them); return this rank's saved trainer state."""
     from torch.distributed.checkpoint import load
@@ -243,9 +258,9 @@ def restore_sharded_checkpoint(path: Path, model: torch.nn.Module,
 
     verify_checkpoint(path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
-    load(state, checkpoint_id=str(path / SHARDS))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    rank_state: dict[str, Any] = read_torch(path / _state_file(rank))
+    shards: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
+    load(shards, checkpoint_id=str(path / SHARDS))
+    set_state_dict(model, optimizer, model_state_dict=shards["model"],
+                   optim_state_dict=shards["optimizer"])
+    rank_state: RunState = read_torch(path / _state_file(rank))
     return rank_state

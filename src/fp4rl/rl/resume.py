@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -41,7 +40,7 @@ class Checkpointer:
     def sharded(self) -> bool:
         return is_fsdp(self.model)
 
-    def save(self, step: int, state: dict[str, Any], consolidate: bool = False
+    def save(self, step: int, state: ckpt.RunState, consolidate: bool = False
              ) -> Path | None:
         """Write step ``step``'s checkpoint with the trainer ``state``; the path on rank 0.
         Whole models are written by rank 0 (``model.safetensors``, a Hugging Face
@@ -64,7 +63,7 @@ class Checkpointer:
                                             consolidated=whole)
         return path if self.dist.is_main else None
 
-    def load_latest(self) -> tuple[Path, dict[str, Any]] | None:
+    def load_latest(self) -> tuple[Path, ckpt.RunState] | None:
         """Load the latest checkpoint that loads into the model and optimizer; its path
         and trainer state, or None when the run has none. A damaged checkpoint is reported
         and the previous complete one tried."""
@@ -79,7 +78,7 @@ class Checkpointer:
                                   "loads (see the warnings above)")
         return None
 
-    def _load(self, path: Path) -> dict[str, Any]:
+    def _load(self, path: Path) -> ckpt.RunState:
         if not self.sharded:
             return ckpt.restore_checkpoint(path, self.model, self.optimizer)
         if not ckpt.has_shards(path):

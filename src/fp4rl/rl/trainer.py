@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from fp4rl.precision import (
     autocast,
     slow_bf16_note,
 )
+from fp4rl.rl.checkpoint import RunState
 from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.datasets import encode_examples, load_split, stop_token_ids
 from fp4rl.rl.distributed import (
@@ -495,7 +496,7 @@ class Trainer:
         return ref.eval()
 
     # ----- run, checkpoints, resume --------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state(self) -> RunState:
         return {
             "step": self.step, "cursor": (self.cursor.epoch, self.cursor.index),
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
@@ -504,7 +505,7 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
         }
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: RunState) -> None:
         self.step = state["step"]
         self.cursor = DataCursor(*state["cursor"])
         torch.set_rng_state(state["torch_rng"])
