@@ -276,7 +276,7 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
     from fp4rl.recovery import make_recovery
     from fp4rl.recovery.ops import TracedActivation
     from fp4rl.rollout.vllm.config import WeightStorage
-    from fp4rl.rollout.vllm.stores import DequantizedStore, PackedStore, WeightStore
+    from fp4rl.rollout.vllm.stores import DequantizedStore, keep_packed
 
     k, n = shape
     r = get_recipe(recipe).rollout
@@ -294,8 +294,8 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
         with recording():  # built as on a GPU (which decides whether it fuses); not counted
             part = recovery.weight_operand(w, packed=storage is WeightStorage.PACKED)
             # the store each layout's scheme keeps (fp4rl.rollout.vllm.method)
-            store: WeightStore = PackedStore.of([part], bf16) \
-                if isinstance(part, PackedOperand) else \
+            store = keep_packed([part], bf16, prepack=False) \
+                if storage is WeightStorage.PACKED else \
                 DequantizedStore.of([part], bf16, prepack=False)
         with recording() as rec:
             acts = activation(x, bf16)

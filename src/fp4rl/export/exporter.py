@@ -114,12 +114,12 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt
     them to bf16 first would move values across FP4 rounding boundaries and block scales.
     Everything else is stored in bf16."""
     name = check_format(fmt)
-    check_recipe(name, recipe)
+    rollout = check_recipe(name, recipe)  # the recipe read in once: the payload takes it
     directory = Path(output)
     check_output(directory)
     export = get_export_format(name)
-    # the recipe read in once, here: the format's payload takes the object
-    rollout = vllm_recipe(recipe or DEFAULT_VLLM_RECIPE) if export.takes_recipe else None
+    if export.takes_recipe and rollout is None:
+        rollout = vllm_recipe(DEFAULT_VLLM_RECIPE)
     payload = export.payload(model, ignores, rollout)
     write_directory(directory, model, tokenizer, payload)
     return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),

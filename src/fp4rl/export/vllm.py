@@ -37,11 +37,13 @@ MERGED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 DEFAULT_VLLM_RECIPE = "hif4+resq-2:4"
 
 
-def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = False) -> None:
+def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = False
+                 ) -> Recipe | None:
     """Refuse a recipe given with a format other than ``vllm``, ``"run"`` without a run,
-    and a recipe the vLLM plug-in cannot run, before any model is loaded."""
+    and a recipe the vLLM plug-in cannot run, before any model is loaded; the recipe read
+    (None for none, or for ``"run"``, which the run's checkpoint resolves)."""
     if recipe is None:
-        return
+        return None
     if fmt != "vllm":
         raise ExportError(f"--recipe applies to --format vllm only (the rollout recipe vLLM "
                           f"runs); the {fmt} export quantizes what the run trained: drop "
@@ -50,8 +52,8 @@ def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = Fals
         if not run_allowed:
             raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
                               "names); with --model give a recipe name, e.g. hif4+resq-2:4")
-        return
-    vllm_recipe(recipe)
+        return None
+    return vllm_recipe(recipe)
 
 
 def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:

@@ -419,8 +419,7 @@ class FP4Linear(nn.Linear):
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
         packed = self._packed_rollout_weight(x2, dtype)
-        acts = None if packed is None else self.recovery.activation(x2, dtype)
-        if packed is not None and acts is not None and len(acts) <= 2:
+        if packed is not None and len(acts := self.recovery.activation(x2, dtype)) <= 2:
             # the checks are made (packed_fusion): straight to the operator
             y = packed_gemm(acts, packed, dtype, self.bias)
         else:

@@ -20,7 +20,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import NumberFormat
-from fp4rl.gemm import Operand, PackedOperand
+from fp4rl.gemm import Operand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
@@ -38,7 +38,7 @@ from fp4rl.rollout.vllm.loading import (
     weight_loader_of,
 )
 from fp4rl.rollout.vllm.sharding import Partition, check_partition
-from fp4rl.rollout.vllm.stores import DequantizedStore, PackedStore, Part, WeightStore
+from fp4rl.rollout.vllm.stores import DequantizedStore, Part, WeightStore, keep_packed
 
 
 class FP4RLScheme(ABC):
@@ -160,11 +160,7 @@ class PackedScheme(FP4RLScheme):
                             "rollout.vllm.refit_wire=packed)")
 
     def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
-        """Codes as they are; dense parts (an unquantized layer has no codes) as values."""
-        packed = [p for p in parts if isinstance(p, PackedOperand)]
-        if len(packed) == len(parts):
-            return PackedStore.of(packed, state.dtype)
-        return DequantizedStore.of(parts, state.dtype, state.prepack)
+        return keep_packed(parts, state.dtype, state.prepack)
 
 
 #: the scheme of each weight layout

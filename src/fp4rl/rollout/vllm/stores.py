@@ -169,6 +169,16 @@ class PackedStore(WeightStore):
         return sum(p.nbytes for p in self.parts)
 
 
+def keep_packed(parts: list[Part], dtype: torch.dtype, prepack: bool = True) -> WeightStore:
+    """The store of a layer that keeps ``Q(W)`` packed (``weight_storage: packed``): the
+    codes as they are; where a part came as values (an unquantized layer has no codes),
+    the layer's parts as values."""
+    packed = [p for p in parts if isinstance(p, PackedOperand)]
+    if len(packed) == len(parts):
+        return PackedStore.of(packed, dtype)
+    return DequantizedStore.of(parts, dtype, prepack)
+
+
 def _fuses(parts: list[PackedOperand], dtype: torch.dtype) -> bool:
     """Whether a packed store of ``parts`` multiplies through the fused packed GEMM: bf16,
     every part's format and device with the kernel (any token count: the operator picks
@@ -251,5 +261,5 @@ def _packed_matmul(values: torch.Tensor
     return lambda rows, bias: ops.onednn_mm(handle, rows, bias)
 
 
-__all__ = ["DequantizedStore", "Gemm", "PackedStore", "Part", "WeightStore",
+__all__ = ["DequantizedStore", "Gemm", "PackedStore", "Part", "WeightStore", "keep_packed",
            "release_freed_memory"]
