@@ -3,6 +3,8 @@ schema that validates it, so the printed help cannot drift from the code."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 from pydantic import BaseModel
 
@@ -20,6 +22,9 @@ def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
     keys = set()
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        optional = [a for a in get_args(annotation) if a is not type(None)]
+        if len(optional) == 1 and type(None) in get_args(annotation):  # Model | None
+            annotation = optional[0]
         if name == "config" and model is Recovery:  # flat beside the method's name
             for method in list_recoveries():
                 keys |= _schema_keys(get_recovery(method).config_cls, prefix)
@@ -28,8 +33,8 @@ def _schema_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
         else:
             keys.add(f"{prefix}{name}")
     if model is RolloutConfig:
-        for engine in list_engines():
-            if get_engine(engine).settings is not None:
+        for engine in list_engines():  # sections that are not fields: run-time engines'
+            if get_engine(engine).settings is not None and engine not in model.model_fields:
                 keys |= _schema_keys(get_engine(engine).settings, f"{prefix}{engine}.")
     return keys
 

@@ -125,6 +125,25 @@ def test_enforce_eager_is_auto_or_a_boolean(value):
                        ).rollout.settings_of("vllm").enforce_eager is False
 
 
+def test_the_vllm_section_is_a_typed_field_written_only_where_given():
+    """``rollout.vllm`` is a declared field holding the settings model (not an untyped
+    extra key); a config that does not give it reads the defaults and writes no such key,
+    so a config as run loads back as it was, under either engine."""
+    from fp4rl.rl.config import RolloutConfig, load_config, validate
+    from fp4rl.rollout.vllm.settings import VLLMSettings
+
+    assert RolloutConfig.model_fields["vllm"].annotation == VLLMSettings | None
+    given = load_config(None, ["rollout.engine=vllm", "rollout.vllm.refit_piece_bytes=4096"])
+    assert isinstance(given.rollout.vllm, VLLMSettings)
+    assert given.rollout.vllm.refit_piece_bytes == 4096
+    assert given.rollout.__pydantic_extra__ == {}
+    hf = load_config(None, ["rollout.engine=hf"])
+    assert hf.rollout.vllm is None and "vllm" not in hf.model_dump(mode="json")["rollout"]
+    assert hf.rollout.settings_of("vllm") == VLLMSettings()
+    for cfg in (given, hf):
+        assert validate(cfg.model_dump(mode="json")) == cfg
+
+
 def test_engines_compile_on_gpus_for_every_format(monkeypatch):
     """auto: eager on CPU; compiled on GPUs, NVFP4 included (its per-tensor activation
     scale stays on the device: tests/kernels/test_device_discipline.py)."""

@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from fp4rl.rl.config.schema import TrainConfig
-from fp4rl.settings import Choices, Variants, marker
+from fp4rl.settings import Choices, Variants, marker, section_model
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,16 @@ def config_fields(schema: type[BaseModel] = TrainConfig, prefix: str = ""
                   ) -> list[ConfigField]:
     """Every setting of ``schema`` by dotted key, read from its fields: a section's row,
     then its settings; a variant field's parameters for each variant; the sections of a
-    model's extra keys (``rollout.<engine>``)."""
+    model's extra keys (``rollout.<engine>`` of an engine registered at run time)."""
     rows = []
     for name, field in schema.model_fields.items():
         key, annotation = f"{prefix}{name}", field.annotation
         variants = marker(field.metadata, Variants)
         if variants is not None:
             rows += _variant_fields(variants, prefix)
-        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        elif (section := section_model(annotation)) is not None:
             rows.append(ConfigField(key, "section", "", field.description or ""))
-            rows += config_fields(annotation, f"{key}.")
+            rows += config_fields(section, f"{key}.")
         else:
             rows.append(ConfigField(key, type_name(annotation, field.metadata),
                                     default_text(field), describe(field)))

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.nn.recipe import RolloutPrecision, get_recipe
@@ -17,6 +18,7 @@ from fp4rl.presets import preset_path
 from fp4rl.rl.config.overrides import apply_override, set_path
 from fp4rl.rl.config.schema import TrainConfig
 from fp4rl.rl.config.yaml12 import Loader
+from fp4rl.settings import section_model
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -53,7 +55,7 @@ _HINTS = {"mixed_precision": "mixed_precision=no|bf16|auto (the compute dtype; m
                              "are always FP32)"}
 
 
-def _suggestion(error: Any) -> str:
+def _suggestion(error: ErrorDetails) -> str:
     """"; did you mean X?" for an unknown key close to a field of its section, or the key
     for a setting named as another framework names it."""
     if error["type"] != "extra_forbidden":
@@ -61,13 +63,12 @@ def _suggestion(error: Any) -> str:
     if len(error["loc"]) == 1 and error["loc"][0] in OTHER_NAMES:
         ours = OTHER_NAMES[error["loc"][0]]
         return f"; fp4rl's setting for it is {_HINTS.get(ours, ours)}"
-    section: Any = TrainConfig
+    section: type[BaseModel] | None = TrainConfig
     for part in error["loc"][:-1]:
-        annotation = section.model_fields[part].annotation if part in section.model_fields \
-            else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        section = annotation
+        field = section.model_fields.get(str(part)) if section is not None else None
+        section = section_model(field.annotation) if field is not None else None
+    if section is None:
+        return ""
     close = difflib.get_close_matches(str(error["loc"][-1]), list(section.model_fields), n=1)
     return f"; did you mean {close[0]}?" if close else ""
 

@@ -4,7 +4,8 @@ whole. Every field carries its description, which ``fp4rl train --help-config`` 
 :class:`~fp4rl.nn.recipe.TrainPrecision`, ``rollout`` extends
 :class:`~fp4rl.nn.recipe.RolloutPrecision`, whose recovery holds the method's registered
 parameters model); each rollout engine's own section, ``rollout.<engine>``, is the settings
-model the engine registered."""
+model the engine registered: a declared, typed field for the engines fp4rl ships
+(``rollout.vllm``), and for an engine registered at run time its model's instance."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -35,6 +38,7 @@ from fp4rl.rollout.registry import (
     get_engine,
     list_engines,
 )
+from fp4rl.rollout.vllm.settings import VLLMSettings
 from fp4rl.settings import Choices, problem
 
 
@@ -184,22 +188,34 @@ def _engine_settings() -> dict[str, type[BaseModel]]:
             if (model := get_engine(name).settings) is not None}
 
 
+def _plugin_sections() -> dict[str, type[BaseModel]]:
+    """The settings models of the engines registered at run time, whose sections are not
+    fields of :class:`RolloutConfig` (what the help prints under each one's name)."""
+    return {name: model for name, model in _engine_settings().items()
+            if name not in RolloutConfig.model_fields}
+
+
 #: a rollout engine's name, an alias of one, or ``auto`` (:data:`AUTO_PICKS`)
 EngineName = Annotated[str, Choices(lambda: [*list_engines(), AUTO], _engine_summaries)]
 
 
 class RolloutConfig(RolloutPrecision):
     """``rollout``: the rollout policy (the recipe's part), the engine that runs it, and
-    under ``rollout.<engine>`` the settings of each engine that takes some, validated by
-    the model that engine registered (no engine is named here)."""
+    under ``rollout.<engine>`` the settings of each engine that takes some: ``vllm`` a
+    typed section of its own; an engine registered at run time, its key validated by the
+    model that engine registered."""
 
-    #: the extra keys are the engines' sections, each replaced by its settings model
+    #: the extra keys are the sections of engines registered at run time, each replaced
+    #: by its settings model
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    #: ``rollout.<engine>``: what the help prints under each engine's name
-    extra_sections: ClassVar = staticmethod(_engine_settings)
+    #: ``rollout.<engine>`` of the engines registered at run time: what the help prints
+    extra_sections: ClassVar = staticmethod(_plugin_sections)
 
     engine: EngineName = Field(DEFAULT_ENGINE, description="where the rollout runs")
+    vllm: VLLMSettings | None = Field(
+        None, description="the vllm engine's settings (rollout.engine=vllm, or auto where "
+        "it picks vllm); defaults where absent")
 
     @field_validator("engine")
     @classmethod
@@ -211,26 +227,43 @@ class RolloutConfig(RolloutPrecision):
 
     @model_validator(mode="after")
     def _engine_sections(self) -> RolloutConfig:
-        """Each extra key an engine's settings, validated by that engine's model, and only
-        for the engine that runs (or may run, under ``auto``)."""
+        """Each engine section given is for the engine that runs (or may run, under
+        ``auto``); an extra key is a run-time engine's settings, validated by its model."""
         extra = self.__pydantic_extra__ or {}
-        for name, value in extra.items():
-            if name not in list_engines():
-                allowed = [*RolloutConfig.model_fields, *_engine_settings()]
-                raise ValueError(f"rollout: unknown key(s) {[name]}"
-                                 f"{did_you_mean(name, allowed)}; allowed: {allowed}")
+        for name in extra:
+            if name not in _plugin_sections():
+                allowed = [*RolloutConfig.model_fields, *_plugin_sections()]
+                hint = (f"; the {name} engine takes no settings" if name in list_engines()
+                        else did_you_mean(name, allowed))
+                raise ValueError(f"rollout: unknown key(s) {[name]}{hint}; allowed: {allowed}")
+        given = [name for name in _engine_settings() if self._section(name) is not None]
+        for name in given:
             if self.engine not in (name, AUTO):
                 raise ValueError(f"rollout.{name} configures the {name} engine, and "
                                  f"rollout.engine={self.engine} runs another: drop "
                                  f"rollout.{name} or set rollout.engine={name}")
-            model = get_engine(name).settings
-            if model is None:
-                raise ValueError(f"rollout.{name}: the {name} engine takes no settings")
+        for name in extra:
+            model = _plugin_sections()[name]
             try:
-                extra[name] = model.model_validate(value or {})
+                extra[name] = model.model_validate(extra[name] or {})
             except ValidationError as err:
                 raise ValueError(problem(f"rollout.{name}", model, err)) from None
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_sections(self, handler: SerializerFunctionWrapHandler
+                                 ) -> dict[str, object]:
+        """An engine section not given is not written (a config as run names only the
+        settings it has)."""
+        data: dict[str, object] = handler(self)
+        return {k: v for k, v in data.items()
+                if not (v is None and k in _engine_settings())}
+
+    def _section(self, engine: str) -> object:
+        """``rollout.<engine>`` as given: a declared field's value or an extra key's."""
+        if engine in RolloutConfig.model_fields:
+            return getattr(self, engine)
+        return (self.__pydantic_extra__ or {}).get(engine)
 
     def settings_of(self, engine: str) -> BaseModel | None:
         """``rollout.<engine>`` as its engine's settings model, defaults filled in (None for
@@ -238,7 +271,8 @@ class RolloutConfig(RolloutPrecision):
         model = get_engine(engine).settings
         if model is None:
             return None
-        return (self.__pydantic_extra__ or {}).get(engine) or model()
+        given = self._section(engine)
+        return given if isinstance(given, model) else model()
 
     def policy(self) -> RolloutPrecision:
         """The recipe's part: what the rollout computes, not where."""
