@@ -25,6 +25,7 @@ from typing import Final, cast
 import torch
 
 from fp4rl.formats import NumberFormat, get_format
+from fp4rl.formats.base import QuantizeKwargs
 from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
@@ -204,7 +205,7 @@ class PackedOperand:
     def layout(fmt: str | NumberFormat, cols: int) -> PackedTensor:
         """One packed row of ``cols`` values: the fields' names and per-row shapes."""
         f = get_format(fmt)
-        opts = {"per_tensor_scale": False} if f.has_tensor_scale else {}
+        opts: QuantizeKwargs = {"per_tensor_scale": False} if f.has_tensor_scale else {}
         return f.encode(torch.zeros(1, cols), dim=-1, **opts)
 
     @classmethod
@@ -258,7 +259,7 @@ def pack_operand(x: torch.Tensor, fmt: str | NumberFormat, tensor_scale: torch.T
     rows = x.float() if scale is None else x.float() / scale
     packed = encode_rows(f.name, rows) if rows.dim() == 2 else None
     if packed is None:
-        opts = {} if scale is None else {"per_tensor_scale": False}
+        opts: QuantizeKwargs = {} if scale is None else {"per_tensor_scale": False}
         packed = f.encode(rows, dim=-1, **opts)
     return PackedOperand(packed, scale)
 

@@ -7,7 +7,6 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from fp4rl.errors import OutputError
 
@@ -22,7 +21,7 @@ def cache_root() -> Path:
 _NUMBER_LIST = re.compile(r"\[\s*(-?[\d.eE+-]+(?:,\s*-?[\d.eE+-]+)*)\s*\]")
 
 
-def write_json(path: str | Path, payload: Any, inline_numbers: bool = False) -> Path:
+def write_json(path: str | Path, payload: object, inline_numbers: bool = False) -> Path:
     """Write ``payload`` as indented JSON, creating the parent directories; atomic (a
     reader, or a rerun after a kill, sees the old file or the whole new one).
     ``inline_numbers`` puts each list of numbers on one line, which keeps files with long

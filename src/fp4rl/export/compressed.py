@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 import torch
+from pydantic import JsonValue
 from torch import nn
 
 from fp4rl.export.directory import Payload, unquantized_tensors
@@ -82,7 +82,7 @@ def layer_tensors(name: str, packed: PackedTensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def compressed_tensors_config(fmt: str, ignore: list[str]) -> dict[str, Any]:
+def compressed_tensors_config(fmt: str, ignore: list[str]) -> dict[str, JsonValue]:
     """config.json's ``quantization_config``: one group of every Linear not in ``ignore``,
     weights only (activations stay in the runtime's dtype), already compressed."""
     ct = require_compressed_tensors(fmt)

@@ -13,10 +13,9 @@ import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -36,9 +35,9 @@ class Payload:
     tensors: dict[str, torch.Tensor]
     weights_pattern: str = HF_WEIGHTS_PATTERN
     #: stored as config.json's ``quantization_config`` (None: the config says nothing)
-    quantization_config: dict[str, Any] | None = None
+    quantization_config: Mapping[str, object] | None = None
     #: further JSON files, by file name
-    side_files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    side_files: dict[str, Mapping[str, object]] = field(default_factory=dict)
 
 
 def unquantized_tensors(model: torch.nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Self, TypedDict, Unpack
 
 import torch
 
@@ -47,7 +47,17 @@ class QuantOptions:
     per_tensor_scale: bool = True
 
 
-def check_tensor(x: Any, dim: int) -> int:
+class QuantizeKwargs(TypedDict, total=False):
+    """The keyword options a quantize, encode or tensor-scale call takes (every format
+    takes the first two; :attr:`NumberFormat.extra_options` names those beyond);
+    :meth:`NumberFormat.options` checks them at run time as well."""
+
+    rounding: str | Rounding
+    generator: torch.Generator | None
+    per_tensor_scale: bool
+
+
+def check_tensor(x: object, dim: int) -> int:
     """Validate a quantizer input and return ``dim`` normalized to ``[0, x.ndim)``."""
     if not isinstance(x, torch.Tensor):
         raise FormatError(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -90,7 +100,7 @@ class NumberFormat(ABC):
         return self.label or self.name.upper()
 
     def options(self, rounding: str | Rounding = "nearest",
-                generator: torch.Generator | None = None, **extra: Any) -> QuantOptions:
+                generator: torch.Generator | None = None, **extra: object) -> QuantOptions:
         """Validate keyword options, naming the allowed values on error."""
         unknown = sorted(set(extra) - set(self.extra_options))
         if unknown:
@@ -110,10 +120,11 @@ class NumberFormat(ABC):
         return QuantOptions(mode, generator, per_tensor)
 
     @abstractmethod
-    def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, dim: int = -1,
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
 
-    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Any
+    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Unpack[QuantizeKwargs]
                      ) -> torch.Tensor | None:
         """The float32 scale ``quantize`` divides ``x`` by along ``dim`` on top of the
         blocks, on ``x``'s device, or None (only NVFP4 has one): a 0-dim tensor, or with
@@ -122,11 +133,13 @@ class NumberFormat(ABC):
         return None
 
     @abstractmethod
-    def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize_reference(self, x: torch.Tensor, dim: int = -1,
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """The plain path written from the spec; slow, kept as the test oracle."""
 
     @abstractmethod
-    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+    def encode(self, x: torch.Tensor, dim: int = -1,
+            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         """Store ``x`` in the format's real bit layout."""
 
     @abstractmethod
@@ -147,7 +160,7 @@ class NumberFormat(ABC):
     def __copy__(self) -> Self:
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+    def __deepcopy__(self, memo: dict[int, object]) -> Self:
         return self
 
 
@@ -200,15 +213,20 @@ class BlockFormat(NumberFormat):
         raise NotImplementedError(f"format {self.name!r} has no fast encoder")
 
     # ----- public API ----------------------------------------------------------------
-    def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, dim: int = -1,
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
         return self._quantize(x, dim, self.options(**options), fast=True)
 
-    def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize_reference(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """The plain path written from the spec; slow, kept as the test oracle."""
         return self._quantize(x, dim, self.options(**options), fast=False)
 
-    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+    def encode(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         """Store ``x`` in the format: packed 4-bit codes plus the scale fields."""
         opts = self.options(**options)
         d = check_tensor(x, dim)

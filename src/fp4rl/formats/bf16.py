@@ -7,12 +7,18 @@ truncating, the usual unbiased scheme for low-precision gradient accumulation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Unpack
 
 import torch
 
 from fp4rl.formats._exact import bf16_round
-from fp4rl.formats.base import NumberFormat, QuantOptions, Rounding, check_tensor
+from fp4rl.formats.base import (
+    NumberFormat,
+    QuantizeKwargs,
+    QuantOptions,
+    Rounding,
+    check_tensor,
+)
 from fp4rl.formats.packing import PackedTensor
 
 
@@ -21,14 +27,18 @@ class BF16(NumberFormat):
     block_size = 1
     bits_per_value = 16.0
 
-    def quantize(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         opts = self.options(**options)
         check_tensor(x, dim)
         if opts.rounding is Rounding.STOCHASTIC:
             return _stochastic_bf16(x, opts).to(x.dtype)
         return x.to(torch.bfloat16).to(x.dtype)
 
-    def quantize_reference(self, x: torch.Tensor, dim: int = -1, **options: Any) -> torch.Tensor:
+    def quantize_reference(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         opts = self.options(**options)
         check_tensor(x, dim)
         if opts.rounding is Rounding.STOCHASTIC:
@@ -39,7 +49,9 @@ class BF16(NumberFormat):
         out = torch.where(torch.isfinite(v), torch.copysign(rounded, v), v)
         return out.to(x.dtype)
 
-    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+    def encode(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         d = check_tensor(x, dim)
         raw = self.quantize(x, dim, **options).to(torch.bfloat16).contiguous()
         return PackedTensor(self.name, tuple(x.shape), d, x.dtype,

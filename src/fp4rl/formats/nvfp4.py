@@ -33,12 +33,18 @@ import contextvars
 import math
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import ClassVar, Unpack
 
 import torch
 
 from fp4rl.formats._exact import divide, nonfinite_blocks, round_minifloat
-from fp4rl.formats.base import BlockFormat, QuantOptions, check_tensor, to_rows
+from fp4rl.formats.base import (
+    BlockFormat,
+    QuantizeKwargs,
+    QuantOptions,
+    check_tensor,
+    to_rows,
+)
 from fp4rl.formats.mxfp4 import (
     e2m1_codes,
     e2m1_decode,
@@ -161,7 +167,7 @@ class NVFP4(BlockFormat):
     def magnitude_codes(self, m: torch.Tensor) -> torch.Tensor:
         return e2m1_magnitude_codes(m)
 
-    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Any
+    def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Unpack[QuantizeKwargs]
                      ) -> torch.Tensor | None:
         """``amax / (6 * 448)`` of ``x`` as a 0-dim float32 tensor on its device (1 where
         ``x`` has no finite non-zero value), or None where switched off."""
@@ -284,7 +290,9 @@ class NVFP4Tiles(NVFP4):
         out = _untile(values, rows.shape).to(torch.float32)
         return restore(out if scale is None else out * scale)
 
-    def encode(self, x: torch.Tensor, dim: int = -1, **options: Any) -> PackedTensor:
+    def encode(self, x: torch.Tensor, dim: int = -1,
+
+            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         opts = self.options(**options)
         d = check_tensor(x, dim)
         rows, _ = to_rows(x, d)

@@ -8,11 +8,11 @@ quantizes through its reference path, as no kernel knows it.
 from __future__ import annotations
 
 import copyreg
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from fp4rl.formats.base import FormatError, NumberFormat
+from fp4rl.formats.base import FormatError, NumberFormat, QuantizeKwargs
 from fp4rl.formats.bf16 import BF16
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.formats.mxfp4 import MXFP4
@@ -72,7 +72,7 @@ def get_format(name: str | NumberFormat) -> NumberFormat:
 
 
 def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,
-             **options: Any) -> torch.Tensor:
+             **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
     """Fake-quantize ``x`` along ``dim`` in format ``fmt`` (output keeps shape and dtype).
 
     Options: ``rounding="nearest"|"stochastic"``, ``generator=torch.Generator`` and,

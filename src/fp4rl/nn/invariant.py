@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4rl.kernels.cpu import (
@@ -151,7 +151,7 @@ def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *,
 
 
 #: the ops the mode computes itself; a handler returns None to pass an op through
-_HANDLERS: dict[Any, Callable[..., torch.Tensor | None]] = {
+_HANDLERS: dict[OpOverload, Callable[..., torch.Tensor | None]] = {
     aten.mm.default: _mm,
     aten.mm.dtype: _mm_out,
     aten.addmm.default: _addmm,
@@ -172,8 +172,9 @@ class BatchInvariantMode(TorchDispatchMode):
     #: ``aten.mm`` (the packed GEMM, :func:`fp4rl.gemm.fuses_packed`) steps aside
     fixed_reduction_order = True
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:
@@ -183,7 +184,7 @@ class BatchInvariantMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def batch_invariant() -> contextlib.AbstractContextManager[Any]:
+def batch_invariant() -> contextlib.AbstractContextManager[object]:
     """Context manager: every op run inside it that reduces along an axis does so in an
     order fixed by that axis' length (see :class:`BatchInvariantMode`). A model's
     attention goes through it only under eager attention: :func:`set_batch_invariant`
@@ -191,7 +192,7 @@ def batch_invariant() -> contextlib.AbstractContextManager[Any]:
     return BatchInvariantMode()
 
 
-def invariant_for(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+def invariant_for(model: nn.Module) -> contextlib.AbstractContextManager[object]:
     """The batch-invariant mode where ``model`` runs batch-invariant (else nothing): for
     what a host computes from the model's logits outside its forward (the sampled tokens'
     log-probs in the engine, the scored tokens' in the trainer and in TRL), so that both
@@ -216,7 +217,7 @@ def tokens_fed(mask: torch.Tensor | None) -> Iterator[None]:
         _token_rows.reset(reset)
 
 
-def _rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> torch.Tensor | None:
     """The flattened token rows of a causal LM's forward: its attention mask's last
     ``length`` columns, ``length`` the tokens fed (``input_ids`` or ``inputs_embeds``)."""
     mask = kwargs.get("attention_mask")
@@ -240,14 +241,16 @@ class _ForwardScope:
     def __init__(self) -> None:
         self.stack: list[contextlib.ExitStack] = []
 
-    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def enter(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+              ) -> None:
         scope = contextlib.ExitStack()
         scope.enter_context(tokens_fed(_rows_of(args, kwargs)))
         if getattr(module, _FLAG, False):
             scope.enter_context(batch_invariant())
         self.stack.append(scope)
 
-    def leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def leave(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object],
+              output: object) -> None:
         if self.stack:
             self.stack.pop().close()
 

@@ -215,7 +215,7 @@ class _KeptWeights:
             self.version = version
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _KeptWeights:
+    def __deepcopy__(self, memo: dict[int, object]) -> _KeptWeights:
         return _KeptWeights()  # a copy of the layer has a weight of its own
 
     def train_nbytes(self) -> int:
@@ -260,8 +260,10 @@ class FP4Linear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 recipe: Recipe | None = None, seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(in_features, out_features, bias=bias, **kwargs)
+                 recipe: Recipe | None = None, seed: int = 0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_policy(recipe or Recipe(), seed)
 
     @classmethod

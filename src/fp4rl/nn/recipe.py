@@ -18,15 +18,16 @@ registered rollout recovery method.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, NotRequired, TypedDict
 
 import yaml
 from pydantic import (
     ConfigDict,
     Field,
+    JsonValue,
     PlainSerializer,
     PrivateAttr,
     StrictBool,
@@ -100,7 +101,7 @@ def operand_formats() -> list[str]:
     return [UNQUANTIZED.name, *quantized_formats()]
 
 
-def _operand_format(value: Any, where: str) -> OperandFormat:
+def _operand_format(value: object, where: str) -> OperandFormat:
     name = str(value).lower() if isinstance(value, str | NumberFormat | NotQuantized) else value
     name = UNQUANTIZED.name if name == READ_AS_UNQUANTIZED else name
     if name not in operand_formats():
@@ -115,7 +116,7 @@ def _operand_format(value: Any, where: str) -> OperandFormat:
     return fmt
 
 
-def _weight_format(value: Any, where: str) -> OperandFormat:
+def _weight_format(value: object, where: str) -> OperandFormat:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
     fmt = _operand_format(value, where)
@@ -150,7 +151,7 @@ class _Precision(Settings):
     @field_validator("weights", "activations", "gradients", mode="before",
                      check_fields=False)
     @classmethod
-    def _a_format(cls, value: Any, info: ValidationInfo) -> OperandFormat:
+    def _a_format(cls, value: object, info: ValidationInfo) -> OperandFormat:
         check = _weight_format if info.field_name == "weights" else _operand_format
         return check(value, f"{cls.section}.{info.field_name}")
 
@@ -196,7 +197,7 @@ class TrainPrecision(_Precision):
 
     @field_validator("backward_operands", mode="before")
     @classmethod
-    def _a_scheme(cls, value: Any) -> Any:
+    def _a_scheme(cls, value: object) -> object:
         if value not in BACKWARD_OPERANDS:
             hint = did_you_mean(value, BACKWARD_OPERANDS)
             raise RecipeError(f"train.backward_operands: {value!r} is not a backward "
@@ -239,6 +240,15 @@ class RolloutPrecision(_Precision):
                                "method's name), with its parameters beside it")
 
 
+class RecipeDict(TypedDict):
+    """A recipe as YAML writes it (:meth:`Recipe.to_dict`): each part's settings by name,
+    ``ignore`` only where it is set."""
+
+    train: dict[str, JsonValue]
+    rollout: dict[str, JsonValue]
+    ignore: NotRequired[list[str]]
+
+
 class Recipe(Settings):
     """Training-side and rollout-side precision of every patched linear layer."""
 
@@ -256,7 +266,7 @@ class Recipe(Settings):
 
     @field_validator("ignore", mode="before")
     @classmethod
-    def _selectors_parse(cls, value: Any) -> tuple[str, ...]:
+    def _selectors_parse(cls, value: object) -> tuple[str, ...]:
         if value is None:
             return ()
         if isinstance(value, str) or not isinstance(value, list | tuple) or \
@@ -264,7 +274,7 @@ class Recipe(Settings):
             raise RecipeError(f"ignore must be a list of regexes or selectors, got {value!r}")
         return tuple(Selector.parse(p).text for p in value)
 
-    def model_post_init(self, context: Any) -> None:
+    def model_post_init(self, context: object) -> None:
         self._selectors = tuple(Selector.parse(p) for p in self.ignore)
 
     @model_validator(mode="after")
@@ -291,18 +301,17 @@ class Recipe(Settings):
         return lambda module_name: self.ignores(module_name, blocks)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], strict: bool = True) -> Recipe:
+    def from_dict(cls, data: Mapping[str, object], strict: bool = True) -> Recipe:
         """Build from a mapping (as in a YAML file); unknown keys are errors.
 
         ``strict=False`` reads saved records, whose recovery section may carry parameters
         of other methods (see :meth:`fp4rl.recovery.Recovery.from_dict`)."""
         if not isinstance(data, dict):
             raise RecipeError(f"a recipe must be a mapping, got {type(data).__name__}")
-        _reject_unknown(data, {"train", "rollout", "model", "ignore"}, "recipe")
-        train = data.get("train") or {}
-        rollout = dict(data.get("rollout") or {})
-        _reject_unknown(train, set(TrainPrecision.model_fields), "train")
-        _reject_unknown(rollout, set(RolloutPrecision.model_fields), "rollout")
+        _settings(data, {"train", "rollout", "model", "ignore"}, "recipe")
+        train = _settings(data.get("train") or {}, set(TrainPrecision.model_fields), "train")
+        rollout = dict(_settings(data.get("rollout") or {}, set(RolloutPrecision.model_fields),
+                                 "rollout"))
         recovery = Recovery.from_dict(rollout.pop("recovery", None) or {}, strict)
         return cls(train=TrainPrecision(**train),
                    rollout=RolloutPrecision(**rollout, recovery=recovery),
@@ -348,22 +357,26 @@ class Recipe(Settings):
             rollout=self.rollout.replace(
                 activations=changed.get("rollout", self.rollout.activations)))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RecipeDict:
         """The YAML mapping :meth:`from_dict` reads back (``ignore`` only when set)."""
-        data = self.model_dump(mode="json")
-        if not self.ignore:
-            del data["ignore"]
+        data = RecipeDict(train=self.train.model_dump(mode="json"),
+                          rollout=self.rollout.model_dump(mode="json"))
+        if self.ignore:
+            data["ignore"] = list(self.ignore)
         return data
 
 
-def _reject_unknown(data: dict[str, Any], allowed: set[str], where: str) -> None:
-    if not isinstance(data, dict):
+def _settings(data: object, allowed: set[str], where: str) -> Mapping[str, object]:
+    """``data`` as a mapping of ``where``'s settings: refused in one line where it is not
+    a mapping, or where it has a key ``allowed`` lacks."""
+    if not isinstance(data, Mapping):
         raise RecipeError(f"{where} must be a mapping, got {type(data).__name__}")
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise RecipeError(f"{where}: unknown key(s) {unknown}"
                           f"{did_you_mean(unknown[0], sorted(allowed))}; "
                           f"allowed: {sorted(allowed)}")
+    return data
 
 
 def _field_recipes() -> dict[str, Recipe]:

@@ -14,7 +14,8 @@ first-class citizen as soon as its module is imported.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import ConfigDict
@@ -206,7 +207,7 @@ def recovery_variants() -> list[tuple[str, str]]:
     return out
 
 
-def method_config(method: str, params: dict[str, Any]) -> RecoveryConfig:
+def method_config(method: str, params: Mapping[str, object]) -> RecoveryConfig:
     """Build ``method``'s config from a mapping, refusing keys it does not have."""
     cls = get_recovery(method).config_cls
     allowed = list(cls.model_fields)

@@ -10,12 +10,13 @@ and in a recipe string the suffix after ``+``: ``"hif4+resq-2:4"``, ``"hif4+smoo
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     SerializeAsAny,
     ValidationError,
     model_serializer,
@@ -57,7 +58,7 @@ class Recovery(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_mapping(cls, data: Any) -> Any:
+    def _from_mapping(cls, data: object) -> object:
         """The flat ``{method, <its parameters>}`` as the method and its config model."""
         if isinstance(data, Recovery):
             return data
@@ -75,12 +76,12 @@ class Recovery(BaseModel):
         return {"method": method, "config": method_config(method, params)}
 
     @model_serializer
-    def _flat(self) -> dict[str, Any]:
+    def _flat(self) -> dict[str, object]:
         return {"method": self.method, **self.config.model_dump()}
 
     def __init__(self, method: str = "none", config: RecoveryConfig | None = None,
-                 **params: Any) -> None:
-        data = {"method": method, "config": config} if config is not None else \
+                 **params: object) -> None:
+        data: dict[str, object] = {"method": method, "config": config} if config is not None else \
             {"method": method, **params}
         try:
             super().__init__(**data)
@@ -88,11 +89,11 @@ class Recovery(BaseModel):
             raise RecipeError(problem("rollout.recovery", Recovery, err)) from None
 
     @classmethod
-    def make(cls, method: str = "none", **params: Any) -> Recovery:
+    def make(cls, method: str = "none", **params: object) -> Recovery:
         return cls(method, method_config(method, params))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], strict: bool = True) -> Recovery:
+    def from_dict(cls, data: object, strict: bool = True) -> Recovery:
         """From ``{method: ..., <its parameters>}``. ``strict=False`` drops parameters the
         method does not have (records written when every method's parameters were saved
         together); a user's mapping is strict, so a misplaced parameter is an error."""
@@ -114,12 +115,12 @@ class Recovery(BaseModel):
         except RecipeError as err:
             raise RecipeError(f"recovery {text!r}: {err}") from None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JsonValue]:
         return self.model_dump()
 
-    def replace(self, **changes: Any) -> Recovery:
+    def replace(self, **changes: object) -> Recovery:
         """A copy with ``changes``; a new ``method`` starts from that method's defaults."""
-        method = changes.pop("method", self.method)
+        method = str(changes.pop("method", self.method))
         params = self.config.model_dump() if method == self.method else {}
         return Recovery.make(method, **{**params, **changes})
 

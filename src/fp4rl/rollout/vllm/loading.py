@@ -16,10 +16,11 @@ fp4rl export (parameters ``weight_<field>``, loaded by vLLM's loader through
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol, SupportsIndex
 
 import torch
 
@@ -28,7 +29,11 @@ from fp4rl.formats.nvfp4 import finite_amax
 from fp4rl.gemm import Operand, OperandFormat, PackedOperand, has_tensor_scale
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.ops import TracedActivation
-from fp4rl.rollout.vllm.compat import declare_reload_weight, in_layerwise_reload
+from fp4rl.rollout.vllm.compat import (
+    WeightLoader,
+    declare_reload_weight,
+    in_layerwise_reload,
+)
 from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.sharding import (
     QKV_SHARDS,
@@ -86,7 +91,7 @@ class LayerState:
     #: ``packed_modules_mapping``: q/k/v for ``qkv_proj``), by which a refit sends Q(W)
     hf_names: tuple[str, ...] = ()
 
-    def parts_of(self, shard_id: Any) -> set[int]:
+    def parts_of(self, shard_id: object) -> set[int]:
         """The parts a loader's shard id names: None the whole layer (a checkpoint that
         stores a merged layer fused), "q"/"k"/"v" or an index one part, a tuple several."""
         if shard_id is None:
@@ -95,7 +100,9 @@ class LayerState:
             return set().union(*(self.parts_of(s) for s in shard_id))
         if isinstance(shard_id, str):  # QKVParallelLinear's
             return {QKV_SHARDS.index(shard_id)}
-        return {int(shard_id)}
+        if isinstance(shard_id, SupportsIndex):  # MergedColumnParallelLinear's
+            return {operator.index(shard_id)}
+        raise VLLMError(f"a vLLM loader's shard id {shard_id!r} names no part of a layer")
 
 
 def layer_state(layer: torch.nn.Module) -> LayerState:
@@ -117,7 +124,7 @@ def layer_weight(layer: torch.nn.Module) -> torch.Tensor:
     return weight
 
 
-def weak_loader(loader: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+def weak_loader(loader: WeightLoader) -> Callable[[], WeightLoader]:
     """``loader`` held weakly where it is a layer's bound method. The loader fp4rl wraps
     it in is an attribute of the layer's own parameter, so a strong reference would put
     the layer in a reference cycle, which only the garbage collector frees; vLLM freezes
@@ -135,7 +142,8 @@ def _staging_dtype(compute: torch.dtype, loaded: torch.Tensor) -> torch.dtype:
     return torch.float32 if loaded.dtype == torch.float32 else compute
 
 
-def _shard_id(loaded: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _shard_id(loaded: torch.Tensor, args: tuple[object, ...], kwargs: dict[str, object]
+              ) -> object:
     """The shard id a vLLM loader was called with (positional, keyword, or, as vLLM's
     weights mapper does, an attribute of the loaded tensor)."""
     if args:
@@ -145,8 +153,8 @@ def _shard_id(loaded: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any
     return getattr(loaded, "shard_id", None)
 
 
-def weight_loader_of(layer: torch.nn.Module, loader: Callable[[], Callable[..., Any]]
-                     ) -> Callable[..., Any]:
+def weight_loader_of(layer: torch.nn.Module, loader: Callable[[], WeightLoader]
+                     ) -> WeightLoader:
     """The loader of ``layer``'s ``weight``: vLLM's own ``loader`` (held weakly) into a
     weight that gets its storage at the first load, in the dtype it arrives in; into a
     built engine, the layer is processed as soon as all its parts arrived."""
@@ -154,8 +162,8 @@ def weight_loader_of(layer: torch.nn.Module, loader: Callable[[], Callable[..., 
     shape = (sum(state.shards), state.in_features)
     owner = weakref.ref(layer)  # the loader lives on the layer's parameter (see weak_loader)
 
-    def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
-                    **kwargs: Any) -> Any:
+    def load_weight(param: torch.nn.Parameter, loaded: torch.Tensor, *args: object,
+                    **kwargs: object) -> object:
         if param.numel() == 0:
             param.data = torch.empty(shape, dtype=_staging_dtype(state.dtype, loaded),
                                      device=param.device)
@@ -190,8 +198,8 @@ def field_dtype(name: str) -> torch.dtype:
 def field_loader(state: LayerState, name: str) -> Callable[..., None]:
     """A loader that keeps a packed field of one part until processing assembles it."""
 
-    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args: Any,
-             **kwargs: Any) -> None:
+    def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args: object,
+             **kwargs: object) -> None:
         parts = state.parts_of(_shard_id(loaded, args, kwargs))
         if len(parts) != 1:
             raise VLLMError(f"packed fp4rl field {name} arrived for parts {sorted(parts)} "

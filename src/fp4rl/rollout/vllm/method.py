@@ -11,8 +11,7 @@ through its scheme, :mod:`.stores` keeps ``Q(W)``."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinear
@@ -24,6 +23,7 @@ from fp4rl.gemm import Operand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
+from fp4rl.rollout.vllm.compat import WeightLoader
 from fp4rl.rollout.vllm.config import WeightStorage
 from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.loading import (
@@ -58,8 +58,8 @@ class FP4RLScheme(ABC):
     # ----- vLLM's calls ----------------------------------------------------------------
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, weight_loader: Callable[..., Any],
-                       extra_weight_attrs: dict[str, Any]) -> None:
+                       params_dtype: torch.dtype, weight_loader: WeightLoader,
+                       extra_weight_attrs: dict[str, object]) -> None:
         """A ``weight`` without storage until something is loaded into it, and, for a
         quantized layer, one empty parameter per packed field of its format (an fp4rl
         export's fields, in either layout)."""
@@ -179,10 +179,10 @@ class FP4RLLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-        loader = extra_weight_attrs.pop("weight_loader")
+                       params_dtype: torch.dtype, *, weight_loader: WeightLoader,
+                       **extra_weight_attrs: object) -> None:
         self.scheme.create_weights(layer, input_size_per_partition, output_partition_sizes,
-                                   input_size, output_size, params_dtype, loader,
+                                   input_size, output_size, params_dtype, weight_loader,
                                    extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -7,7 +7,7 @@ head are left to vLLM. What a ``quantization_config`` holds is :mod:`.config`'s.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase
@@ -51,7 +51,7 @@ class FP4RLConfig(QuantizationConfig):
         return []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> FP4RLConfig:
+    def from_config(cls, config: Mapping[str, object]) -> FP4RLConfig:
         return cls(recipe_from_config(config), storage_from_config(config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str

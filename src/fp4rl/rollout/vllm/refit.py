@@ -12,13 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 
 from fp4rl.gemm import Operand, PackedOperand
 
 if TYPE_CHECKING:
+    from vllm import LLM
+
     from fp4rl.nn import FP4Linear
 
 
@@ -35,6 +37,28 @@ class RefitStats:
                 "sync/tensors": float(self.tensors)}
 
 
+class GridWire(TypedDict):
+    """One layer's ``Q(W)`` on the wire: whether its FP32 scale travels (as ``s/<name>``),
+    and for the format's codes and scales, the format, the whole shape and the fields."""
+
+    scale: bool
+    format: NotRequired[str]
+    shape: NotRequired[list[int]]
+    fields: NotRequired[list[str]]
+
+
+class PayloadWire(TypedDict):
+    """A :class:`RefitPayload` as ``collective_rpc`` carries it: plain containers, the
+    tensors by key in ``data`` (one process) or in one safetensors ``blob`` (another);
+    ``last`` marks the piece after which the worker runs vLLM's post-load processing."""
+
+    grids: dict[str, GridWire]
+    tensors: list[str]
+    data: NotRequired[dict[str, torch.Tensor]]
+    blob: NotRequired[bytes]
+    last: NotRequired[bool]
+
+
 @dataclass(frozen=True)
 class RefitPayload:
     """What a refit sends: ``Q(W)`` per fp4rl layer (Hugging Face name, no ``.weight``)
@@ -48,12 +72,12 @@ class RefitPayload:
         return sum(g.nbytes for g in self.grids.values()) + \
             sum(t.numel() * t.element_size() for _, t in self.tensors)
 
-    def to_wire(self, as_bytes: bool = False) -> dict[str, Any]:
+    def to_wire(self, as_bytes: bool = False) -> PayloadWire:
         """Plain containers of tensors, strings and numbers; ``as_bytes``: every tensor
         inside one safetensors blob, for an engine core in another process
         (``collective_rpc`` serializes bytes as they are, tensors only where the
         receiver declares them)."""
-        grids: dict[str, Any] = {}
+        grids: dict[str, GridWire] = {}
         tensors: dict[str, torch.Tensor] = {}
         for name, g in self.grids.items():
             scaled = g.scale is not None  # the scale travels as a tensor: no host sync
@@ -61,22 +85,24 @@ class RefitPayload:
                 assert g.scale is not None  # what ``scaled`` says
                 tensors[f"s/{name}"] = g.scale.reshape(())
             if isinstance(g, PackedOperand):
-                grids[name] = {"format": g.packed.format, "shape": list(g.packed.shape),
-                               "scale": scaled, "fields": sorted(g.packed.fields)}
+                grids[name] = GridWire(format=g.packed.format, shape=list(g.packed.shape),
+                                       scale=scaled, fields=sorted(g.packed.fields))
                 tensors.update({f"g/{name}/{k}": v for k, v in g.row_fields().items()})
             else:
-                grids[name] = {"scale": scaled}
+                grids[name] = GridWire(scale=scaled)
                 tensors[f"g/{name}/values"] = g.values
         tensors.update({f"t/{n}": t for n, t in self.tensors})
-        wire = {"grids": grids, "tensors": [n for n, _ in self.tensors]}
+        wire = PayloadWire(grids=grids, tensors=[n for n, _ in self.tensors])
         if as_bytes:
             from safetensors.torch import save
 
-            return {**wire, "blob": save({k: v.contiguous() for k, v in tensors.items()})}
-        return {**wire, "data": tensors}
+            wire["blob"] = save({k: v.contiguous() for k, v in tensors.items()})
+        else:
+            wire["data"] = tensors
+        return wire
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> RefitPayload:
+    def from_wire(cls, wire: PayloadWire) -> RefitPayload:
         if "blob" in wire:
             from safetensors.torch import load
 
@@ -88,7 +114,8 @@ class RefitPayload:
             scale = data[f"s/{name}"] if g["scale"] else None
             if "format" in g:
                 fields = {k: data[f"g/{name}/{k}"] for k in g["fields"]}
-                grids[name] = PackedOperand.from_row_fields(g["format"], tuple(g["shape"]),
+                rows, cols = g["shape"]  # a weight's: the wire carries it as a list
+                grids[name] = PackedOperand.from_row_fields(g["format"], (rows, cols),
                                                             fields, scale)
             else:
                 grids[name] = Operand(data[f"g/{name}/values"], scale)
@@ -171,7 +198,7 @@ def _plain(name: str, p: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.T
     return name, p.detach().to(dtype) if p.is_floating_point() else p.detach()
 
 
-def workers_in_this_process(llm: Any) -> bool:
+def workers_in_this_process(llm: LLM) -> bool:
     """Whether every worker of ``llm`` runs in this process, so a refit may hand it
     tensors as they are: the engine core in this process, and one worker (or vLLM's
     external launcher, one engine a rank). Otherwise tensors travel as bytes: through
@@ -184,7 +211,7 @@ def workers_in_this_process(llm: Any) -> bool:
                 parallel.distributed_executor_backend == "external_launcher")
 
 
-def refit(llm: Any, model: torch.nn.Module, packed: bool = False,
+def refit(llm: LLM, model: torch.nn.Module, packed: bool = False,
           max_bytes: int | None = PIECE_BYTES) -> RefitStats:
     """Bring a running engine to ``model``'s current weights (:func:`refit_payload`),
     through vLLM's ``collective_rpc`` and fp4rl's worker extension, one piece of at most

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from vllm.model_executor.utils import set_weight_attrs
@@ -25,6 +25,7 @@ from fp4rl.formats import NumberFormat
 from fp4rl.gemm import Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
+from fp4rl.rollout.vllm.compat import WeightLoader
 from fp4rl.rollout.vllm.errors import VLLMError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class Partition:
     in_per_rank: int
     rows: int
     rows_per_rank: tuple[int, ...]
-    loader: Callable[[], Callable[..., Any]]
+    loader: Callable[[], WeightLoader]
     #: vLLM's ``QKVParallelLinear``, whose loader names its parts "q", "k", "v"; every
     #: other merged linear numbers them
     qkv: bool = False

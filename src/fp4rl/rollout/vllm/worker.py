@@ -15,16 +15,16 @@ from typing import Any
 import torch
 
 from fp4rl.rollout.vllm.errors import VLLMError
-from fp4rl.rollout.vllm.refit import RefitPayload
+from fp4rl.rollout.vllm.refit import PayloadWire, RefitPayload
 
 
 class FP4RLWorkerExtension:
     """What fp4rl adds to a vLLM worker: installing a trainer's weights."""
 
     model_runner: Any  # the worker's, set by vLLM
-    device: Any
+    device: torch.device
 
-    def fp4rl_refit(self, payload: dict[str, Any]) -> int:
+    def fp4rl_refit(self, payload: PayloadWire) -> int:
         """Load a :class:`RefitPayload` (in its wire form), whole or one piece of it:
         plain tensors through the model's own ``load_weights``, each fp4rl layer's
         ``Q(W)`` as sent (never re-quantized), stored at once so that a piece's staging
