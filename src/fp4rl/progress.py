@@ -31,6 +31,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.status import Status
 
 #: the longest a redirected log goes without a line while work runs (seconds)
 HEARTBEAT = 30.0
@@ -76,7 +77,7 @@ class LogProgress:
 
     # ----- rich's interface ------------------------------------------------------------
     def add_task(self, description: str, total: float | None = None, completed: float = 0,
-                 visible: bool = True, **fields: Any) -> TaskID:
+                 visible: bool = True, **fields: object) -> TaskID:
         task_id = TaskID(len(self.tasks))  # rich's task id type (an int)
         self.tasks[task_id] = _Task(description, total, completed, str(fields.get("info", "")),
                                     visible, self.clock())
@@ -84,7 +85,7 @@ class LogProgress:
 
     def update(self, task_id: int, *, total: float | None = None,
                completed: float | None = None, advance: float | None = None,
-               **fields: Any) -> None:
+               **fields: object) -> None:
         task = self.tasks[task_id]
         before = task.completed
         if total is not None:
@@ -152,7 +153,7 @@ class LogProgress:
 
 @contextlib.contextmanager
 def status(console: Console, message: str, heartbeat: float = HEARTBEAT,
-           clock: Clock = time.monotonic) -> Iterator[Any]:
+           clock: Clock = time.monotonic) -> Iterator[Status | _LogStatus]:
     """``console.status(message)`` on a terminal; in a log the message, a "still ..." line
     every ``heartbeat`` seconds, and the time it took. Yields an object with
     ``update(message)``, as rich's status does (and ``beat()`` in a log)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import UnionType
-from typing import Any, ClassVar, Self, TypeVar, Union, get_args, get_origin
+from typing import ClassVar, Self, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import ErrorDetails
@@ -102,13 +102,13 @@ class Settings(BaseModel):
     #: what a bad value raises when the model is built directly
     error: ClassVar[type[UserError]] = UserError
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, **data: object) -> None:
         try:
             super().__init__(**data)
         except ValidationError as err:
             raise self.error(problem(self.section, type(self), err)) from None
 
-    def replace(self, **changes: Any) -> Self:
+    def replace(self, **changes: object) -> Self:
         """A copy with ``changes``, validated as a new one is (``model_copy`` is not)."""
         return type(self)(**{**dict(self), **changes})
 

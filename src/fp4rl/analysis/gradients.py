@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fp4rl.data import synthetic_dataset
 from fp4rl.gemm import UNQUANTIZED, OperandFormat, mm, quantize_operand
@@ -160,7 +161,7 @@ class GemmProbe:
         self.layers = fp4_layers(model) if enabled else {}
         self.sqnr: dict[str, dict[str, float]] = {}  # layer -> GEMM -> dB
         self.zeros: dict[str, dict[str, float]] = {}  # layer -> zero shares
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> GemmProbe:
         self._handles = [layer.register_forward_hook(partial(self._forward, name))
@@ -187,6 +188,20 @@ class GemmProbe:
 
 
 # ----- the batch and its objective -------------------------------------------------------
+class BatchFacts(TypedDict):
+    """A sampled batch's facts for the report (:meth:`GradientBatch.describe`)."""
+
+    prompts: int
+    responses_per_prompt: int
+    responses: int  # sampled
+    sequences: int  # kept: non-zero advantage, at most max_sequences
+    tokens: int
+    response_tokens: int
+    reward_mean: float
+    temperature: float
+    advantages: str  # where they came from
+
+
 @dataclass
 class GradientBatch:
     """A sampled GRPO batch laid out for teacher forcing, with its fixed loss weights."""
@@ -205,7 +220,7 @@ class GradientBatch:
     #: whole step's, as in the trainer, which leaves out zero-advantage sequences too
     scale: float
 
-    def describe(self, prompts: int, group: int) -> dict[str, Any]:
+    def describe(self, prompts: int, group: int) -> BatchFacts:
         """The batch's facts for the report."""
         return {"prompts": prompts, "responses_per_prompt": group,
                 "responses": int(self.rewards.numel()),
@@ -424,22 +439,37 @@ def summarize(result: FormatGradients, kind: str = "") -> dict[str, float]:
     return out
 
 
-def report(model_name: str, batch: dict[str, Any],
-           results: list[FormatGradients]) -> dict[str, Any]:
+class GradientsReport(TypedDict):
+    """The JSON record of a gradient diagnosis (:func:`report`)."""
+
+    model: str
+    batch: dict[str, object]  # BatchFacts and what the caller adds (levels, seed, ...)
+    objective: str
+    compute: str
+    variants: dict[str, str]  # variant -> what it quantizes
+    formats: list[dict[str, object]]  # FormatGradients as dicts, infinities as null
+
+
+def report(model_name: str, batch: Mapping[str, object],
+           results: list[FormatGradients]) -> GradientsReport:
     """The JSON record (infinite SQNR, an exact result, is written as null)."""
-    return _finite({"model": model_name, "batch": batch,
-                    "objective": "-agg(w_t A_i log pi(y_t)): GRPO's loss at ratio 1, "
-                                 "importance weights fixed from the FP4 training policy",
-                    "compute": "fp32, round-to-nearest gradients",
-                    "variants": GRADIENT_VARIANTS,
-                    "formats": [asdict(r) for r in results]})
+    return {"model": model_name, "batch": _finite_items(batch),
+            "objective": "-agg(w_t A_i log pi(y_t)): GRPO's loss at ratio 1, "
+                         "importance weights fixed from the FP4 training policy",
+            "compute": "fp32, round-to-nearest gradients",
+            "variants": dict(GRADIENT_VARIANTS),
+            "formats": [_finite_items(asdict(r)) for r in results]}
 
 
-def _finite(value: Any) -> Any:
+def _finite_items(value: Mapping[str, object]) -> dict[str, object]:
+    return {k: _finite(v) for k, v in value.items()}
+
+
+def _finite(value: object) -> object:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return _finite_items(value)
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value

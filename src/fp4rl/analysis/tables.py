@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from fp4rl.analysis.diagnose import LayerDiagnosis
     from fp4rl.analysis.gradients import FormatGradients
 
 #: the rows of a table: all layers (""), then each projection of a Llama/Qwen2 block
@@ -15,7 +16,7 @@ LAYER_KINDS = ("", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
                "down_proj")
 
 
-def activation_table(layers: list, formats: list[str]) -> Table:
+def activation_table(layers: list[LayerDiagnosis], formats: list[str]) -> Table:
     """Means over the layers of each projection type: share of zeros (bf16 and each
     format), of outlier blocks, and the 2:4 RMSE of the residual relative to that of
     Q(X)."""

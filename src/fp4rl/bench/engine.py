@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import TypedDict, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -43,6 +43,27 @@ ENGINE_KINDS = ("bf16", "dequantized", "packed")
 RECIPE = "hif4+resq-2:4"
 
 
+class EngineFigures(TypedDict):
+    """One engine's figures, as :func:`measure_engine` measures them in its process."""
+
+    engine: str
+    rss_bytes: int
+    block_params: int
+    block_bytes_per_param: float
+    refit_bytes: int
+    refit_seconds: float
+    tokens_per_second: float
+
+
+class EngineRow(EngineFigures):
+    """One engine's figures with their ratios to the bf16 engine's (a row of :func:`run`)."""
+
+    rss_bytes_vs_bf16: float
+    block_bytes_per_param_vs_bf16: float
+    refit_bytes_vs_bf16: float
+    tokens_per_second_vs_bf16: float
+
+
 def rss() -> int:
     """This process's resident set, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -52,7 +73,7 @@ def rss() -> int:
 
 
 def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int) -> EngineFigures:
     """The figures of one engine, measured in this process (run it in a fresh one)."""
     import torch
 
@@ -117,12 +138,12 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
 
 
 def run(model_name: str = "smollm2-135m", batch: int = 8, new_tokens: int = 16,
-        repeats: int = 3, engines: tuple[str, ...] = ENGINE_KINDS) -> list[dict[str, Any]]:
+        repeats: int = 3, engines: tuple[str, ...] = ENGINE_KINDS) -> list[EngineRow]:
     """Each engine's figures, each from a fresh process."""
     from fp4rl.integrations.vllm import require_vllm
 
     require_vllm()
-    rows = []
+    rows: list[EngineFigures] = []
     for engine in engines:
         code = ("import json, sys; from fp4rl.bench.engine import measure_engine; "
                 f"print('RESULT', json.dumps(measure_engine({engine!r}, {model_name!r}, "
@@ -134,15 +155,23 @@ def run(model_name: str = "smollm2-135m", batch: int = 8, new_tokens: int = 16,
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise UserError(f"bench engine: the {engine} engine failed: {tail}")
         line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-        rows.append(json.loads(line.removeprefix("RESULT ")))
+        # the child's measure_engine() return value, dumped as JSON
+        rows.append(cast(EngineFigures, json.loads(line.removeprefix("RESULT "))))
     base = rows[0]
-    for r in rows:
-        for key in ("rss_bytes", "block_bytes_per_param", "refit_bytes", "tokens_per_second"):
-            r[f"{key}_vs_bf16"] = r[key] / base[key] if base[key] else float("nan")
-    return rows
+    return [{**r, "rss_bytes_vs_bf16": _vs(r["rss_bytes"], base["rss_bytes"]),
+             "block_bytes_per_param_vs_bf16": _vs(r["block_bytes_per_param"],
+                                                  base["block_bytes_per_param"]),
+             "refit_bytes_vs_bf16": _vs(r["refit_bytes"], base["refit_bytes"]),
+             "tokens_per_second_vs_bf16": _vs(r["tokens_per_second"], base["tokens_per_second"])}
+            for r in rows]
 
 
-def render(rows: list[dict[str, Any]], console: Console) -> None:
+def _vs(value: float, base: float) -> float:
+    """``value`` over the bf16 engine's ``base``; NaN where the base is zero."""
+    return value / base if base else float("nan")
+
+
+def render(rows: list[EngineRow], console: Console) -> None:
     table = Table(title=f"vLLM rollout engines, {RECIPE} (fp4rl) against bf16")
     for col in ("engine", "process memory added", "block linears B/param",
                 "refit bytes", "refit s", "tokens/s"):
@@ -158,4 +187,4 @@ def render(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
-__all__ = ["ENGINE_KINDS", "measure_engine", "render", "rss", "run"]
+__all__ = ["ENGINE_KINDS", "EngineFigures", "EngineRow", "measure_engine", "render", "rss", "run"]

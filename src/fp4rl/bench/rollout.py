@@ -27,7 +27,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from rich.console import Console
@@ -44,6 +44,9 @@ from fp4rl.rollout import (
     engine_name,
     list_engines,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BENCH_RECIPES = ("hif4", "hif4+resq-2:4")
 #: the policy whose targets the rows state, and the one the two engines are compared on
@@ -106,7 +109,11 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     return results, len(prompts) * new_tokens
 
 
-def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
+#: the callables to time, by name, made from the prompts (token ids) and tokens per prompt
+_Timed = Callable[[list[list[int]], int], dict[str, Callable[[], None]]]
+
+
+def _hf(model_name: str, dev: torch.device) -> tuple[_Timed, PreTrainedTokenizerBase]:
     """fp4rl's engine: the callables to time (given the prompts), and the tokenizer."""
     from fp4rl.models import load_model
 
@@ -137,6 +144,13 @@ def _hf(model_name: str, dev: torch.device) -> tuple[Callable[..., dict], Any]:
     return fns, tok
 
 
+class _EngineSizes(TypedDict):
+    """The sizes every vLLM engine of a run is built with (:class:`EngineSpec` keywords)."""
+
+    max_model_len: int
+    kv_cache_bytes: int
+
+
 def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
           new_tokens: int) -> dict[str, Callable[[], None]]:
     """vLLM: one engine per policy (plain vLLM for bf16), all built before any is timed."""
@@ -145,9 +159,8 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
 
     directory = model_dir(model_name)
     longest = max(map(len, prompts)) + new_tokens
-    sizes: dict[str, Any] = {"max_model_len": max(longest, 256),
-                             "kv_cache_bytes": _kv_cache_bytes(directory,
-                                                               len(prompts) * longest)}
+    sizes: _EngineSizes = {"max_model_len": max(longest, 256),
+                           "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
     specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
              **{p: EngineSpec(directory, get_recipe(p), dtype=torch.bfloat16, **sizes)
                 for p in BENCH_RECIPES}}

@@ -21,14 +21,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 from unittest import mock
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fp4rl.kernels import FUSED_MAX_ROWS
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from fp4rl.kernels.triton_quant import Variant
 
 #: name: (HBM bytes/s, dense bf16 FLOP/s)
 GPUS = {"H100": (3.35e12, 990e12), "H200": (4.8e12, 990e12)}
@@ -52,6 +58,16 @@ _NAMES = {aten._to_copy.default: "cast"}
 _GEMMS = {aten.mm.default, aten.mm.dtype, aten.addmm.default, aten.bmm.default}
 
 
+class LaunchRecord(TypedDict):
+    """A :class:`Launch` in the JSON reports."""
+
+    name: str
+    phase: str
+    read: int
+    written: int
+    flops: int
+
+
 @dataclass
 class Launch:
     """One op or kernel launch: what it read and wrote, its FLOPs, the pass it ran in."""
@@ -70,12 +86,17 @@ class Launch:
         bandwidth, peak = GPUS[gpu]
         return max(self.bytes / bandwidth, self.flops / peak)
 
+    def record(self) -> LaunchRecord:
+        """This launch as the reports write it (its fields, in their order)."""
+        return {"name": self.name, "phase": self.phase, "read": self.read,
+                "written": self.written, "flops": self.flops}
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
@@ -94,7 +115,8 @@ class Recorder:
         finally:
             self.current = before
 
-    def op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+    def op(self, func: OpOverload[..., object], args: tuple[object, ...],
+           kwargs: dict[str, object], out: object) -> None:
         if func in _VIEWS:
             return
         read = sum(map(_nbytes, _tensors((args, kwargs))))
@@ -105,11 +127,14 @@ class Recorder:
             flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * \
                 (a.shape[0] if a.dim() == 3 else 1)
         elif func.name() == "fp4rl::packed_mm":  # (terms x tokens, in) x (out, in)
-            a, fields, rows, cols, terms = args[0], args[1], args[4], args[5], args[6]
-            flops = 2 * a.shape[0] * rows * cols
-            if a.shape[0] // terms > FUSED_MAX_ROWS:  # the operator decodes, then multiplies
-                codes = sum(map(_nbytes, fields))
-                weight = rows * cols * a.element_size()
+            x, fields, rows, cols, terms = args[0], args[1], args[4], args[5], args[6]
+            # the operator's schema: (Tensor a, Tensor[] fields, str, str, int rows, ...)
+            assert isinstance(x, torch.Tensor)
+            assert isinstance(rows, int) and isinstance(cols, int) and isinstance(terms, int)
+            flops = 2 * x.shape[0] * rows * cols
+            if x.shape[0] // terms > FUSED_MAX_ROWS:  # the operator decodes, then multiplies
+                codes = sum(map(_nbytes, _tensors(fields)))
+                weight = rows * cols * x.element_size()
                 self.launches += [Launch("decode_rows", self.current, codes, weight),
                                   Launch("mm", self.current, read - codes + weight, written,
                                          flops)]
@@ -117,7 +142,7 @@ class Recorder:
         name = _NAMES.get(func, str(func.overloadpacket.__name__))
         self.launches.append(Launch(name, self.current, read, written, flops))
 
-    def kernel(self, variant: Any, args: tuple[Any, ...]) -> None:
+    def kernel(self, variant: Variant, args: tuple[object, ...]) -> None:
         """A Triton launch: each pointer argument read or written as its kernel uses it."""
         consts = dict(variant.constants)
         names = [n for n in variant.kernel.arg_names if n not in consts]
@@ -137,8 +162,12 @@ class Recorder:
     def total(self, phase: str | None = None) -> int:
         return sum(x.bytes for x in self.launches if phase in (None, x.phase))
 
+    def records(self) -> list[LaunchRecord]:
+        """Every launch as the reports write it."""
+        return [x.record() for x in self.launches]
 
-def _used(kernel: str, name: str, consts: dict[str, Any]) -> bool:
+
+def _used(kernel: str, name: str, consts: dict[str, int | bool]) -> bool:
     """Whether a launch's pointer argument is read (absent ones are passed as another)."""
     if name == "noise_ptr":
         return bool(consts.get("HAS_NOISE"))
@@ -158,8 +187,9 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload[..., object], types: tuple[type, ...],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.recorder.op(func, args, kwargs, out)
@@ -211,6 +241,37 @@ def _run(forward: Callable[[torch.Tensor], torch.Tensor], m: int, k: int,
     return rec
 
 
+class PassBytes(TypedDict):
+    """The two layers' bytes in one pass (forward or backward)."""
+
+    fp4_bytes: int
+    bf16_bytes: int
+
+
+class Roofline(TypedDict):
+    """The two layers' roofline times on one GPU, and their ratio."""
+
+    fp4_s: float
+    bf16_s: float
+    ratio: float
+
+
+class LinearTraffic(TypedDict):
+    """The JSON record of a :class:`Traffic` (``fp4rl bench linear --traffic``)."""
+
+    shape: list[int]
+    recipe: str
+    micro_batches: int
+    fp4_bytes: int
+    bf16_bytes: int
+    ratio: float
+    target: float | None
+    passes: dict[str, PassBytes]
+    fp4_launches: list[LaunchRecord]
+    bf16_launches: list[LaunchRecord]
+    roofline: dict[str, Roofline]
+
+
 @dataclass
 class Traffic:
     """The two layers' launches for one shape."""
@@ -228,9 +289,9 @@ class Traffic:
     def target(self) -> float | None:
         return TARGETS.get(self.micro_batches) if self.shape == TARGET_SHAPE else None
 
-    def as_dict(self) -> dict[str, Any]:
-        roof = {gpu: {"fp4_s": sum(x.seconds(gpu) for x in self.fp4.launches),
-                      "bf16_s": sum(x.seconds(gpu) for x in self.bf16.launches)}
+    def as_dict(self) -> LinearTraffic:
+        roof = {gpu: (sum(x.seconds(gpu) for x in self.fp4.launches),
+                      sum(x.seconds(gpu) for x in self.bf16.launches))
                 for gpu in GPUS}
         return {"shape": list(self.shape), "recipe": self.recipe,
                 "micro_batches": self.micro_batches, "fp4_bytes": self.fp4.total(),
@@ -239,10 +300,10 @@ class Traffic:
                 "passes": {p: {"fp4_bytes": self.fp4.total(p),
                                "bf16_bytes": self.bf16.total(p)}
                            for p in ("forward", "backward")},
-                "fp4_launches": [vars(x) for x in self.fp4.launches],
-                "bf16_launches": [vars(x) for x in self.bf16.launches],
-                "roofline": {gpu: {**r, "ratio": r["fp4_s"] / r["bf16_s"]}
-                             for gpu, r in roof.items()}}
+                "fp4_launches": self.fp4.records(),
+                "bf16_launches": self.bf16.records(),
+                "roofline": {gpu: {"fp4_s": fp4, "bf16_s": bf16, "ratio": fp4 / bf16}
+                             for gpu, (fp4, bf16) in roof.items()}}
 
 
 def linear_traffic(recipe: str = "hif4", shape: tuple[int, int, int] = TARGET_SHAPE,
@@ -262,8 +323,26 @@ ROLLOUT_TARGET = (64, 0.4)
 ROLLOUT_STORAGES = ("dequantized", "packed", "packed_decode")
 
 
+class RolloutTraffic(TypedDict):
+    """The JSON record of :func:`rollout_traffic`: per storage, its bytes, ratio, launches."""
+
+    recipe: str
+    tokens: int
+    shape: list[int]
+    bf16_bytes: int
+    dequantized_bytes: int
+    dequantized_ratio: float
+    dequantized_launches: list[LaunchRecord]
+    packed_bytes: int
+    packed_ratio: float
+    packed_launches: list[LaunchRecord]
+    packed_decode_bytes: int
+    packed_decode_ratio: float
+    packed_decode_launches: list[LaunchRecord]
+
+
 def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
-                    shape: tuple[int, int] = (2048, 11008)) -> dict[str, Any]:
+                    shape: tuple[int, int] = (2048, 11008)) -> RolloutTraffic:
     """The bytes of one rollout linear (``shape`` = in, out features) at ``tokens`` rows,
     as the vLLM method computes it on a GPU (the recovery's activation operator, then the
     store's GEMM), for each of :data:`ROLLOUT_STORAGES`, against a bf16 linear whose
@@ -284,11 +363,10 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
     meta, bf16 = torch.device("meta"), torch.bfloat16
     w = torch.empty(n, k, device=meta)
     x = torch.empty(tokens, k, device=meta, dtype=bf16)
-    out: dict[str, Any] = {"recipe": recipe, "tokens": tokens, "shape": [k, n]}
     with recording() as base:
         torch.nn.functional.linear(x, torch.empty(n, k, device=meta, dtype=bf16))
-    out["bf16_bytes"] = base.total()
     activation = TracedActivation(recovery)
+    runs: dict[str, Recorder] = {}
     for name in ROLLOUT_STORAGES:
         storage = WeightStorage.DEQUANTIZED if name == "dequantized" else WeightStorage.PACKED
         with recording():  # built as on a GPU (which decides whether it fuses); not counted
@@ -304,23 +382,44 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
                 mm(acts, part.decode(bf16).t(), bf16)
             else:
                 store.apply(acts, bf16, None)
-        out[f"{name}_bytes"] = rec.total()
-        out[f"{name}_ratio"] = rec.total() / out["bf16_bytes"]
-        out[f"{name}_launches"] = [vars(x) for x in rec.launches]
-    return out
+        runs[name] = rec
+    dequantized, packed, packed_decode = (runs[name] for name in ROLLOUT_STORAGES)
+    bf16_bytes = base.total()
+    return {"recipe": recipe, "tokens": tokens, "shape": [k, n], "bf16_bytes": bf16_bytes,
+            "dequantized_bytes": dequantized.total(),
+            "dequantized_ratio": dequantized.total() / bf16_bytes,
+            "dequantized_launches": dequantized.records(),
+            "packed_bytes": packed.total(), "packed_ratio": packed.total() / bf16_bytes,
+            "packed_launches": packed.records(),
+            "packed_decode_bytes": packed_decode.total(),
+            "packed_decode_ratio": packed_decode.total() / bf16_bytes,
+            "packed_decode_launches": packed_decode.records()}
 
 
-def render_rollout(result: dict[str, Any], console: Any) -> None:
+def _per_storage(result: RolloutTraffic) -> dict[str, tuple[int, float, list[LaunchRecord]]]:
+    """Each of :data:`ROLLOUT_STORAGES`' bytes, ratio and launches, read off the report's
+    flat keys (the JSON keeps them flat, one key per storage and figure)."""
+    return {"dequantized": (result["dequantized_bytes"], result["dequantized_ratio"],
+                            result["dequantized_launches"]),
+            "packed": (result["packed_bytes"], result["packed_ratio"],
+                       result["packed_launches"]),
+            "packed_decode": (result["packed_decode_bytes"], result["packed_decode_ratio"],
+                              result["packed_decode_launches"])}
+
+
+def render_rollout(result: RolloutTraffic, console: Console) -> None:
     """One line per storage, and the target."""
     k, n = result["shape"]
     console.print(f"bytes moved by one rollout linear ({result['recipe']}, "
                   f"{result['tokens']} tokens x {k} -> {n}), against bf16 "
                   f"({result['bf16_bytes'] / 1e6:,.2f} MB):", markup=False)
+    per_storage = _per_storage(result)
     for storage in ROLLOUT_STORAGES:
+        moved, vs_bf16, records = per_storage[storage]
         launches = ", ".join(f"{x['name']} {(x['read'] + x['written']) / 1e6:,.2f}"
-                             for x in result[f"{storage}_launches"])
-        console.print(f"  {storage}: {result[f'{storage}_bytes'] / 1e6:,.2f} MB, "
-                      f"{result[f'{storage}_ratio']:.2f}x ({launches})", markup=False)
+                             for x in records)
+        console.print(f"  {storage}: {moved / 1e6:,.2f} MB, {vs_bf16:.2f}x ({launches})",
+                      markup=False)
     tokens, target = ROLLOUT_TARGET
     if result["tokens"] == tokens:
         ratio = result["packed_ratio"]
@@ -329,7 +428,7 @@ def render_rollout(result: dict[str, Any], console: Any) -> None:
                       markup=False)
 
 
-def render(traffic: Traffic, console: Any) -> None:
+def render(traffic: Traffic, console: Console) -> None:
     """The bytes per phase and per launch, the roofline times, the target."""
     from rich.table import Table
 
@@ -355,11 +454,11 @@ def render(traffic: Traffic, console: Any) -> None:
     d = traffic.as_dict()
     console.print(f"total: fp4 {d['fp4_bytes'] / 1e6:,.1f} MB, bf16 {d['bf16_bytes'] / 1e6:,.1f}"
                   f" MB, ratio {d['ratio']:.2f}x", markup=False)
-    for gpu, r in d["roofline"].items():
+    for gpu, roof in d["roofline"].items():
         bandwidth, peak = GPUS[gpu]
         console.print(f"roofline on {gpu} ({bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} "
-                      f"TFLOP/s bf16): fp4 {r['fp4_s'] * 1e6:,.1f} us, bf16 "
-                      f"{r['bf16_s'] * 1e6:,.1f} us, {r['ratio']:.2f}x", markup=False)
+                      f"TFLOP/s bf16): fp4 {roof['fp4_s'] * 1e6:,.1f} us, bf16 "
+                      f"{roof['bf16_s'] * 1e6:,.1f} us, {roof['ratio']:.2f}x", markup=False)
     target = traffic.target()
     if target is not None:
         verdict = "met" if traffic.ratio <= target else "missed"
@@ -369,5 +468,6 @@ def render(traffic: Traffic, console: Any) -> None:
 
 
 __all__ = ["GPUS", "ROLLOUT_STORAGES", "ROLLOUT_TARGET", "TARGETS", "TARGET_SHAPE", "Launch",
-           "Recorder", "Traffic", "linear_traffic", "recording", "render", "render_rollout",
-           "rollout_traffic"]
+           "LaunchRecord", "LinearTraffic", "PassBytes", "Recorder", "RolloutTraffic",
+           "Roofline", "Traffic", "linear_traffic", "recording", "render",
+           "render_rollout", "rollout_traffic"]

@@ -24,13 +24,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from fp4rl.bench.common import Comparison
 from fp4rl.rl.config import load_config
+
+if TYPE_CHECKING:
+    from fp4rl.rl.trainer import Trainer
 
 PHASES = ("rollout", "reward", "old_logprob", "update", "refit")
 #: per compared engine choice: (baseline, candidate), each key -> (recipe, rollout engine)
@@ -48,7 +51,7 @@ def _coin_flips(seed: int) -> Callable[[str | None, str], float]:
 
 
 def _trainer(model_name: str, key: str, recipe: str, engine: str, out: str,
-             changes: dict[str, Any]) -> Any:
+             changes: dict[str, object]) -> Trainer:
     from fp4rl.nn import get_recipe
     from fp4rl.rl.rewards import register_reward
     from fp4rl.rl.trainer import Trainer
@@ -66,7 +69,7 @@ def _trainer(model_name: str, key: str, recipe: str, engine: str, out: str,
 
 
 def run(model_name: str = "smollm2-135m", repeats: int = 3,
-        changes: dict[str, Any] | None = None, device: str = "cpu",
+        changes: dict[str, object] | None = None, device: str = "cpu",
         engine: str = "hf") -> list[Comparison]:
     """Per-phase and whole-step ratios, candidate over baseline (medians of interleaved
     steps): fp4 / bf16 in fp4rl's engine, or with ``engine="vllm"`` the FP4 recipe's

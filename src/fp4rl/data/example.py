@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 Message = Mapping[str, str]
 """A chat turn, ``{"role": ..., "content": ...}``, as ``apply_chat_template`` expects."""
@@ -28,7 +27,7 @@ class Example:
     reward: str
     source: str
     index: int
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def is_chat(self) -> bool:

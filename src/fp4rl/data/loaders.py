@@ -8,13 +8,14 @@ pandas, for parquet) and skipped with a :class:`DataWarning`, or raised as a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,12 +40,16 @@ class _BadRecord(ValueError):
 _MISSING = object()
 _FIELD_KEYS = frozenset({"problem", "answer"})
 
+Record = Mapping[str, object]
+"""A decoded record: named fields of any value, none of them checked yet."""
+_Raw = TypeVar("_Raw")
+
 
 # --------------------------------------------------------------------------- file formats
 
 
 @dataclass(frozen=True)
-class _Format:
+class _Format(Generic[_Raw]):
     """How to walk one file type: raw records with their 0-based index, and decode one.
 
     ``unit`` and ``first_number`` say how positions are shown to people: "line 1" is the
@@ -53,8 +58,14 @@ class _Format:
 
     unit: str
     first_number: int
-    records: Callable[[Path], Iterator[tuple[int, Any]]]
-    decode: Callable[[Any], Any]
+    records: Callable[[Path], Iterator[tuple[int, _Raw]]]
+    decode: Callable[[_Raw], Record]
+
+    def read(self, path: Path) -> Iterator[tuple[int, Callable[[], Record]]]:
+        """Each raw record's index, and the call that decodes it: a record that does not
+        decode raises :class:`_BadRecord` when it is called, where the loader reports it."""
+        for index, raw in self.records(path):
+            yield index, functools.partial(self.decode, raw)
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -64,7 +75,7 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield index, line
 
 
-def _decode_json_line(line: bytes) -> dict[str, Any]:
+def _decode_json_line(line: bytes) -> Record:
     try:
         record = json.loads(line.decode("utf-8-sig"))
     except UnicodeDecodeError as err:
@@ -76,7 +87,7 @@ def _decode_json_line(line: bytes) -> dict[str, Any]:
     return record
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Record]]:
     try:
         batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
         yield from enumerate(record for batch in batches for record in batch.to_pylist())
@@ -84,17 +95,17 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         raise DataError(f"{path}: unreadable parquet file ({err})") from err
 
 
-def _as_record(record: dict[str, Any]) -> dict[str, Any]:
+def _as_record(record: Record) -> Record:
     return record
 
 
-_FILE_READERS: dict[str, _Format] = {
+_FILE_READERS: dict[str, _Format[bytes] | _Format[Record]] = {
     ".jsonl": _Format("line", 1, _jsonl_lines, _decode_json_line),
     ".parquet": _Format("row", 0, _parquet_rows, _as_record),
 }
 
 
-def _format_of(path: Path) -> _Format:
+def _format_of(path: Path) -> _Format[bytes] | _Format[Record]:
     if not path.is_file():
         raise MissingFileError(f"dataset file not found: {path}")
     try:
@@ -107,11 +118,11 @@ def _format_of(path: Path) -> _Format:
 # --------------------------------------------------------------------------- records
 
 
-def _lookup(record: Mapping[str, Any], name: str) -> Any:
+def _lookup(record: Record, name: str) -> object:
     """A field by exact name, else by dotted path through nested dicts; _MISSING if absent."""
     if name in record:
         return record[name]
-    value: Any = record
+    value: object = record
     for part in name.split("."):
         if not isinstance(value, Mapping) or part not in value:
             return _MISSING
@@ -119,7 +130,7 @@ def _lookup(record: Mapping[str, Any], name: str) -> Any:
     return value
 
 
-def _first_field(record: Mapping[str, Any], candidates: tuple[str, ...]) -> tuple[str, Any]:
+def _first_field(record: Record, candidates: tuple[str, ...]) -> tuple[str, object]:
     for name in candidates:
         value = _lookup(record, name)
         if value is not _MISSING:
@@ -128,19 +139,19 @@ def _first_field(record: Mapping[str, Any], candidates: tuple[str, ...]) -> tupl
     raise _BadRecord(f"missing field {wanted}")
 
 
-def _problem_text(name: str, value: Any) -> str:
+def _problem_text(name: str, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _BadRecord(f"field {name!r} must be non-empty text, got {_describe(value)}")
     return value
 
 
-def _messages(name: str, value: Any) -> tuple[Message, ...]:
+def _messages(name: str, value: object) -> tuple[Message, ...]:
     if not isinstance(value, list | tuple) or not value:
         raise _BadRecord(f"field {name!r} must be a non-empty message list, got {_describe(value)}")
     return tuple(_message(name, position, turn) for position, turn in enumerate(value))
 
 
-def _message(name: str, position: int, turn: Any) -> Message:
+def _message(name: str, position: int, turn: object) -> Message:
     if not isinstance(turn, Mapping):
         raise _BadRecord(f"{name}[{position}] must be a {{role, content}} object")
     role, content = turn.get("role"), turn.get("content")
@@ -149,7 +160,7 @@ def _message(name: str, position: int, turn: Any) -> Message:
     return {"role": role, "content": content}
 
 
-def _answer_text(name: str, value: Any) -> str:
+def _answer_text(name: str, value: object) -> str:
     """Stored answers are text or numbers (AIME: int, AMC: float such as 27.0)."""
     if isinstance(value, str):
         return value
@@ -160,13 +171,13 @@ def _answer_text(name: str, value: Any) -> str:
     raise _BadRecord(f"field {name!r} must be text or a number, got {_describe(value)}")
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, str):
         return "text" if value.strip() else "empty text"
     return "null" if value is None else type(value).__name__
 
 
-def _answer(layout: Layout, record: Mapping[str, Any]) -> str:
+def _answer(layout: Layout, record: Record) -> str:
     name, value = _first_field(record, layout.answer_fields)
     text = _answer_text(name, value)
     try:
@@ -178,8 +189,8 @@ def _answer(layout: Layout, record: Mapping[str, Any]) -> str:
     return answer
 
 
-def _meta(layout: Layout, record: Mapping[str, Any]) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
+def _meta(layout: Layout, record: Record) -> dict[str, object]:
+    meta: dict[str, object] = {}
     for name in layout.meta_fields:
         value = _lookup(record, name)
         if value is not _MISSING and value is not None:
@@ -187,7 +198,7 @@ def _meta(layout: Layout, record: Mapping[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def record_to_example(layout: Layout, record: Mapping[str, Any], index: int) -> Example:
+def record_to_example(layout: Layout, record: Record, index: int) -> Example:
     """Build an Example from one decoded record; raises ``ValueError`` if it is unusable."""
     name, value = _first_field(record, layout.problem_fields)
     prompt = _messages(name, value) if layout.chat_prompt else _problem_text(name, value)
@@ -250,13 +261,12 @@ def load_examples(
     offset = 0
     for file, file_format in formats:
         count = 0
-        for index, raw in file_format.records(file):
+        for index, decode in file_format.read(file):
             count = index + 1
             if limit is not None and len(examples) >= limit:
                 break
             try:
-                examples.append(record_to_example(spec, file_format.decode(raw),
-                                                  offset + index))
+                examples.append(record_to_example(spec, decode(), offset + index))
             except _BadRecord as err:
                 where = f"{file_format.unit} {index + file_format.first_number}"
                 if strict:

@@ -12,7 +12,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+
+from pydantic import JsonValue
 
 from fp4rl.errors import UserError, did_you_mean
 from fp4rl.nn.recipe import Recipe, field_recipe_names, get_recipe, quantized_formats
@@ -154,7 +155,7 @@ class ExperimentPlan:
     name: str
     description: str
     config: str | None = None  # a config preset (None: ``changes`` is everything)
-    changes: dict[str, Any] = field(default_factory=dict)
+    changes: dict[str, JsonValue] = field(default_factory=dict)
     evals: tuple[EvalSpec, ...] = ()
     formats: tuple[str, ...] = ("hif4", "mxfp4")
     seeds: tuple[int, ...] = ()  # default --seeds; () runs the config's run.seed only

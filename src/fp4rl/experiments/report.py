@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from statistics import mean
-from typing import Any, cast
+from typing import Literal, NotRequired, Required, TypedDict, cast
 
 import matplotlib
 import numpy as np
@@ -33,41 +33,44 @@ import matplotlib.pyplot as plt
 from fp4rl.experiments import stats
 from fp4rl.experiments.claims import NOTES, Comparison, format_label, grid_claims
 from fp4rl.experiments.grid import Cell, precision_name, precision_rows, train_label
-from fp4rl.experiments.runner import Experiment
+from fp4rl.experiments.runner import CellResult, Experiment, Scores
 from fp4rl.paths import write_json
 from fp4rl.rl.report import moving_average
 from fp4rl.rollout.mismatch import NEMO_RL_LIMITS
 
 #: cell name -> seed -> that run's result.json
-Results = dict[str, dict[int, dict[str, Any]]]
-Runs = dict[int, dict[str, Any]]
-SCORED_AS = (("rollout", "scored as the cell's rollout policy"),
-            ("bf16", "scored with the trained weights unquantized"),
-            ("initial", "before training: the starting model as the cell's rollout policy"))
-CLAIM_POLICY = "rollout"
+Results = dict[str, dict[int, CellResult]]
+Runs = dict[int, CellResult]
+#: the policies a run is scored as: the keys of its result that hold scores
+Policy = Literal["rollout", "bf16", "initial"]
+SCORED_AS: tuple[tuple[Policy, str], ...] = (
+    ("rollout", "scored as the cell's rollout policy"),
+    ("bf16", "scored with the trained weights unquantized"),
+    ("initial", "before training: the starting model as the cell's rollout policy"))
+CLAIM_POLICY: Policy = "rollout"
 #: the header of the bootstrap's column, next to each seed-t column
 SECONDARY = "bootstrap [95%] (secondary)"
 
 
-def _scores(runs: Runs | None, policy: str, bench: str) -> list[tuple[int, dict[str, Any]]]:
+def _scores(runs: Runs | None, policy: Policy, bench: str) -> list[tuple[int, Scores]]:
     """(seed, scores) of every finished run that scored ``bench`` under ``policy``."""
     return [(seed, r[policy][bench]) for seed, r in sorted((runs or {}).items())
             if bench in r.get(policy, {})]
 
 
-def _mean_at(scores: dict[str, Any]) -> tuple[int, float]:
+def _mean_at(scores: Scores) -> tuple[int, float]:
     key = next(k for k in scores if k.startswith("mean@"))
     return int(key.removeprefix("mean@")), scores[key]
 
 
-def accuracy(runs: Runs | None, policy: str, bench: str) -> float | None:
+def accuracy(runs: Runs | None, policy: Policy, bench: str) -> float | None:
     """Mean@k (in %) of one cell on one benchmark, averaged over its finished seeds; None
     if no seed has finished."""
     found = _scores(runs, policy, bench)
     return 100.0 * mean(_mean_at(s)[1] for _, s in found) if found else None
 
 
-def outcomes(runs: Runs | None, policy: str, bench: str) -> list[stats.Outcomes] | None:
+def outcomes(runs: Runs | None, policy: Policy, bench: str) -> list[stats.Outcomes] | None:
     """Per-prompt accuracy of every finished seed, or None if a result file predates
     per-prompt outcomes."""
     out = []
@@ -80,7 +83,7 @@ def outcomes(runs: Runs | None, policy: str, bench: str) -> list[stats.Outcomes]
     return out
 
 
-def interval(runs: Runs | None, policy: str, bench: str,
+def interval(runs: Runs | None, policy: Policy, bench: str,
              method: stats.Interval = stats.seed_t) -> stats.Estimate | str:
     """One cell's accuracy (%) with its interval (by default the one verdicts use), or
     why it has none."""
@@ -91,7 +94,7 @@ def interval(runs: Runs | None, policy: str, bench: str,
     return estimate if isinstance(estimate, str) else estimate.scaled(100)
 
 
-def gap(runs: Runs | None, base: Runs | None, policy: str, bench: str,
+def gap(runs: Runs | None, base: Runs | None, policy: Policy, bench: str,
         method: stats.Interval = stats.seed_t) -> stats.Estimate | str:
     """``runs`` minus ``base`` in points, paired over the seeds both have and the same
     prompts, or why no paired difference exists."""
@@ -111,7 +114,7 @@ def _bounds(estimate: stats.Estimate, sign: str = "") -> str:
     return f"[{estimate.lo:{sign}.1f}, {estimate.hi:{sign}.1f}]"
 
 
-def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
+def _table_cell(runs: Runs | None, base: Runs | None, policy: Policy, bench: str,
                 seeds: int, is_base: bool) -> tuple[str, str]:
     """A cell's accuracy with its seed-t interval, its seed count where short of the
     grid's, and its paired gap to BF16; and the same two intervals by the bootstrap (the
@@ -136,7 +139,7 @@ def _table_cell(runs: Runs | None, base: Runs | None, policy: str, bench: str,
     return text + f" ({_fmt(diff, '+')})", f"{second} ({_bounds(boot_diff, '+')})"
 
 
-def precision_table(results: Results, formats: tuple[str, ...], bench: str, policy: str,
+def precision_table(results: Results, formats: tuple[str, ...], bench: str, policy: Policy,
                     seeds: int = 1, cells: set[str] | None = None) -> list[str]:
     """Table 1: rows train x rollout precision, one column per FP4 format; with ``cells``,
     only the rows that hold one of them (a plan's cut of the grid)."""
@@ -156,7 +159,7 @@ def precision_table(results: Results, formats: tuple[str, ...], bench: str, poli
     return lines
 
 
-def recovery_table(results: Results, cells: list[Cell], benches: list[str], policy: str,
+def recovery_table(results: Results, cells: list[Cell], benches: list[str], policy: Policy,
                    seeds: int = 1, rows: str = "Recovery") -> list[str]:
     """Tables 2/4: rows format x recovery method (or the field's recipes, ``rows``), one
     column per benchmark."""
@@ -175,35 +178,63 @@ def recovery_table(results: Results, cells: list[Cell], benches: list[str], poli
     return lines
 
 
+class ClaimCase(TypedDict):
+    """One comparison on one benchmark, as the paper states it: before any run is read."""
+
+    claim: str
+    comparison: str
+    better: str
+    worse: str
+    benchmark: str
+    paper_gap: float | None
+    paper: tuple[float, float] | None  # the paper's accuracy (%) of better and of worse
+
+
+class ClaimRow(ClaimCase):
+    """A row of the claims table (and of the report's JSON): the case, what the runs say
+    of it and its verdict."""
+
+    gap: NotRequired[float]  # points; paired, or the plain difference with "no interval"
+    lo: NotRequired[float]  # the seed-t interval and what it pairs, where there is one
+    hi: NotRequired[float]
+    seeds: NotRequired[int]
+    prompts: NotRequired[int]
+    verdict: str
+    bootstrap_lo: NotRequired[float]
+    bootstrap_hi: NotRequired[float]
+    reason: NotRequired[str]  # why there is no interval
+
+
 def claim_rows(results: Results, claims: list[Comparison],
-               benches: list[str]) -> list[dict[str, Any]]:
+               benches: list[str]) -> list[ClaimRow]:
     """Every comparison on every benchmark: the paired gap (points, as the rollout
     policy), its seed-t interval and the verdict it gives ("not run" / "no interval"
     where none), the bootstrap's interval beside it, and the paper's figures."""
-    rows = []
+    rows: list[ClaimRow] = []
     for c in claims:
         for bench in benches:
             a, b = results.get(c.better), results.get(c.worse)
             diff = gap(a, b, CLAIM_POLICY, bench)
-            row = {"claim": c.claim, "comparison": c.label, "better": c.better,
-                   "worse": c.worse, "benchmark": bench, "paper_gap": c.paper_gap,
-                   "paper": c.paper_figures}
+            case: ClaimCase = {"claim": c.claim, "comparison": c.label, "better": c.better,
+                               "worse": c.worse, "benchmark": bench, "paper_gap": c.paper_gap,
+                               "paper": c.paper_figures}
             means = accuracy(a, CLAIM_POLICY, bench), accuracy(b, CLAIM_POLICY, bench)
             if isinstance(diff, stats.Estimate):
                 # the same cells as ``diff``, which has an estimate: so has the bootstrap
                 boot = cast(stats.Estimate, gap(a, b, CLAIM_POLICY, bench, stats.bootstrap))
-                row |= {"gap": diff.mean, "lo": diff.lo, "hi": diff.hi, "seeds": diff.seeds,
-                        "prompts": diff.prompts, "verdict": stats.verdict(diff),
-                        "bootstrap_lo": boot.lo, "bootstrap_hi": boot.hi}
+                rows.append({**case, "gap": diff.mean, "lo": diff.lo, "hi": diff.hi,
+                             "seeds": diff.seeds, "prompts": diff.prompts,
+                             "verdict": stats.verdict(diff),
+                             "bootstrap_lo": boot.lo, "bootstrap_hi": boot.hi})
             elif means[0] is None or means[1] is None:
-                row |= {"verdict": "not run"}
+                rows.append({**case, "verdict": "not run"})
             else:  # both ran, but cannot be paired: the plain difference of their means
-                row |= {"gap": means[0] - means[1], "verdict": "no interval", "reason": diff}
-            rows.append(row)
+                rows.append({**case, "gap": means[0] - means[1], "verdict": "no interval",
+                             "reason": diff})
     return rows
 
 
-def claims_table(rows: list[dict[str, Any]]) -> list[str]:
+def claims_table(rows: list[ClaimRow]) -> list[str]:
     """The claims as markdown: the paper's figures next to ours, the seed-t interval, the
     seeds it pairs, the verdict, and the bootstrap's interval as a secondary column."""
     lines = ["| claim | comparison | benchmark | paper (3B, GSM8K): better vs worse (gap) | "
@@ -388,10 +419,37 @@ def _cost_lines(results: Results, cells: list[Cell]) -> list[str]:
             f"{sorted({r['torch_threads'] for r in done})})."]
 
 
-def _summary(runs: Runs | None, benches: list[str]) -> dict[str, Any]:
+class AccuracySummary(TypedDict, total=False):
+    """A cell's accuracy (%) on one benchmark in the report's JSON: the mean over its seeds,
+    and its intervals where it has per-prompt outcomes."""
+
+    mean: Required[float]
+    lo: float
+    hi: float
+    seeds: int
+    bootstrap_lo: float
+    bootstrap_hi: float
+
+
+class RunSummary(TypedDict):
+    """A run in the report's JSON: its scores less the per-prompt lists, its reward curve,
+    its times and its mismatch metrics."""
+
+    rollout: dict[str, Scores]
+    bf16: dict[str, Scores]
+    initial: dict[str, Scores]
+    rewards: list[float]
+    train_seconds: float
+    eval_seconds: float
+    mismatch: dict[str, float]
+
+
+def _summary(runs: Runs | None, benches: list[str]
+             ) -> dict[Policy, dict[str, AccuracySummary | None]]:
     """A cell's accuracies and intervals for the report's JSON (no per-prompt lists:
-    those stay in the cells' result files)."""
-    out: dict[str, Any] = {}
+    those stay in the cells' result files): policy -> benchmark -> accuracy, None where
+    no seed has finished."""
+    out: dict[Policy, dict[str, AccuracySummary | None]] = {}
     for policy, _ in SCORED_AS:
         for bench in benches:
             value = accuracy(runs, policy, bench)
@@ -405,12 +463,14 @@ def _summary(runs: Runs | None, benches: list[str]) -> dict[str, Any]:
     return out
 
 
-def _run_json(result: dict[str, Any]) -> dict[str, Any]:
-    def strip(scores: dict[str, Any]) -> dict[str, Any]:
+def _run_json(result: CellResult) -> RunSummary:
+    def strip(scores: dict[str, Scores]) -> dict[str, Scores]:
         return {b: {k: v for k, v in s.items() if k != "correct"} for b, s in scores.items()}
 
-    return {**{p: strip(result[p]) for p, _ in SCORED_AS},
-            **{k: result[k] for k in ("rewards", "train_seconds", "eval_seconds")},
+    # the policies in SCORED_AS's order
+    return {"rollout": strip(result["rollout"]), "bf16": strip(result["bf16"]),
+            "initial": strip(result["initial"]), "rewards": result["rewards"],
+            "train_seconds": result["train_seconds"], "eval_seconds": result["eval_seconds"],
             "mismatch": result.get("mismatch", {})}
 
 

@@ -22,16 +22,17 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import torch
 import yaml
+from pydantic import JsonValue
 
 from fp4rl.errors import UserError
 from fp4rl.experiments.grid import Cell, EvalSpec, ExperimentPlan
@@ -41,10 +42,53 @@ from fp4rl.rollout.mismatch import nemo_rl_means
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from fp4rl.data import Example
+    from fp4rl.nn.recipe import RecipeDict
+    from fp4rl.rl.config import TrainConfig
+    from fp4rl.rl.rundir import Metrics
+
+    #: a benchmark's name, its test examples and their encoded prompts
+    EvalSet = tuple[str, list[Example], list[list[int]]]
+
 RESULT = "result.json"
 INITIAL = "initial.json"
 LOCK = ".lock"
 Log = Callable[[str], None]
+#: one benchmark's scores, :meth:`fp4rl.rl.evaluate.EvalResult.as_dict`: ``mean@k`` and
+#: ``best@k`` (named by their k), ``n``, ``per_level``, ``mean_length``, ``correct`` and
+#: ``prompts`` (these two absent from files written before they were stored). ``Any`` as
+#: ``as_dict`` gives it: a TypedDict cannot name keys that carry k
+Scores = dict[str, Any]
+
+
+class InitialScores(TypedDict):
+    """``initial.json``: the starting model scored as the cell's rollout policy."""
+
+    rollout: dict[str, Scores]  # benchmark -> scores
+    seconds: float
+    shared: NotRequired[bool]  # taken from another seed's file (the scores cannot differ)
+
+
+class CellResult(TypedDict):
+    """A finished cell's ``result.json`` (:func:`run_cell`)."""
+
+    cell: str
+    format: str | None
+    row: str
+    seed: NotRequired[int]  # absent from files written before seeds existed
+    recipe: RecipeDict
+    #: the TrainConfig as run, its JSON dump; ``Any`` as pydantic's ``model_dump`` gives it:
+    #: the report reads nested settings of it by key
+    config: dict[str, Any]
+    initial: dict[str, Scores]  # benchmark -> scores, for each policy
+    rollout: dict[str, Scores]
+    bf16: dict[str, Scores]
+    rewards: list[float]  # the training reward, step by step
+    #: NeMo-RL's mismatch metrics, means over the steps (absent from files written before)
+    mismatch: NotRequired[dict[str, float]]
+    train_seconds: float
+    eval_seconds: float
+    torch_threads: int
 
 
 @dataclass(frozen=True)
@@ -83,22 +127,23 @@ class Experiment:
         return self.plan.evals + self.evals
 
 
-def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, object], changes: Mapping[str, object]) -> dict[str, object]:
     out = copy.deepcopy(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+        if isinstance(value, dict) and isinstance(current := out.get(key), dict):
+            out[key] = _merge(current, value)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def _base_data(exp: Experiment) -> dict[str, Any]:
-    """The config every cell starts from: the plan's config < its changes < ``--set``."""
+def _base_data(exp: Experiment) -> dict[str, object]:
+    """The config every cell starts from: the plan's config < its changes < ``--set``
+    (unchecked data, until ``validate`` reads it)."""
     from fp4rl.rl.config import apply_override
 
     path = exp.plan.config_path()
-    data: dict[str, Any] = yaml.safe_load(path.read_text()) if path else {}
+    data: dict[str, object] = yaml.safe_load(path.read_text()) if path else {}
     data = _merge(data, exp.plan.changes)
     for item in exp.overrides:
         apply_override(data, item)
@@ -120,13 +165,15 @@ def _check_overrides(exp: Experiment) -> None:
                             "with --cells (e.g. hif4:fp4-reuse/bf16, mxfp4+resq-2:4)")
 
 
-def cell_config(exp: Experiment, cell: Cell) -> Any:
+def cell_config(exp: Experiment, cell: Cell) -> TrainConfig:
     """The cell's TrainConfig: the plan's config < ``--set`` overrides < the cell's recipe and
     seed."""
     from fp4rl.rl.config import ConfigError, validate
 
     _check_overrides(exp)
-    data = _base_data(exp)
+    # unchecked until ``validate``: its sections are spread as mappings below (one that is
+    # not a mapping fails there), which ``object`` would refuse
+    data: dict[str, Any] = _base_data(exp)
     recipe = cell.recipe().to_dict()
     # the recipe name fixes the formats and the backward scheme; other training options
     # (stochastic_gradients) come from the config and --set
@@ -187,8 +234,8 @@ def _holder_alive(lock: Path) -> bool:
     return True
 
 
-def _eval_sets(exp: Experiment, cfg: Any, tok: PreTrainedTokenizerBase
-               ) -> list[tuple[str, list, list]]:
+def _eval_sets(exp: Experiment, cfg: TrainConfig, tok: PreTrainedTokenizerBase
+               ) -> list[EvalSet]:
     from fp4rl.rl.datasets import encode_examples, load_split
     from fp4rl.rl.sources import eval_examples
 
@@ -198,7 +245,7 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: PreTrainedTokenizerBase
                          "--eval NAME=LAYOUT:PATH (repeatable)")
     n = cfg.eval.size or cfg.data.test_size
     seed = cfg.run.seed if cfg.eval.prompt_seed is None else cfg.eval.prompt_seed
-    sets = []
+    sets: list[EvalSet] = []
     for spec in evals:
         if spec.data is None:
             examples, prompts = encode_examples(load_split(cfg.data, "test", seed, n),
@@ -212,12 +259,13 @@ def _eval_sets(exp: Experiment, cfg: Any, tok: PreTrainedTokenizerBase
     return sets
 
 
-def _score(model: torch.nn.Module, tok: PreTrainedTokenizerBase, cfg: Any,
-           sets: list[tuple[str, list, list]]) -> dict[str, Any]:
+def _score(model: torch.nn.Module, tok: PreTrainedTokenizerBase, cfg: TrainConfig,
+           sets: list[EvalSet]) -> dict[str, Scores]:
+    """Benchmark name -> its scores."""
     from fp4rl.rl.evaluate import evaluate
 
     e = cfg.eval
-    out = {}
+    out: dict[str, Scores] = {}
     for name, examples, prompts in sets:
         result = evaluate(model, tok, examples, prompts, k=e.mean_at_k,
                           temperature=e.temperature, seed=cfg.run.seed,
@@ -227,7 +275,8 @@ def _score(model: torch.nn.Module, tok: PreTrainedTokenizerBase, cfg: Any,
     return out
 
 
-def _initial_of_another_seed(exp: Experiment, cell: Cell, cfg: Any) -> dict[str, Any] | None:
+def _initial_of_another_seed(exp: Experiment, cell: Cell, cfg: TrainConfig
+                             ) -> dict[str, Scores] | None:
     """The starting model's scores as this cell's rollout policy, from a seed that has them,
     where they cannot depend on the seed: greedy decoding of the same test prompts
     (``eval.prompt_seed`` fixed) by the same untrained weights."""
@@ -236,12 +285,12 @@ def _initial_of_another_seed(exp: Experiment, cell: Cell, cfg: Any) -> dict[str,
     for seed in exp.run_seeds:
         path = exp.cell_dir(replace(cell, seed=seed)) / INITIAL
         if seed != cell.seed and path.is_file():
-            return _read_json(path)["rollout"]
+            return _read_initial(path)["rollout"]
     return None
 
 
 def run_cell(exp: Experiment, cell: Cell, log: Log = print,
-             progress: Callable[[int, int, dict], None] | None = None) -> dict[str, Any]:
+             progress: Callable[[int, int, Metrics], None] | None = None) -> CellResult:
     """Train and score one cell (resuming it if it was interrupted); returns its result."""
     from fp4rl.nn import quantize_model
     from fp4rl.rl import checkpoint as ckpt
@@ -258,10 +307,12 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
         start = time.perf_counter()
         shared = _initial_of_another_seed(exp, cell, cfg)
         scores = shared or _score(trainer.model, trainer.tok, cfg, sets)
-        write_json(directory / INITIAL, {"rollout": scores, "seconds": time.perf_counter() - start,
-                                         **({"shared": True} if shared else {})})
+        record: InitialScores = {"rollout": scores, "seconds": time.perf_counter() - start}
+        if shared:
+            record["shared"] = True
+        write_json(directory / INITIAL, record)
 
-    def step(s: int, total: int, m: dict) -> None:
+    def step(s: int, total: int, m: Metrics) -> None:
         log(f"step {s}/{total}: reward {m['reward_mean']:.3f}, "
             f"{m['time/rollout'] + m['time/update']:.0f} s")
         if progress is not None:
@@ -274,9 +325,10 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     unquantized = _score(trainer.model, trainer.tok, cfg, sets)
     eval_seconds = time.perf_counter() - start
     history = RunDir(run_dir).read_metrics()
-    initial: dict[str, Any] = (_read_json(directory / INITIAL) if (directory / INITIAL).is_file()
-               else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
-    result = {
+    initial: InitialScores = (_read_initial(directory / INITIAL)
+                              if (directory / INITIAL).is_file()
+                              else {"rollout": {}, "seconds": 0.0})  # its file was removed by hand
+    result: CellResult = {
         "cell": cell.name, "format": cell.fmt, "row": cell.row, "seed": cfg.run.seed,
         "recipe": cell.recipe().to_dict(), "config": cfg.model_dump(mode="json"),
         "initial": initial["rollout"], "rollout": final, "bf16": unquantized,
@@ -294,17 +346,23 @@ def run_cell(exp: Experiment, cell: Cell, log: Log = print,
     return result
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> JsonValue:
     return json.loads(path.read_text())
 
 
-def load_result(exp: Experiment, cell: Cell) -> dict[str, Any] | None:
+def _read_initial(path: Path) -> InitialScores:
+    """``initial.json`` as :func:`run_cell` wrote it (read nowhere else)."""
+    return cast(InitialScores, _read_json(path))  # the JSON narrowed to its record, unchecked
+
+
+def load_result(exp: Experiment, cell: Cell) -> CellResult | None:
     """The cell's result, None while it is unfinished; refuses a result of another seed
     (a single-seed directory run with another ``--set run.seed``)."""
     path = exp.cell_dir(cell) / RESULT
     if not path.is_file():
         return None
-    result = _read_json(path)
+    # result.json is read here only: the JSON narrowed to run_cell's record, unchecked
+    result = cast(CellResult, _read_json(path))
     found = result.get("config", {}).get("run", {}).get("seed")
     expected = exp.base_seed if cell.seed is None else cell.seed
     if found is not None and found != expected:
@@ -315,7 +373,7 @@ def load_result(exp: Experiment, cell: Cell) -> dict[str, Any] | None:
 
 
 def load_results(exp: Experiment, cells: list[Cell],
-                 seeds: Sequence[int]) -> dict[str, dict[int, dict[str, Any]]]:
+                 seeds: Sequence[int]) -> dict[str, dict[int, CellResult]]:
     """The finished runs of every cell: cell name -> seed -> result."""
     return {c.name: {s: r for s in seeds
                      if (r := load_result(exp, replace(c, seed=s))) is not None}
@@ -327,7 +385,7 @@ def _worker_init(threads: int) -> None:
 
 
 def _run_in_worker(exp: Experiment, cell: Cell,
-                   progress: Callable[[int, int, dict], None] | None = None) -> str:
+                   progress: Callable[[int, int, Metrics], None] | None = None) -> str:
     directory = exp.cell_dir(cell)
     with cell_lock(directory) as mine:
         if not mine:
@@ -346,7 +404,7 @@ def _run_in_worker(exp: Experiment, cell: Cell,
 
 def run_cells(exp: Experiment, cells: list[Cell], jobs: int = 1,
               on_status: Callable[[Cell, str], None] = lambda c, s: None,
-              progress: Callable[[int, int, dict], None] | None = None,
+              progress: Callable[[int, int, Metrics], None] | None = None,
               poll_seconds: float = 30.0) -> None:
     """Run every unfinished cell (``jobs`` at a time), then wait for any cell another
     runner holds, so that on return every cell has a result."""
@@ -378,7 +436,7 @@ def reporting_killed_workers() -> Iterator[None]:
 
 def _run_batch(exp: Experiment, cells: list[Cell], jobs: int,
                on_status: Callable[[Cell, str], None],
-               progress: Callable[[int, int, dict], None] | None) -> list[Cell]:
+               progress: Callable[[int, int, Metrics], None] | None) -> list[Cell]:
     busy: list[Cell] = []
     if jobs <= 1:
         for cell in cells:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
@@ -74,6 +74,7 @@ except ModuleNotFoundError as error:
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
+    from trl.trainer.grpo_trainer import RewardFunc
 
 #: ``fp4_rollout_engine``: fp4rl's KV-cache engine (``hf``, the name ``rollout.engine``
 #: gives it) or transformers' ``generate``; vLLM is TRL's own switch (``use_vllm``)
@@ -187,7 +188,7 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
 
     # registering the method needs vLLM: without it, one line naming the install (and TRL
     # imported no LLM to swap)
-    extra: dict[str, Any] = {**fp4vllm.method_kwargs(recipe),
+    extra: dict[str, object] = {**fp4vllm.method_kwargs(recipe),
                              "dtype": torch.bfloat16 if args.bf16 else torch.float32}
     if args.use_cpu or not torch.cuda.is_available():
         extra["enforce_eager"] = True
@@ -195,7 +196,7 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
             extra["kv_cache_memory_bytes"] = fp4vllm.default_kv_cache_bytes()
     build = vllm_generation.LLM
 
-    def llm_with_fp4rl(**kwargs: Any) -> Any:
+    def llm_with_fp4rl(**kwargs: object) -> object:
         return build(**{**kwargs, **extra})
 
     vllm_generation.LLM = llm_with_fp4rl
@@ -206,7 +207,7 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
         vllm_generation.LLM = build
 
 
-def _check_arguments(kwargs: dict[str, Any]) -> None:
+def _check_arguments(kwargs: Mapping[str, object]) -> None:
     for name, reason in _REFUSED_ARGUMENTS.items():
         if kwargs.get(name) is not None:
             raise UserError(f"FP4GRPOTrainer does not take {name}: {reason}")
@@ -297,7 +298,8 @@ class FP4GRPOTrainer(GRPOTrainer):
 
     args: GRPOConfig  # GRPOTrainer's arguments (its stubs say TrainingArguments)
 
-    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any = None,
+    def __init__(self, model: str | PreTrainedModel,
+                 reward_funcs: RewardFunc | list[RewardFunc] | None = None,
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
                  fp4_rollout_engine: TRLEngine = "hf", fp4_batch_invariant: bool = False,
                  **kwargs: Any) -> None:
@@ -342,7 +344,7 @@ class FP4GRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(
             self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
-            compute_aux_loss: bool = False, **multimodal: Any
+            compute_aux_loss: bool = False, **multimodal: object
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's scoring; where the policy is batch-invariant, fp4rl's trainer's instead
         (``fp4rl.rl.logprobs.response_logprobs``: positions from the attention mask, the
@@ -401,8 +403,8 @@ class FP4GRPOTrainer(GRPOTrainer):
             self._metrics[mode][key].append(gathered.nanmean().item())
         return output
 
-    def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any,
-                              multimodal_fields: dict[str, Any], num_generations: int,
+    def _generate_single_turn(self, prompt_ids: list[list[int]], images: object,
+                              multimodal_fields: dict[str, object], num_generations: int,
                               has_tool_images: bool = False
                               ) -> tuple[list[list[int]], list[list[float]]]:
         """TRL's generation hook: one completion per prompt row (TRL has already repeated

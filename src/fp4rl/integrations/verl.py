@@ -47,7 +47,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Concatenate, ParamSpec, Protocol, TypedDict
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -57,7 +57,12 @@ from fp4rl.errors import UserError
 from fp4rl.nn import quantize_model
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.precision import compute_dtype
-from fp4rl.rollout.vllm.config import QUANT_METHOD, WeightStorage, quantization_config
+from fp4rl.rollout.vllm.config import (
+    QUANT_METHOD,
+    QuantizationEntry,
+    WeightStorage,
+    quantization_config,
+)
 from fp4rl.rollout.vllm.host import RECIPE_ENV
 
 #: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
@@ -76,6 +81,25 @@ SYNC_REGISTRY = ("verl.checkpoint_engine.base", "CheckpointEngineRegistry")
 #: they reach vLLM: the engine would hold Q(bf16(W)) while the trainer multiplies Q(W)
 CASTING_SYNC_BACKENDS = ("delta_sharded", "kimi", "mooncake")
 SYNC_BACKEND = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+
+
+class EngineConfig(Protocol):
+    """What fp4rl reads of a verl engine's config (verl's dataclass, or its OmegaConf node):
+    ``forward_only``; ``strategy`` and ``mixed_precision`` are read where present."""
+
+    forward_only: bool
+
+
+class Engine(Protocol):
+    """What fp4rl reads and sets of a verl engine (``FSDPEngine`` and the engines its
+    factory builds): its config, and the dtype its ``forward_step`` autocasts to."""
+
+    engine_config: EngineConfig
+    _autocast_dtype: torch.dtype
+
+
+#: the arguments a wrapped verl method takes after its engine
+_Args = ParamSpec("_Args")
 
 
 def recipe_from_env() -> Recipe:
@@ -107,7 +131,7 @@ FP32_PARAMS = "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=
 FSDP2 = "actor_rollout_ref.actor.strategy=fsdp2"
 
 
-def is_fp4_actor(engine: Any) -> bool:
+def is_fp4_actor(engine: Engine) -> bool:
     """Whether verl's ``engine`` builds the policy that trains (not the reference policy,
     which only computes log-probs, and not a critic, whose value head is no policy)."""
     if engine.engine_config.forward_only:
@@ -116,7 +140,7 @@ def is_fp4_actor(engine: Any) -> bool:
     return getattr(model_config, "model_type", "language_model") == "language_model"
 
 
-def check_param_dtype(engine_config: Any) -> None:
+def check_param_dtype(engine_config: EngineConfig) -> None:
     """Refuse an FSDP mixed precision that casts the actor's parameters below FP32: the FP4
     GEMMs would quantize ``bf16(W)`` while the rollout quantizes the FP32 masters."""
     mixed = getattr(engine_config, "mixed_precision", None) or {}
@@ -127,7 +151,7 @@ def check_param_dtype(engine_config: Any) -> None:
                         f"masters: add {FP32_PARAMS}")
 
 
-def check_strategy(engine_config: Any) -> None:
+def check_strategy(engine_config: EngineConfig) -> None:
     """Refuse verl's FSDP1 (``strategy=fsdp``, verl's default) for the FP4 actor: FSDP1
     flattens parameters into views of one buffer per unit, and the FP4 layers (whose
     tests, and verl's own engine build in ``make test-verl``, run FSDP2) are not held to
@@ -140,19 +164,19 @@ def check_strategy(engine_config: Any) -> None:
 
 #: the functions fp4rl put in verl's place (the actor's builds, the factories' ``new``): a
 #: second install leaves them as they are, and the factory guard tells a hooked engine by them
-INSTALLED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+INSTALLED: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 
-def wrap_build(build: Callable[[Any], torch.nn.Module],
+def wrap_build(build: Callable[[Engine], torch.nn.Module],
                recipe: Callable[[], Recipe] = recipe_from_env
-               ) -> Callable[[Any], torch.nn.Module]:
+               ) -> Callable[[Engine], torch.nn.Module]:
     """``build`` (an engine's ``_build_module``) followed by :func:`fp4_actor` where the
     engine builds the training policy (:func:`is_fp4_actor`), after checking that verl's
     FSDP is FSDP2 (:func:`check_strategy`) and keeps its parameters in FP32
     (:func:`check_param_dtype`)."""
 
     @functools.wraps(build)
-    def build_fp4(engine: Any) -> torch.nn.Module:
+    def build_fp4(engine: Engine) -> torch.nn.Module:
         actor = is_fp4_actor(engine)
         if actor:
             check_strategy(engine.engine_config)
@@ -169,7 +193,8 @@ def wrap_build(build: Callable[[Any], torch.nn.Module],
 COMPUTE_DTYPE = compute_dtype("bf16")
 
 
-def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+def wrap_fsdp_build(build: Callable[Concatenate[Engine, _Args], torch.nn.Module]
+                    ) -> Callable[Concatenate[Engine, _Args], torch.nn.Module]:
     """``build`` (an engine's ``_build_fsdp_module``) followed, for the FP4 actor, by
     verl's autocast dtype set to bf16. verl autocasts ``forward_step`` to its FSDP
     ``param_dtype``, and skips autocast where that is fp32, which FP4 training needs for
@@ -179,7 +204,8 @@ def wrap_fsdp_build(build: Callable[..., torch.nn.Module]) -> Callable[..., torc
     as in fp4rl's own trainer."""
 
     @functools.wraps(build)
-    def build_fp4(engine: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    def build_fp4(engine: Engine, *args: _Args.args, **kwargs: _Args.kwargs
+                  ) -> torch.nn.Module:
         module = build(engine, *args, **kwargs)
         if is_fp4_actor(engine):
             engine._autocast_dtype = COMPUTE_DTYPE
@@ -193,8 +219,8 @@ def guard_registry(registry: type) -> None:
     """Make ``registry.new`` (verl's engine factory) refuse, in one line, a training policy
     that an engine without the FP4 hook builds (Megatron, say): the hook would never fire,
     and the actor would train in verl's own precision without a word."""
-    def checked(new: Callable[..., Any], model_type: str, backend: str, *args: Any,
-                **kwargs: Any) -> Any:
+    def checked(new: Callable[..., Engine], model_type: str, backend: str, *args: object,
+                **kwargs: object) -> Engine:
         engine = new(model_type, backend, *args, **kwargs)
         hooked = getattr(type(engine), "_build_module", None) in INSTALLED
         if is_fp4_actor(engine) and not hooked:
@@ -206,18 +232,19 @@ def guard_registry(registry: type) -> None:
     _wrap_new(registry, checked)
 
 
-def _wrap_new(registry: Any, around: Callable[..., Any]) -> None:
+def _wrap_new(registry: type, around: Callable[..., object]) -> None:
     """Replace a verl factory's ``registry.new`` once by ``around(new, *args, **kwargs)``."""
-    new = registry.new
+    # verl's factory method, which mypy cannot know a class to have
+    new: Callable[..., object] = getattr(registry, "new")  # noqa: B009
     if new in INSTALLED:
         return
 
     @functools.wraps(new)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: object, **kwargs: object) -> object:
         return around(new, *args, **kwargs)
 
     INSTALLED.add(guarded)
-    registry.new = staticmethod(guarded)
+    setattr(registry, "new", staticmethod(guarded))  # noqa: B010
 
 
 def check_sync_backend(backend: str) -> None:
@@ -235,7 +262,8 @@ def check_sync_backend(backend: str) -> None:
 def guard_sync_registry(registry: type) -> None:
     """Make ``registry.new`` (verl's sync-backend factory, called in the actor's worker
     after it built the actor) run :func:`check_sync_backend` first."""
-    def checked(new: Callable[..., Any], backend: str, *args: Any, **kwargs: Any) -> Any:
+    def checked(new: Callable[..., object], backend: str, *args: object, **kwargs: object
+                ) -> object:
         check_sync_backend(backend)
         return new(backend, *args, **kwargs)
 
@@ -299,14 +327,27 @@ def _verl_class(path: str) -> type | None:
                           f"actor hook follows verl {SUPPORTED_VERL}") from None
 
 
+class HFOverrides(TypedDict):
+    """What vLLM lays over the model's config.json: the method's entry."""
+
+    quantization_config: QuantizationEntry
+
+
+class EngineKwargs(TypedDict):
+    """verl's ``engine_kwargs.vllm`` for an fp4rl rollout: vLLM's ``quantization`` and
+    ``hf_overrides`` arguments."""
+
+    quantization: str
+    hf_overrides: HFOverrides
+
+
 def engine_kwargs(recipe: Recipe | str,
                   weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
-                  ) -> dict[str, Any]:
+                  ) -> EngineKwargs:
     """``actor_rollout_ref.rollout.engine_kwargs.vllm`` that run ``recipe``'s rollout
     policy in verl's vLLM engine."""
-    return {"quantization": QUANT_METHOD,
-            "hf_overrides": {"quantization_config": quantization_config(recipe,
-                                                                        weight_storage)}}
+    return EngineKwargs(quantization=QUANT_METHOD, hf_overrides=HFOverrides(
+        quantization_config=quantization_config(recipe, weight_storage)))
 
 
 def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -> list[str]:
@@ -322,7 +363,7 @@ def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -
     return out
 
 
-def _hydra(value: Any) -> str:
+def _hydra(value: object) -> str:
     """``value`` in Hydra's override grammar (strings quoted, mappings and lists nested)."""
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"

@@ -20,7 +20,11 @@ import multiprocessing
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fp4rl.kernels import KernelFormat
+    from fp4rl.kernels.triton_quant import Variant
 
 #: (architecture, warp size) of Hopper (H100/H200) and Blackwell (B200)
 TARGETS = {"sm_90": (90, 32), "sm_100": (100, 32)}
@@ -31,7 +35,7 @@ class Compiled:
     """One variant compiled for one target: its cubin's size, or the compiler's error."""
 
     kernel: str
-    constants: dict[str, Any]
+    constants: dict[str, int | bool]
     pointers: tuple[str, ...]
     target: str
     cubin_bytes: int = 0
@@ -50,7 +54,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def variants(formats: Iterable[Any]) -> list[Any]:
+def variants(formats: Iterable[KernelFormat]) -> list[Variant]:
     """Every kernel variant the launchers can produce for ``formats`` (the registered
     ones, say): quantize, ResQ, the per-tensor amax, the packed decode and the packed
     GEMM."""
@@ -59,7 +63,7 @@ def variants(formats: Iterable[Any]) -> list[Any]:
     from fp4rl.kernels.triton_packed_mm import packed_mm_variants
     from fp4rl.kernels.triton_quant import FLOATS, amax_variant, quantize_variants
 
-    seen: dict[Any, None] = {}
+    seen: dict[Variant, None] = {}
     for fmt in formats:
         seen.update(dict.fromkeys(quantize_variants(fmt)))
         seen.update(dict.fromkeys(decode_variants(fmt)))
@@ -69,7 +73,7 @@ def variants(formats: Iterable[Any]) -> list[Any]:
     return list(seen)
 
 
-def compile_variant(variant: Any, target: str, keep_ir: bool = False) -> Compiled:
+def compile_variant(variant: Variant, target: str, keep_ir: bool = False) -> Compiled:
     """``variant`` (a :class:`~fp4rl.kernels.triton_quant.Variant`) compiled to a cubin
     for ``target`` (a key of :data:`TARGETS`); the compiler's error, not an exception,
     where it fails."""
@@ -144,14 +148,14 @@ def sass_counts(cubin: bytes) -> tuple[int, int, tuple[str, ...]]:
     return len(fp64), local, tuple(fp64[:3])
 
 
-_JOBS: list[tuple[Any, str, bool]] = []
+_JOBS: list[tuple[Variant, str, bool]] = []
 
 
 def _compile_job(index: int) -> Compiled:
     return compile_variant(*_JOBS[index])
 
 
-def compile_all(variants: Iterable[Any], targets: Iterable[str] = tuple(TARGETS),
+def compile_all(variants: Iterable[Variant], targets: Iterable[str] = tuple(TARGETS),
                 keep_ir: bool = False, processes: int | None = None) -> list[Compiled]:
     """Every variant for every target, on ``processes`` forked workers (default: one a
     core; a compile is single-threaded and takes a second or more)."""
@@ -180,7 +184,8 @@ def narrow_offsets(ttir: str) -> list[str]:
     return narrow
 
 
-def specialization(variant: Any, args: tuple[Any, ...], target: str = "sm_90") -> str:
+def specialization(variant: Variant, args: tuple[object, ...], target: str = "sm_90"
+                   ) -> str:
     """The key Triton's launcher computes from ``args`` for ``variant`` on ``target``:
     argument types and the traits it specializes on (an integer equal to 1, multiples of
     16, 16-byte aligned pointers). Launches of one key share one binary; a new key means a

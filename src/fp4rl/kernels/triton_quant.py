@@ -516,7 +516,7 @@ class Variant:
     num_stages: int | None = None
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         """The compiler options of every launch (:data:`COMPILE_OPTIONS`, the warps, the
         stages where set)."""
         stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
@@ -531,7 +531,7 @@ class Variant:
                 POINTER_TYPES[next(types)] if name.endswith("_ptr") else "i32"
                 for name in self.kernel.arg_names}
 
-    def launch(self, grid: tuple[int, ...], *args: Any) -> None:
+    def launch(self, grid: tuple[int, ...], *args: object) -> None:
         """Run the kernel; the tensors must be of :attr:`pointers`' types, so that this
         variant describes the launch exactly."""
         got = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 from safetensors.torch import load_file
@@ -52,19 +52,39 @@ def field_tensors(module: str, packed: PackedTensor) -> dict[str, torch.Tensor]:
             for name, buffer in packed.fields.items()}
 
 
-def describe(fmt: str, modules: dict[str, tuple[int, int]], dtype: torch.dtype) -> dict[str, Any]:
+class PackedModule(TypedDict):
+    """A packed weight's entry in :data:`DESCRIPTION`: its shape (out, in features)."""
+
+    shape: list[int]
+
+
+class PackedDescription(TypedDict):
+    """:data:`DESCRIPTION` of a packed directory: the layout's version, the format, where
+    the weights are, the dtype of the tensors not packed, and each packed weight."""
+
+    fp4rl_packed_version: int
+    format: str
+    block_size: int
+    bits_per_value: float
+    weights: str
+    unquantized_dtype: str
+    modules: dict[str, PackedModule]
+
+
+def describe(fmt: str, modules: dict[str, tuple[int, int]], dtype: torch.dtype
+             ) -> PackedDescription:
     """The :data:`DESCRIPTION` of a directory whose ``modules`` (name: weight shape) are
     packed in ``fmt`` and whose other tensors are stored in ``dtype``."""
     spec = get_format(fmt)
-    return {
-        "fp4rl_packed_version": VERSION,
-        "format": spec.name,
-        "block_size": spec.block_size,
-        "bits_per_value": spec.bits_per_value,
-        "weights": WEIGHTS_PATTERN.format(suffix="*"),
-        "unquantized_dtype": str(dtype).removeprefix("torch."),
-        "modules": {name: {"shape": list(shape)} for name, shape in modules.items()},
-    }
+    return PackedDescription(
+        fp4rl_packed_version=VERSION,
+        format=spec.name,
+        block_size=spec.block_size,
+        bits_per_value=spec.bits_per_value,
+        weights=WEIGHTS_PATTERN.format(suffix="*"),
+        unquantized_dtype=str(dtype).removeprefix("torch."),
+        modules={name: PackedModule(shape=list(shape)) for name, shape in modules.items()},
+    )
 
 
 def load_packed_model(directory: Path, dtype: torch.dtype) -> PreTrainedModel:
@@ -99,8 +119,8 @@ def packed_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return {**stored, **state}
 
 
-def _read_description(directory: Path) -> dict[str, Any]:
-    description = json.loads((directory / DESCRIPTION).read_text())
+def _read_description(directory: Path) -> PackedDescription:
+    description: PackedDescription = json.loads((directory / DESCRIPTION).read_text())
     version = description.get("fp4rl_packed_version")
     if version != VERSION:
         raise PackedCheckpointError(f"{directory / DESCRIPTION}: layout version {version!r}; "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from fp4rl.errors import RecipeError
 
@@ -49,8 +48,9 @@ class Selector:
         """The entry's meaning; a malformed selector or regex is one line."""
         head, sep, arg = entry.partition(":")
         if sep and head in ("first", "last"):
-            position: dict[str, Any] = {head: _count(entry, arg, head == "last")}
-            return cls(entry, **position)
+            if head == "last":
+                return cls(entry, last=_count(entry, arg, fraction=True))
+            return cls(entry, first=int(_count(entry, arg, fraction=False)))
         if sep and head == "kind":
             if arg not in KINDS:
                 raise RecipeError(f"ignore: {entry!r}: choose kind:{', kind:'.join(KINDS)}")

@@ -27,7 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
+from pydantic import JsonValue
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
@@ -49,10 +52,18 @@ class RunState(TypedDict):
     step: int
     cursor: tuple[int, int]
     torch_rng: torch.Tensor
-    python_rng: tuple[Any, ...]
-    numpy_rng: tuple[Any, ...] | dict[str, Any]
-    recovery: dict[str, Any]
-    config: dict[str, Any]
+    python_rng: tuple[object, ...]
+    #: numpy's legacy state: a tuple (its stubs say what it holds, an Any among it)
+    numpy_rng: tuple[str, NDArray[np.uint32], int, int, float] | dict[str, Any]
+    recovery: dict[str, dict[str, object]]
+    config: dict[str, JsonValue]
+
+
+class Fingerprint(TypedDict):
+    """A checkpoint file's size and SHA-256, as ``trainer_state.json`` records it."""
+
+    size: int
+    sha256: str
 
 
 def _fsync_tree(path: Path) -> None:
@@ -130,13 +141,13 @@ def _publish(tmp: Path, run_dir: Path, step: int, keep: int) -> Path:
     return final
 
 
-def _fingerprint(path: Path) -> dict[str, Any]:
+def _fingerprint(path: Path) -> Fingerprint:
     """A file's size and SHA-256: what :func:`verify_checkpoint` checks it against."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return Fingerprint(size=path.stat().st_size, sha256=digest.hexdigest())
 
 
 def verify_checkpoint(path: Path) -> None:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -114,17 +114,20 @@ def teardown() -> None:
         _JOINED.clear()
 
 
-def all_gather(obj: Any, d: Dist) -> list[Any]:
+_Record = TypeVar("_Record")
+
+
+def all_gather(obj: _Record, d: Dist) -> list[_Record]:
     """Every rank's ``obj``, in rank order (``[obj]`` on one process). Tensors travel
     through the CPU, so this serves small records (rollouts, log-prob rows), not weights."""
     if not d.active:
         return [obj]
-    out: list[Any] = [None] * d.world_size
+    out: list[object] = [None] * d.world_size
     dist.all_gather_object(out, _to_cpu(obj))
-    return out
+    return cast("list[_Record]", out)  # each rank sent one such record
 
 
-def _to_cpu(obj: Any) -> Any:
+def _to_cpu(obj: object) -> object:
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, list | tuple):

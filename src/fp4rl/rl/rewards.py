@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import overload
 
 from math_verify import parse, verify
 from sympy import Basic, MatrixBase, Pow, gamma, preorder_traversal
@@ -83,7 +83,7 @@ def _explodes(node: Basic) -> bool:
     return False
 
 
-def _is_tractable(item: Any) -> bool:
+def _is_tractable(item: object) -> bool:
     """Whether sympy can compare ``item`` quickly (strings always can)."""
     if isinstance(item, MatrixBase):
         return all(_is_tractable(element) for element in item)
@@ -92,14 +92,14 @@ def _is_tractable(item: Any) -> bool:
     return True
 
 
-def _parse_math(text: str) -> tuple[Any, ...]:
+def _parse_math(text: str) -> tuple[object, ...]:
     """``math_verify.parse`` without its signal-based timeout; () if nothing is usable."""
     parsed = tuple(parse(text, parsing_timeout=None))
     return parsed if parsed and all(_is_tractable(item) for item in parsed) else ()
 
 
 @lru_cache(maxsize=4096)
-def _parse_reference(reference: str) -> tuple[Any, ...]:
+def _parse_reference(reference: str) -> tuple[object, ...]:
     """Parse a reference once: GRPO scores many completions against the same one."""
     text = reference if "\\boxed" in reference else f"\\boxed{{{reference}}}"
     return _parse_math(text)
@@ -135,8 +135,17 @@ _REWARDS: Registry[RewardFn] = Registry(
     "reward", ConfigError, hint=" (or register one with fp4rl.rl.rewards.register_reward)")
 
 
+@overload
+def register_reward(name: str, fn: RewardFn, *, replace: bool = False) -> RewardFn: ...
+
+
+@overload
+def register_reward(name: str, fn: None = None, *, replace: bool = False
+                    ) -> Callable[[RewardFn], RewardFn]: ...
+
+
 def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = False
-                    ) -> Any:
+                    ) -> RewardFn | Callable[[RewardFn], RewardFn]:
     """Add a reward under ``name`` (usable as ``data.reward`` in a config); without ``fn``,
     a decorator that registers the function it decorates.
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fp4rl.errors import CheckpointError, OutputError, ResumeError
 from fp4rl.paths import write_text_atomic
@@ -151,7 +151,7 @@ class RunDir:
         return read_metrics(self.metrics_file)
 
 
-def check_same_run(path: Path, saved: dict[str, Any], config: TrainConfig) -> None:
+def check_same_run(path: Path, saved: Mapping[str, object], config: TrainConfig) -> None:
     """Refuse to continue checkpoint ``path`` (whose settings are ``saved``) under
     ``config`` when they differ beyond :data:`~fp4rl.rl.config.RESUMABLE`: continuing it
     would mix two runs. :meth:`RunDir.resumable_config` checks the settings file before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import ValidationError
@@ -65,7 +65,8 @@ def load_trained(checkpoint: str | Path, device: str | torch.device = "cpu") -> 
 
 
 def load_policy(model: str | None, checkpoint: str | None, recipe: str | None,
-                device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any, str]:
+                device: str | torch.device = "cpu"
+                ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, str]:
     """The model to evaluate, its tokenizer and a label saying what it is.
 
     ``checkpoint`` (a run directory or one checkpoint) loads the trained master weights

@@ -3,7 +3,7 @@ change is described."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from fp4rl.rl.config.schema import TrainConfig
 
@@ -14,9 +14,9 @@ RESUMABLE = ("run.steps", "run.save_steps", "run.keep_checkpoints", "eval",
              "distributed.timeout_s")
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(data: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """``{"a": {"b": 1}}`` as ``{"a.b": 1}``: a config's settings by dotted key."""
-    flat: dict[str, Any] = {}
+    flat: dict[str, object] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
@@ -26,7 +26,8 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tuple[Any, Any]]:
+def changed_settings(saved: TrainConfig, requested: TrainConfig
+                     ) -> dict[str, tuple[object, object]]:
     """The settings ``requested`` changes from ``saved``, by dotted key, as (saved,
     requested), leaving out the :data:`RESUMABLE` ones."""
     old = flatten(saved.model_dump(mode="json"))
@@ -36,7 +37,7 @@ def changed_settings(saved: TrainConfig, requested: TrainConfig) -> dict[str, tu
             and not any(key == r or key.startswith(f"{r}.") for r in RESUMABLE)}
 
 
-def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+def describe_changes(changed: dict[str, tuple[object, object]]) -> str:
     """``grpo.learning_rate 1e-05 -> 0.001, ...``: what a refused resume would change."""
     return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
 

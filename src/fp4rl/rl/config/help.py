@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -78,7 +78,7 @@ def describe(field: FieldInfo) -> str:
     return f"{text} ({each})"
 
 
-def type_name(annotation: Any, metadata: list[Any] | None = None) -> str:
+def type_name(annotation: object, metadata: list[object] | None = None) -> str:
     """``hif4 | mxfp4 | ...`` for a registry's names, ``auto | none | ddp`` for a Literal
     or an enum, ``int | None``, ``list[int]``, ``str``."""
     choices = marker(metadata or [], Choices)
@@ -95,7 +95,8 @@ def type_name(annotation: Any, metadata: list[Any] | None = None) -> str:
     if args and get_origin(annotation) in (Union, UnionType):
         return " | ".join(dict.fromkeys(type_name(a) for a in args))
     if args:
-        return f"{annotation.__origin__.__name__}[{', '.join(type_name(a) for a in args)}]"
+        origin = getattr(get_origin(annotation), "__name__", "")  # list, dict, tuple
+        return f"{origin}[{', '.join(type_name(a) for a in args)}]"
     if annotation is type(None):
         return "None"
     return getattr(annotation, "__name__", str(annotation))

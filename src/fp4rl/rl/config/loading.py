@@ -5,8 +5,8 @@ one line."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -22,12 +22,12 @@ from fp4rl.settings import section_model
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                changes: dict[str, Any] | None = None) -> TrainConfig:
+                changes: Mapping[str, object] | None = None) -> TrainConfig:
     """Read ``path`` (a YAML file or a preset name, see :mod:`fp4rl.presets`), apply
     ``overrides`` (``key=value``) and ``changes`` (``{"run.steps": 3}``), then validate.
     An override ``recipe=NAME`` replaces the file's recipe (its ``train``, rollout policy
     and ``ignore``) as a whole."""
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     if path is not None:
         p = preset_path(path)
         try:
@@ -77,7 +77,7 @@ def _suggestion(error: ErrorDetails) -> str:
 ROLLOUT_POLICY = tuple(RolloutPrecision.model_fields)
 
 
-def _without_recipe(data: dict[str, Any]) -> dict[str, Any]:
+def _without_recipe(data: dict[str, object]) -> dict[str, object]:
     """``data`` less its recipe (``recipe``, ``train``, ``ignore``, the rollout policy),
     keeping where and how the rollout runs (``rollout.engine``, an engine's settings)."""
     rollout = data.get("rollout")
@@ -87,13 +87,13 @@ def _without_recipe(data: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def expand_recipe_name(data: dict[str, Any]) -> dict[str, Any]:
+def expand_recipe_name(data: Mapping[str, object]) -> Mapping[str, object]:
     """``recipe: NAME`` (a config key or ``recipe=NAME``) as the ``train``, rollout policy
     and ``ignore`` it names; the config may not also set them (one source for each)."""
     if "recipe" not in data:
         return data
     data = dict(data)
-    name = data.pop("recipe")
+    name = str(data.pop("recipe"))
     rollout = data.get("rollout") or {}
     policy = [f"rollout.{k}" for k in ROLLOUT_POLICY if isinstance(rollout, dict) and k in rollout]
     clash = [k for k in ("train", "ignore") if data.get(k)] + policy
@@ -109,7 +109,7 @@ def expand_recipe_name(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def validate(data: dict[str, Any]) -> TrainConfig:
+def validate(data: Mapping[str, object]) -> TrainConfig:
     data = expand_recipe_name(data)
     try:
         return TrainConfig.model_validate(data)

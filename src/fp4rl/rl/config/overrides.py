@@ -3,13 +3,11 @@ setting of the nested mapping, its value read as YAML 1.2 (:mod:`.yaml12`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fp4rl.errors import ConfigError
 from fp4rl.rl.config.yaml12 import parse_value
 
 
-def apply_override(data: dict[str, Any], item: str) -> None:
+def apply_override(data: dict[str, object], item: str) -> None:
     """Set ``a.b.c=value`` (value parsed as YAML) in a nested dict, in place."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
@@ -21,7 +19,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     set_path(data, key, value)
 
 
-def set_path(data: dict[str, Any], key: str, value: Any) -> None:
+def set_path(data: dict[str, object], key: str, value: object) -> None:
     """``data["a"]["b"]["c"] = value`` for ``key = "a.b.c"``, creating sections."""
     *parents, leaf = key.split(".")
     node = data

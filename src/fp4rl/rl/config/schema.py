@@ -9,7 +9,8 @@ model the engine registered: a declared, typed field for the engines fp4rl ships
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -352,16 +353,17 @@ class TrainConfig(_Section):
         return recipe.with_nvfp4_scale(self.nvfp4_scale)
 
 
-def recipe_of(config: dict[str, Any], strict: bool = True) -> Recipe:
+def recipe_of(config: Mapping[str, object], strict: bool = True) -> Recipe:
     """The quantization recipe of a training config (as a run saves it): its ``train``,
     ``rollout`` and ``ignore``. ``rollout.engine`` says where the rollout ran, not what
     policy it ran (nor do the engines' settings, ``rollout.<engine>``), so it is not part
     of the recipe; ``nvfp4_scale`` is."""
-    rollout = {k: v for k, v in (config.get("rollout") or {}).items()
-               if k in RolloutPrecision.model_fields}
+    section = config.get("rollout") or {}
+    rollout = {k: v for k, v in section.items() if k in RolloutPrecision.model_fields} \
+        if isinstance(section, Mapping) else section  # not a mapping: refused below
     recipe = Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
                                "ignore": config.get("ignore")}, strict=strict)
-    return recipe.with_nvfp4_scale(config.get("nvfp4_scale") or ScaleRule.DYNAMIC)
+    return recipe.with_nvfp4_scale(str(config.get("nvfp4_scale") or ScaleRule.DYNAMIC))
 
 
 __all__ = ["DataConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig",

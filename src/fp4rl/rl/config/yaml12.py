@@ -4,7 +4,6 @@ for config files and ``key=value`` overrides alike."""
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import yaml
 
@@ -33,7 +32,7 @@ Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-def parse_value(raw: str) -> Any:
+def parse_value(raw: str) -> object:
     """An override's value, read as YAML with :class:`Loader`; malformed YAML is a
     one-line :class:`ConfigError`."""
     try:
