@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4rl.gemm import Operand, mm, pack_operand, quantize_operand
+from fp4rl.gemm import Operand, mm, operand_format, pack_operand, quantize_operand
 from fp4rl.recovery import Recovery, make_recovery
 from fp4rl.recovery.ops import TracedActivation, handle_of
 
@@ -18,7 +18,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def method(fmt: str, spec: str):
-    return make_recovery(Recovery.parse(spec), fmt, 64, 0, weight_format=fmt)
+    return make_recovery(Recovery.parse(spec), operand_format(fmt), 64, 0,
+                         weight_format=operand_format(fmt))
 
 
 def inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -45,7 +46,8 @@ def test_a_handle_names_the_settings_not_the_object():
     handle, so equal settings give equal handles and any other setting another one."""
     assert handle_of(method("hif4", "resq-2:4")) == handle_of(method("hif4", "resq-2:4"))
     handles = {handle_of(method(fmt, spec)) for fmt in FORMATS for spec in METHODS}
-    wider = make_recovery(Recovery.parse("resq-2:4"), "hif4", 128, 0, weight_format="hif4")
+    wider = make_recovery(Recovery.parse("resq-2:4"), operand_format("hif4"), 128, 0,
+                          weight_format=operand_format("hif4"))
     assert len(handles) == len(FORMATS) * len(METHODS)
     assert handle_of(wider) not in handles
     assert handle_of(method("hif4", "resq-channel:0.5")) not in handles

@@ -229,7 +229,8 @@ def test_fsdp_packed_gather_on_the_device(fmt, monkeypatch):
 
     recipe = get_recipe(fmt)
     layer = SimpleNamespace(weight=Shard(), recipe=recipe, recovery=make_recovery(
-        recipe.rollout.recovery, fmt, 128, 0, weight_format=fmt))
+        recipe.rollout.recovery, recipe.rollout.activations, 128, 0,
+        weight_format=recipe.rollout.weights))
     operand, _ = ws._gather_packed(layer, 1)
     on_meta(operand.values, operand.scale)
 

@@ -57,7 +57,7 @@ def test_fused_bf16_terms_equal_the_composed_steps(fmt, pattern, shape):
     qx = quantize(x, fmt)
     residual = sparsify(quantize(x - qx, fmt), pattern)
     assert torch.equal(terms[0].float(), qx) and torch.equal(terms[1].float(), residual)
-    resq = ResQ(ResQConfig(sparsity=pattern), fmt, shape[1], seed=0)
+    resq = ResQ(ResQConfig(sparsity=pattern), get_format(fmt), shape[1], seed=0)
     operands = resq.activation(x, torch.bfloat16)
     assert [torch.equal(o.values, t) for o, t in zip(operands, terms, strict=True)] == [True] * 2
 
@@ -71,7 +71,7 @@ def test_bf16_rows_give_the_terms_of_their_float32_widening(fmt, pattern):
 
     x = outlier_activations(33, 576).bfloat16()
     x[3, 70] = float("nan")
-    resq = ResQ(ResQConfig(sparsity=pattern), fmt, 576, seed=0)
+    resq = ResQ(ResQConfig(sparsity=pattern), get_format(fmt), 576, seed=0)
     got = resq.activation(x, torch.bfloat16)
     want = resq.activation(x.float(), torch.bfloat16)
     for g, w in zip(got, want, strict=True):
@@ -91,7 +91,8 @@ def test_the_stacked_resq_terms_enter_the_gemm_without_a_copy(fmt, inference):
 
     x = outlier_activations(16, 256).bfloat16()
     with torch.inference_mode(inference):
-        terms = ResQ(ResQConfig(sparsity="2:4"), fmt, 256, seed=0).activation(x, torch.bfloat16)
+        resq = ResQ(ResQConfig(sparsity="2:4"), get_format(fmt), 256, seed=0)
+        terms = resq.activation(x, torch.bfloat16)
     stacked = stack_rows([t.values for t in terms])
     assert stacked.data_ptr() == terms[0].values.data_ptr() and stacked.shape == (32, 256)
     assert torch.equal(stacked, torch.cat([t.values for t in terms]))

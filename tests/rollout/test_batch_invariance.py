@@ -14,7 +14,7 @@ import torch
 
 import fp4rl
 from fp4rl.formats import list_formats
-from fp4rl.gemm import mm, quantize_operand
+from fp4rl.gemm import mm, operand_format, quantize_operand
 from fp4rl.models import tiny_model
 from fp4rl.nn import get_recipe, quantize_model
 from fp4rl.recovery import Recovery, make_recovery
@@ -66,7 +66,8 @@ def test_real_rows_logits_do_not_see_the_rows_padded_beside_them(fmt, recovery, 
 def test_the_engines_activation_operator_is_row_wise(fmt, spec, dtype):
     """The operator a compiled engine runs (``fp4rl::rollout_activation``) and the GEMM
     after it, with stale rows of any magnitude after the real ones."""
-    method = make_recovery(Recovery.parse(spec), fmt, 64, 0, weight_format="hif4")
+    method = make_recovery(Recovery.parse(spec), operand_format(fmt), 64, 0,
+                           weight_format=operand_format("hif4"))
     op = TracedActivation(method)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 64, generator=g)

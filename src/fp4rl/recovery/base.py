@@ -28,7 +28,6 @@ from fp4rl.gemm import (
     PackedOperand,
     has_tensor_scale,
     mm,
-    operand_format,
     pack_operand,
     quantize_operand,
 )
@@ -77,15 +76,14 @@ class RolloutRecovery(ABC):
     #: vLLM method) runs with fp4rl's own code
     serves_in_engines: ClassVar[bool] = False
 
-    def __init__(self, config: RecoveryConfig, act_format: str | OperandFormat,
+    def __init__(self, config: RecoveryConfig, act_format: OperandFormat,
                  in_features: int, seed: int,
-                 weight_format: str | OperandFormat | None = None) -> None:
+                 weight_format: OperandFormat | None = None) -> None:
         self.config = config
         #: the rollout activation format
-        self.act_format = operand_format(act_format)
+        self.act_format = act_format
         #: the rollout weight format (methods that treat the weight as well need it)
-        self.weight_format = self.act_format if weight_format is None else \
-            operand_format(weight_format)
+        self.weight_format = act_format if weight_format is None else weight_format
         self.in_features = in_features
         self.seed = seed
         #: bumped whenever ``transform_weight`` would change: invalidates the weight cache

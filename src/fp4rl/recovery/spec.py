@@ -134,11 +134,11 @@ class Recovery(BaseModel):
         return f"{self.method}-{arg}" if arg else self.method
 
 
-def make_recovery(recovery: Recovery, act_format: str | OperandFormat, in_features: int,
-                  seed: int, weight_format: str | OperandFormat | None = None
+def make_recovery(recovery: Recovery, act_format: OperandFormat, in_features: int,
+                  seed: int, weight_format: OperandFormat | None = None
                   ) -> RolloutRecovery:
     """The configured method's instance for one layer (``weight_format``: the rollout
-    weight format, default ``act_format``)."""
+    weight format, default ``act_format``), the formats as a recipe holds them."""
     return get_recovery(recovery.method)(recovery.config, act_format, in_features, seed,
                                        weight_format=weight_format)
 
