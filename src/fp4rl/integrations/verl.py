@@ -350,7 +350,9 @@ def engine_kwargs(recipe: Recipe | str,
         quantization_config=quantization_config(recipe, weight_storage)))
 
 
-def hydra_overrides(recipe: Recipe | str, weight_storage: str = "dequantized") -> list[str]:
+def hydra_overrides(recipe: Recipe | str,
+                    weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
+                    ) -> list[str]:
     """The ``verl.trainer.main_ppo`` command-line overrides that train verl's actor in FP4
     and roll out in vLLM with ``recipe`` (each one shell argument)."""
     kwargs = engine_kwargs(recipe, weight_storage)

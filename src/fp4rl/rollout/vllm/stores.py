@@ -17,6 +17,7 @@ import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -30,7 +31,8 @@ from fp4rl.rollout.vllm.errors import VLLMError
 Part = Operand | PackedOperand
 #: a GEMM the store runs: rows, ``Q(W)`` (values may be empty where a prepacked kernel
 #: holds them), and the kernel ``(rows, bias) -> product`` or None
-Gemm = tuple[int, Operand, "Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None"]
+Kernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+Gemm = tuple[int, Operand, Kernel | None]
 
 
 class WeightStore(ABC):
@@ -52,12 +54,8 @@ class WeightStore(ABC):
         """``acts`` (the recovery's activation terms, token rows) times ``Q(W)`` plus the
         bias, in ``dtype``: one GEMM per logical layer with its own scale (NVFP4's
         per-shard scales), joined along the outputs."""
-        ys, start = [], 0
-        for rows, qw, kernel in self.gemms():
-            b = None if bias is None else bias[start:start + rows]
-            ys.append(mm(acts, qw.t(), dtype, b, matmul=kernel))
-            start += rows
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return _by_outputs([(rows, partial(_gemm, acts, qw, kernel, dtype))
+                            for rows, qw, kernel in self.gemms()], bias)
 
     @abstractmethod
     def nbytes(self, in_features: int) -> int:
@@ -88,6 +86,26 @@ class WeightStore(ABC):
             for a, b in zip(mine, theirs, strict=True):
                 a.copy_(b)
         return self
+
+
+#: one GEMM of a layer: how many of its outputs it gives, and the call, given its bias
+OutputGemm = tuple[int, Callable[[torch.Tensor | None], torch.Tensor]]
+
+
+def _by_outputs(gemms: list[OutputGemm], bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's output from GEMMs that each give some of its outputs (a merged layer's
+    parts, or its logical layers), each with its slice of the bias, joined along the
+    outputs: the one loop every store's forward runs, whatever computes a GEMM."""
+    ys, start = [], 0
+    for rows, gemm in gemms:
+        ys.append(gemm(None if bias is None else bias[start:start + rows]))
+        start += rows
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+def _gemm(acts: list[Operand], qw: Operand, kernel: Kernel | None, dtype: torch.dtype,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    return mm(acts, qw.t(), dtype, bias, matmul=kernel)
 
 
 @dataclass
@@ -153,12 +171,8 @@ class PackedStore(WeightStore):
         compiled forward traces one graph for every batch size."""
         if not self.fused or len(acts) > 2:
             return super().apply(acts, dtype, bias)
-        ys, start = [], 0
-        for call in self.calls:
-            b = None if bias is None else bias[start:start + call.rows]
-            ys.append(packed_gemm(acts, call, dtype, b))
-            start += call.rows
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return _by_outputs([(call.rows, partial(packed_gemm, acts, call, dtype))
+                            for call in self.calls], bias)
 
     def gemms(self) -> list[Gemm]:
         decoded = [p.decode(self.dtype) for p in self.parts]
