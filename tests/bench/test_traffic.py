@@ -113,7 +113,7 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
     from fp4rl.gemm import pack_operand
 
     m, k, n = 4, 64, 128
-    got = rollout_traffic("hif4", m, (k, n))
+    got = rollout_traffic("hif4", m, (k, n)).as_dict()
     gemm = (m * k + n * k) * BF16 + m * n * BF16
     assert got["bf16_bytes"] == gemm
     activation = m * k * BF16 + (m * k * BF16 + m * F32)
@@ -129,13 +129,13 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
     assert got["packed_decode_bytes"] == activation + fields + n * k * BF16 + gemm
     assert got["packed_decode_ratio"] > 1
     # ResQ's two terms share the decoded weight: one read of the codes for both
-    two = rollout_traffic("hif4+resq-2:4", m, (k, n))
+    two = rollout_traffic("hif4+resq-2:4", m, (k, n)).as_dict()
     assert [x["name"] for x in two["packed_launches"]] == ["rollout_activation", "packed_mm"]
     assert two["packed_launches"][1]["read"] == 2 * m * k * BF16 + fields
     # past the fused kernel's token count the packed store decodes, then multiplies
     from fp4rl.kernels import FUSED_MAX_ROWS
 
-    big = rollout_traffic("hif4", FUSED_MAX_ROWS + 1, (k, n))
+    big = rollout_traffic("hif4", FUSED_MAX_ROWS + 1, (k, n)).as_dict()
     assert [x["name"] for x in big["packed_launches"]] == ["rollout_activation",
                                                            "decode_rows", "mm"]
 

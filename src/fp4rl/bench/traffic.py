@@ -323,22 +323,29 @@ ROLLOUT_TARGET = (64, 0.4)
 ROLLOUT_STORAGES = ("dequantized", "packed", "packed_decode")
 
 
-class RolloutTraffic(TypedDict):
-    """The JSON record of :func:`rollout_traffic`: per storage, its bytes, ratio, launches."""
+@dataclass
+class RolloutTraffic:
+    """One rollout linear's launches for each of :data:`ROLLOUT_STORAGES`, and a bf16
+    linear's."""
 
     recipe: str
     tokens: int
-    shape: list[int]
-    bf16_bytes: int
-    dequantized_bytes: int
-    dequantized_ratio: float
-    dequantized_launches: list[LaunchRecord]
-    packed_bytes: int
-    packed_ratio: float
-    packed_launches: list[LaunchRecord]
-    packed_decode_bytes: int
-    packed_decode_ratio: float
-    packed_decode_launches: list[LaunchRecord]
+    shape: tuple[int, int]
+    bf16: Recorder
+    storages: dict[str, Recorder]
+
+    def ratio(self, storage: str) -> float:
+        return self.storages[storage].total() / self.bf16.total()
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON record: per storage, its bytes, ratio to bf16 and launches, flat
+        (``packed_bytes``, ``packed_ratio``, ``packed_launches``, ...)."""
+        out: dict[str, object] = {"recipe": self.recipe, "tokens": self.tokens,
+                                  "shape": list(self.shape), "bf16_bytes": self.bf16.total()}
+        for name, rec in self.storages.items():
+            out |= {f"{name}_bytes": rec.total(), f"{name}_ratio": self.ratio(name),
+                    f"{name}_launches": rec.records()}
+        return out
 
 
 def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
@@ -383,46 +390,22 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
             else:
                 store.apply(acts, bf16, None)
         runs[name] = rec
-    dequantized, packed, packed_decode = (runs[name] for name in ROLLOUT_STORAGES)
-    bf16_bytes = base.total()
-    return {"recipe": recipe, "tokens": tokens, "shape": [k, n], "bf16_bytes": bf16_bytes,
-            "dequantized_bytes": dequantized.total(),
-            "dequantized_ratio": dequantized.total() / bf16_bytes,
-            "dequantized_launches": dequantized.records(),
-            "packed_bytes": packed.total(), "packed_ratio": packed.total() / bf16_bytes,
-            "packed_launches": packed.records(),
-            "packed_decode_bytes": packed_decode.total(),
-            "packed_decode_ratio": packed_decode.total() / bf16_bytes,
-            "packed_decode_launches": packed_decode.records()}
+    return RolloutTraffic(recipe, tokens, (k, n), base, runs)
 
 
-def _per_storage(result: RolloutTraffic) -> dict[str, tuple[int, float, list[LaunchRecord]]]:
-    """Each of :data:`ROLLOUT_STORAGES`' bytes, ratio and launches, read off the report's
-    flat keys (the JSON keeps them flat, one key per storage and figure)."""
-    return {"dequantized": (result["dequantized_bytes"], result["dequantized_ratio"],
-                            result["dequantized_launches"]),
-            "packed": (result["packed_bytes"], result["packed_ratio"],
-                       result["packed_launches"]),
-            "packed_decode": (result["packed_decode_bytes"], result["packed_decode_ratio"],
-                              result["packed_decode_launches"])}
-
-
-def render_rollout(result: RolloutTraffic, console: Console) -> None:
+def render_rollout(traffic: RolloutTraffic, console: Console) -> None:
     """One line per storage, and the target."""
-    k, n = result["shape"]
-    console.print(f"bytes moved by one rollout linear ({result['recipe']}, "
-                  f"{result['tokens']} tokens x {k} -> {n}), against bf16 "
-                  f"({result['bf16_bytes'] / 1e6:,.2f} MB):", markup=False)
-    per_storage = _per_storage(result)
-    for storage in ROLLOUT_STORAGES:
-        moved, vs_bf16, records = per_storage[storage]
-        launches = ", ".join(f"{x['name']} {(x['read'] + x['written']) / 1e6:,.2f}"
-                             for x in records)
-        console.print(f"  {storage}: {moved / 1e6:,.2f} MB, {vs_bf16:.2f}x ({launches})",
-                      markup=False)
+    k, n = traffic.shape
+    console.print(f"bytes moved by one rollout linear ({traffic.recipe}, "
+                  f"{traffic.tokens} tokens x {k} -> {n}), against bf16 "
+                  f"({traffic.bf16.total() / 1e6:,.2f} MB):", markup=False)
+    for storage, rec in traffic.storages.items():
+        launches = ", ".join(f"{x.name} {x.bytes / 1e6:,.2f}" for x in rec.launches)
+        console.print(f"  {storage}: {rec.total() / 1e6:,.2f} MB, "
+                      f"{traffic.ratio(storage):.2f}x ({launches})", markup=False)
     tokens, target = ROLLOUT_TARGET
-    if result["tokens"] == tokens:
-        ratio = result["packed_ratio"]
+    if traffic.tokens == tokens:
+        ratio = traffic.ratio("packed")
         console.print(f"target: the packed linear <= {target}x bf16's bytes at {tokens} "
                       f"tokens: {'met' if ratio <= target else 'missed'} ({ratio:.2f}x)",
                       markup=False)

@@ -161,7 +161,7 @@ def _rollout_traffic(args: argparse.Namespace, console: Console) -> dict:
     m, k, n = args.shape or (traffic.ROLLOUT_TARGET[0], *traffic.TARGET_SHAPE[1:])
     result = traffic.rollout_traffic(recipe, m, (k, n))
     traffic.render_rollout(result, console)
-    return {"benchmark": "rollout-traffic", **result}
+    return {"benchmark": "rollout-traffic", **result.as_dict()}
 
 
 def _traffic(args: argparse.Namespace, console: Console, fmt: str) -> dict:
