@@ -121,7 +121,7 @@ class NumberFormat(ABC):
 
     @abstractmethod
     def quantize(self, x: torch.Tensor, dim: int = -1,
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                 **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
 
     def tensor_scale(self, x: torch.Tensor, dim: int = -1, **options: Unpack[QuantizeKwargs]
@@ -134,12 +134,12 @@ class NumberFormat(ABC):
 
     @abstractmethod
     def quantize_reference(self, x: torch.Tensor, dim: int = -1,
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                           **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """The plain path written from the spec; slow, kept as the test oracle."""
 
     @abstractmethod
     def encode(self, x: torch.Tensor, dim: int = -1,
-            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
+               **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         """Store ``x`` in the format's real bit layout."""
 
     @abstractmethod
@@ -214,19 +214,17 @@ class BlockFormat(NumberFormat):
 
     # ----- public API ----------------------------------------------------------------
     def quantize(self, x: torch.Tensor, dim: int = -1,
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                 **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """Fake-quantize ``x`` along ``dim`` (fast path); output keeps shape and dtype."""
         return self._quantize(x, dim, self.options(**options), fast=True)
 
     def quantize_reference(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                           **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         """The plain path written from the spec; slow, kept as the test oracle."""
         return self._quantize(x, dim, self.options(**options), fast=False)
 
     def encode(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
+               **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         """Store ``x`` in the format: packed 4-bit codes plus the scale fields."""
         opts = self.options(**options)
         d = check_tensor(x, dim)

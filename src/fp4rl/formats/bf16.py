@@ -28,8 +28,7 @@ class BF16(NumberFormat):
     bits_per_value = 16.0
 
     def quantize(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                 **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         opts = self.options(**options)
         check_tensor(x, dim)
         if opts.rounding is Rounding.STOCHASTIC:
@@ -37,8 +36,7 @@ class BF16(NumberFormat):
         return x.to(torch.bfloat16).to(x.dtype)
 
     def quantize_reference(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
+                           **options: Unpack[QuantizeKwargs]) -> torch.Tensor:
         opts = self.options(**options)
         check_tensor(x, dim)
         if opts.rounding is Rounding.STOCHASTIC:
@@ -50,8 +48,7 @@ class BF16(NumberFormat):
         return out.to(x.dtype)
 
     def encode(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
+               **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         d = check_tensor(x, dim)
         raw = self.quantize(x, dim, **options).to(torch.bfloat16).contiguous()
         return PackedTensor(self.name, tuple(x.shape), d, x.dtype,

@@ -291,8 +291,7 @@ class NVFP4Tiles(NVFP4):
         return restore(out if scale is None else out * scale)
 
     def encode(self, x: torch.Tensor, dim: int = -1,
-
-            **options: Unpack[QuantizeKwargs]) -> PackedTensor:
+               **options: Unpack[QuantizeKwargs]) -> PackedTensor:
         opts = self.options(**options)
         d = check_tensor(x, dim)
         rows, _ = to_rows(x, d)

@@ -231,20 +231,20 @@ class RolloutConfig(RolloutPrecision):
         """Each engine section given is for the engine that runs (or may run, under
         ``auto``); an extra key is a run-time engine's settings, validated by its model."""
         extra = self.__pydantic_extra__ or {}
+        plugins = _plugin_sections()
         for name in extra:
-            if name not in _plugin_sections():
-                allowed = [*RolloutConfig.model_fields, *_plugin_sections()]
+            if name not in plugins:
+                allowed = [*RolloutConfig.model_fields, *plugins]
                 hint = (f"; the {name} engine takes no settings" if name in list_engines()
                         else did_you_mean(name, allowed))
                 raise ValueError(f"rollout: unknown key(s) {[name]}{hint}; allowed: {allowed}")
-        given = [name for name in _engine_settings() if self._section(name) is not None]
-        for name in given:
-            if self.engine not in (name, AUTO):
+        for name in _engine_settings():
+            if self._section(name) is not None and self.engine not in (name, AUTO):
                 raise ValueError(f"rollout.{name} configures the {name} engine, and "
                                  f"rollout.engine={self.engine} runs another: drop "
                                  f"rollout.{name} or set rollout.engine={name}")
         for name in extra:
-            model = _plugin_sections()[name]
+            model = plugins[name]
             try:
                 extra[name] = model.model_validate(extra[name] or {})
             except ValidationError as err:
