@@ -9,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fp4rl
 from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.formats import get_format
 from fp4rl.formats.nvfp4 import TENSOR_RANGE, ScaleRule
-from fp4rl.nn import FP4Linear, Mode, get_recipe
+from fp4rl.nn import FP4Linear, Mode, fp4_layers, get_recipe
 from fp4rl.rl.config import load_config
 
 
@@ -83,7 +84,10 @@ def test_the_training_config_applies_the_rule_and_refuses_vllm_with_batch_invari
         load_config(None, ["batch_invariant=true", "rollout.engine=vllm"])
 
 
-def test_a_static_scale_is_fixed_per_weight_version_and_shared_by_both_policies():
+def test_a_static_scale_is_fixed_per_step_and_shared_by_both_policies():
+    """Fixed by the step's first forward where no calibration fixed it, shared by the other
+    policy and kept through a weight update (one scale for the RL step, however its
+    mini-batches update the weights), fixed anew at the next step."""
     layer = FP4Linear(64, 32, recipe=get_recipe("nvfp4_static"))
     g = torch.Generator().manual_seed(0)
     first, louder = torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g) * 8
@@ -93,18 +97,50 @@ def test_a_static_scale_is_fixed_per_weight_version_and_shared_by_both_policies(
         layer.mode = Mode.ROLLOUT
         dynamic.mode = Mode.ROLLOUT
         assert torch.equal(layer(first), dynamic(first))  # calibrates on its first forward
-        fixed = layer._kept.static_scale
+        fixed = layer._static
         layer.mode = Mode.TRAIN
         out = layer(louder)  # the training policy: the rollout's scale, not louder's
-        assert torch.equal(layer._kept.static_scale, fixed)
+        assert torch.equal(layer._static, fixed)
         dynamic.mode = Mode.TRAIN
         assert not torch.equal(out, dynamic(louder))
-        layer.weight.add_(0.0)  # an optimizer step bumps the version: recalibrated
+        layer.weight.add_(0.5)  # a mini-batch's update within the step: the step's scale
         layer(louder)
-    assert not torch.equal(layer._kept.static_scale, fixed)
-    assert torch.equal(layer._kept.static_scale, get_format("nvfp4").tensor_scale(louder))
+        assert torch.equal(layer._static, fixed)
+        layer.begin_step()  # the next step: fixed anew
+        layer(louder)
+    assert not torch.equal(layer._static, fixed)
+    assert torch.equal(layer._static, get_format("nvfp4").tensor_scale(louder))
     assert float(get_format("nvfp4").tensor_scale(louder)) == \
         pytest.approx(float(louder.abs().max()) / TENSOR_RANGE)
+
+
+def test_a_calibration_fixes_the_scale_from_the_amax_of_all_its_forwards():
+    """The amax of every real row over the calibration's forwards, whatever their split;
+    the layers compute unquantized meanwhile; a forward that raises fixes nothing."""
+    from torch import nn
+
+    from fp4rl.nn import calibrate_static_scales
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    fp4rl.quantize_model(model, "nvfp4_static", filter_fn=lambda m, n: isinstance(m, nn.Linear))
+    layer = fp4_layers(model)["0"]
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(10, 64, generator=g)
+    rows[7, 3] = 40.0
+    scales = []
+    for split in (10, 4, 1):
+        with torch.no_grad(), calibrate_static_scales(model):
+            for part in rows.split(split):
+                assert torch.equal(model(part), nn.functional.linear(part, layer.weight,
+                                                                     layer.bias))
+        scales.append(layer._static)
+    want = get_format("nvfp4").tensor_scale(rows)
+    assert all(torch.equal(s, want) for s in scales)
+    layer.begin_step()
+    with pytest.raises(RuntimeError), calibrate_static_scales(model):
+        model(rows[:3])
+        raise RuntimeError("a forward failed")
+    assert layer._static is None and layer._calibration is None
 
 
 def test_the_vllm_plugin_refuses_a_static_scale_in_one_line():

@@ -144,6 +144,7 @@ def test_rollout_weight_quantized_once_per_version():
     to Q of the new weight."""
     layer = _layer(get_recipe("hif4"))
     layer.mode = Mode.ROLLOUT
+    layer.hold()  # the weights held, as an engine's generate or a trainer's step does
     first = layer.rollout_weight()
     for _ in range(5):
         layer(torch.randn(2, 128))
@@ -155,6 +156,8 @@ def test_rollout_weight_quantized_once_per_version():
     assert second is not first and not torch.equal(second.values, first.values)
     assert torch.equal(second.dense(), fp4rl.quantize(layer.weight.detach(), "hif4"))
     assert layer.rollout_weight() is second
+    layer.release()  # outside the scope nothing is kept
+    assert layer.rollout_weight() is not layer.rollout_weight()
 
 
 @pytest.mark.parametrize("options", [{"fused": True}, {"foreach": True}, {"foreach": False}])
@@ -165,6 +168,7 @@ def test_any_optimizer_step_makes_the_cached_rollout_weight_stale(options):
 
     layer = FP4Linear(64, 32, recipe=get_recipe("hif4"))
     layer.mode = Mode.ROLLOUT
+    layer.hold()
     x = torch.randn(3, 64)
     opt = torch.optim.AdamW(layer.parameters(), lr=0.1, **options)
     with torch.no_grad():
@@ -196,6 +200,8 @@ def test_kept_weight_operands_give_the_same_bits_and_follow_every_update(recipe,
     fresh = FP4Linear(64, 48, recipe=get_recipe(recipe))
     fresh.load_state_dict(kept.state_dict())
     fresh.cache_weights = False
+    kept.hold()
+    fresh.hold()
     opt = torch.optim.AdamW(kept.parameters(), lr=0.05, fused=True)
 
     def same(step: int) -> None:
@@ -226,8 +232,14 @@ def test_the_weight_cache_option_turns_it_off():
     fp4rl.quantize_model(model, "hif4", weight_cache=False)
     assert not any(layer.cache_weights for layer in fp4_layers(model).values())
     ids = torch.randint(0, 100, (2, 6))
+    with fp4rl.nn.hold_weights(model):
+        model(ids).logits.sum().backward()
+        assert all(layer.weight_cache_bytes() == 0 for layer in fp4_layers(model).values())
+    fp4rl.quantize_model(model, "hif4", weight_cache=True)
+    with fp4rl.nn.hold_weights(model):
+        model(ids).logits.sum().backward()
+        assert all(layer.weight_cache_bytes() > 0 for layer in fp4_layers(model).values())
+    # leaving the scope drops them; plain library use keeps nothing
+    assert all(layer.weight_cache_bytes() == 0 for layer in fp4_layers(model).values())
     model(ids).logits.sum().backward()
     assert all(layer.weight_cache_bytes() == 0 for layer in fp4_layers(model).values())
-    fp4rl.quantize_model(model, "hif4", weight_cache=True)
-    model(ids).logits.sum().backward()
-    assert all(layer.weight_cache_bytes() > 0 for layer in fp4_layers(model).values())

@@ -161,6 +161,7 @@ def test_baselines_help_on_outliers(method):
 
 def test_smoothquant_calibrates_once_per_step():
     layer = _rollout_layer("smoothquant", "hif4", "hif4")
+    layer.hold()  # the weights held, as the trainer holds them for a step
     x1, x2 = outlier_activations(seed=1), outlier_activations(seed=2)
     layer(x1)
     scales, version = layer.recovery.scales.clone(), layer.recovery.version

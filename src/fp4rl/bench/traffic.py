@@ -218,7 +218,11 @@ def _fp4_step(recipe: str, m: int, k: int, n: int, micro_batches: int) -> Record
     meta = torch.device("meta")
     layer = FP4Linear.from_linear(torch.nn.Linear(k, n, bias=False, device=meta),
                                   get_recipe(recipe))
-    return _run(lambda x: layer(x), m, k, micro_batches)
+    layer.hold()  # one step's micro-batches, as the trainer holds the weights for a step
+    try:
+        return _run(lambda x: layer(x), m, k, micro_batches)
+    finally:
+        layer.release()
 
 
 def _bf16_step(m: int, k: int, n: int, micro_batches: int) -> Recorder:

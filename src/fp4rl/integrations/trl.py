@@ -51,7 +51,14 @@ from packaging.requirements import Requirement
 from torch import nn
 
 from fp4rl.errors import RecipeError, UserError, did_you_mean
-from fp4rl.nn import Recipe, begin_step, get_recipe, quantize_model, rollout_mode
+from fp4rl.nn import (
+    Recipe,
+    begin_step,
+    get_recipe,
+    hold_weights,
+    quantize_model,
+    rollout_mode,
+)
 from fp4rl.nn.invariant import invariant_for
 from fp4rl.rollout import KVCacheEngine, SamplingConfig
 from fp4rl.rollout.logprobs import response_logprobs
@@ -59,7 +66,10 @@ from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
 TRL_REQUIREMENT = "trl>=1.16,<1.17"
-INSTALL = 'pip install "fp4rl[trl]"'
+#: what the import errors tell a user to run: fp4rl is installed already (it raised them),
+#: so only TRL is missing, and TRL comes from PyPI, where fp4rl is not (``pip install -e
+#: ".[trl]"`` in a checkout installs both)
+INSTALL = f'pip install "{TRL_REQUIREMENT}"'
 
 try:
     import trl
@@ -340,6 +350,17 @@ class FP4GRPOTrainer(GRPOTrainer):
         if self.ref_model is not None:
             quantize_model(self.accelerator.unwrap_model(self.ref_model), recipe,
                            batch_invariant=invariant, weight_cache=keep)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """TRL's training step (a generation round where one is due, then a micro-batch's
+        forward and backward) with the policy's weights held (:func:`fp4rl.nn.hold_weights`):
+        the FP4 layers quantize each weight once for the round's decode steps, its scoring
+        and the micro-batch, and keep nothing between steps, where a callback or a PEFT
+        merge may write the weights through ``.data``."""
+        with hold_weights(self.accelerator.unwrap_model(self.model)):
+            loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+        return loss
 
     def _get_per_token_logps_and_entropies(
             self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -6,9 +6,13 @@ from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.patch import (
     PatchError,
     begin_step,
+    calibrate_static_scales,
+    copy_static_scales,
     fp4_layers,
+    hold_weights,
     in_transformer_block,
     load_rollout_states,
+    needs_static_calibration,
     quantize_model,
     rollout_mode,
     rollout_states,
@@ -23,6 +27,7 @@ from fp4rl.nn.recipe import (
 
 __all__ = ["FP4Linear", "Mode", "PatchError", "Recipe", "RecipeError",
            "RolloutPrecision", "TrainPrecision", "batch_invariant", "begin_step",
-           "fp4_layers", "get_recipe", "in_transformer_block", "is_batch_invariant",
-           "load_rollout_states", "quantize_model", "rollout_mode", "rollout_states",
-           "set_batch_invariant", "train_mode"]
+           "calibrate_static_scales", "copy_static_scales", "fp4_layers", "get_recipe",
+           "hold_weights", "in_transformer_block", "is_batch_invariant",
+           "load_rollout_states", "needs_static_calibration", "quantize_model",
+           "rollout_mode", "rollout_states", "set_batch_invariant", "train_mode"]

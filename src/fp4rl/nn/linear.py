@@ -13,9 +13,16 @@ That is ``train.backward_operands: requantize``, what block-scaled hardware need
 (:func:`backward_axes`); ``dequantized`` multiplies unquantized ``dY`` with those two
 dequantized into the compute dtype (their scales multiplied in), as NeMo-RL and Miles do.
 
-In **rollout** mode the forward runs the rollout recipe: the weight quantized once per
-weight version (cached; an optimizer step bumps the parameter's version and so
-invalidates it) and the activations through the configured recovery method.
+In **rollout** mode the forward runs the rollout recipe: the weight quantized (once per
+weight version where the layer keeps ``Q(W)``, see below) and the activations through the
+configured recovery method.
+
+What a layer derives from its weight (``Q(W)`` in each GEMM's form) is kept only inside
+:func:`fp4rl.nn.weight_cache` (:class:`_KeptWeights`), a scope opened by whoever owns the
+weights for its duration: fp4rl's trainer for a step, its engine for a ``generate``, TRL's
+plug-in for a training step. A write through ``weight.data`` bumps no version counter and
+moves no storage, so no key could see it; outside such a scope the layer quantizes the
+master at every GEMM, so no write path can leave it computing with an old ``Q(W)``.
 
 The GEMMs run in the compute dtype in force, as ``nn.Linear`` under autocast does: bf16
 under ``torch.autocast(dtype=torch.bfloat16)`` (quantized operands cast to bf16 exactly,
@@ -39,7 +46,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4rl.formats import NumberFormat
-from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, static_scale
+from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, finite_amax, static_scale
 from fp4rl.gemm import (
     UNQUANTIZED,
     Operand,
@@ -185,14 +192,15 @@ class _FP4LinearFn(torch.autograd.Function):
 
 class _KeptWeights:
     """What one layer derives from its weight, kept while the weight is the same version
-    (:meth:`FP4Linear._weight_key`): the training policy's ``Q(W)`` operands, each in the
-    form its GEMM reads (the micro-batches of a step and its old-log-prob pass read them
-    instead of quantizing the master and casting it again), the rollout policy's ``Q(W)``
-    in one dtype, a ``Q(W)`` received from elsewhere and a static NVFP4 activation scale.
-    Any change of the weight (an in-place update, an optimizer step, fused or not, a
-    refit, a ``load_state_dict``, a new storage, a new recovery transform) changes the
-    version and drops them all; an optimizer step drops them at once (:meth:`clear`), so
-    no stale copy holds memory through the next rollout."""
+    (:meth:`FP4Linear._weight_key`) and only inside a :func:`fp4rl.nn.weight_cache` scope:
+    the training policy's ``Q(W)`` operands, each in the form its GEMM reads (the
+    micro-batches of a step and its old-log-prob pass read them instead of quantizing the
+    master and casting it again), the rollout policy's ``Q(W)`` in one dtype and as packed
+    codes. Any change of the weight the key sees (an in-place update, a ``load_state_dict``,
+    a new storage, a new recovery transform) drops them all, and so does any optimizer
+    step, fused or not, at once (:meth:`clear`), so no stale copy holds memory through the
+    next rollout. Entering and leaving the outermost scope drops them too: a write between
+    two scopes (``weight.data.copy_``, a PEFT merge) is never met by an old ``Q(W)``."""
 
     def __init__(self) -> None:
         self.clear()
@@ -205,8 +213,6 @@ class _KeptWeights:
         self.rollout: tuple[torch.dtype, Operand] | None = None
         #: the rollout Q(W) as packed codes, where a fused kernel multiplies by them
         self.rollout_packed: PackedCall | None = None
-        self.received: Operand | None = None
-        self.static_scale: torch.Tensor | None = None
 
     def at(self, version: tuple[int, ...]) -> _KeptWeights:
         """These kept values, for ``version``: emptied first where they were another's."""
@@ -237,9 +243,10 @@ def _train_weight(layer: FP4Linear | None, weight: torch.Tensor, p: TrainPrecisi
         # the GEMM's operand, written in the compute dtype by the quantizer where a GPU
         # kernel can (no fp32 round trip and cast)
         return quantize_operand(weight.detach(), p.weights, axis, out_dtype=dtype)
-    if layer is None:
+    kept_weights = None if layer is None else layer._kept_now()
+    if kept_weights is None:
         return make()
-    kept = layer._kept.at(layer._weight_key()).train
+    kept = kept_weights.train
     slot = (axis, dtype, backward)
     back = (0, dtype, True)
     if slot not in kept and with_backward and not backward and axis == -1 and \
@@ -290,6 +297,17 @@ class FP4Linear(nn.Linear):
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
         self._kept = _KeptWeights()
+        #: a Q(W) received from elsewhere, for the weight version it came with (state set
+        #: by its sender, not a cache: no scope drops it)
+        self._received: tuple[tuple[int, ...], Operand] | None = None
+        #: a static NVFP4 activation scale, fixed for the RL step (:meth:`_static_scale`)
+        self._static: torch.Tensor | None = None
+        #: the running amax of a static-scale calibration (:meth:`calibrating`), or None
+        self._calibration: torch.Tensor | None = None
+        if not hasattr(self, "_held"):
+            #: how many :func:`fp4rl.nn.weight_cache` scopes hold this layer (kept Q(W)
+            #: only while one does)
+            self._held = 0
         if not hasattr(self, "cache_weights"):
             #: keep the training policy's Q(W) operands for a weight version
             #: (:class:`_KeptWeights`); off: quantize the master at every GEMM
@@ -309,9 +327,32 @@ class FP4Linear(nn.Linear):
             return None
         return self
 
+    def hold(self) -> None:
+        """Enter a :func:`fp4rl.nn.weight_cache` scope: from here on, until :meth:`release`,
+        the weights change only through an optimizer step (which drops what is kept) or a
+        write a key sees, so what is derived from them may be kept. The outermost entry
+        starts from nothing kept."""
+        if self._held == 0:
+            self._kept.clear()
+        self._held += 1
+
+    def release(self) -> None:
+        """Leave a :meth:`hold` scope; the outermost one drops what was kept."""
+        self._held = max(self._held - 1, 0)
+        if self._held == 0:
+            self._kept.clear()
+
+    def _kept_now(self) -> _KeptWeights | None:
+        """The kept values for the current weight version, inside a scope; else None (the
+        caller derives afresh and keeps nothing)."""
+        return self._kept.at(self._weight_key()) if self._held else None
+
     def begin_step(self) -> None:
-        """Start of an RL step: recovery methods recalibrate / redraw as configured."""
+        """Start of an RL step: recovery methods recalibrate / redraw as configured, and a
+        static NVFP4 activation scale is fixed anew by the step's first calibration or
+        forward."""
         self.recovery.begin_step()
+        self._static = None
 
     def rollout_state(self) -> dict[str, object]:
         """The rollout policy's state beyond the parameters (a recovery method's random
@@ -322,9 +363,12 @@ class FP4Linear(nn.Linear):
         self.recovery.load_state_dict(state)
 
     def rollout_weight(self, dtype: torch.dtype = torch.float32) -> Operand:
-        """The rollout-quantized weight in ``dtype``, recomputed only when the weight, the
-        recovery transform or the compute dtype changed."""
-        kept = self._kept.at(self._weight_key())
+        """The rollout-quantized weight in ``dtype``; inside a :func:`fp4rl.nn.weight_cache`
+        scope recomputed only when the weight, the recovery transform or the compute dtype
+        changed, outside it at every call."""
+        kept = self._kept_now()
+        if kept is None:
+            return self._quantized_rollout_weight().to(dtype)
         if kept.rollout is None or kept.rollout[0] != dtype:  # one dtype: a new one replaces it
             kept.rollout = (dtype, self._quantized_rollout_weight().to(dtype))
         return kept.rollout[1]
@@ -341,8 +385,8 @@ class FP4Linear(nn.Linear):
         codes a sharded trainer sent) instead of quantizing this layer's own weight, until
         the weight or the recovery transform changes: a rollout copy then holds what a real
         FP4 rollout engine receives, not the trainer's FP32 weights."""
-        kept = self._kept.at(self._weight_key())
-        kept.received, kept.rollout = qw, None
+        self._received = (self._weight_key(), qw)
+        self._kept.rollout = self._kept.rollout_packed = None
 
     def _wgrad_signs_for(self, device: torch.device) -> torch.Tensor | None:
         """The signs of this forward's weight-gradient Hadamard transform: the layer's own
@@ -361,8 +405,14 @@ class FP4Linear(nn.Linear):
         return (self.weight._version, self.weight.data_ptr(), self.recovery.version,
                 _OptimizerSteps.count)
 
+    def _received_weight(self) -> Operand | None:
+        """A received ``Q(W)`` while the weight is the version it came with."""
+        if self._received is None or self._received[0] != self._weight_key():
+            return None
+        return self._received[1]
+
     def _quantized_rollout_weight(self) -> Operand:
-        received = self._kept.at(self._weight_key()).received
+        received = self._received_weight()
         if received is not None:
             return received
         with torch.no_grad():
@@ -385,24 +435,57 @@ class FP4Linear(nn.Linear):
     def _activation_format(self) -> OperandFormat:
         return (self.recipe.train if self.mode is Mode.TRAIN else self.recipe.rollout).activations
 
-    def _static_scale(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A ``static`` NVFP4 activation format's one scale for this weight version: fixed
-        by the first forward that meets the version (in an RL step, the engine's first
-        prefill) from its real tokens, then shared by every forward of either policy
-        until the weight changes. None for any other format."""
+    def _static_format(self) -> NVFP4 | None:
+        """This mode's activation format where it is a ``static`` NVFP4 one, else None."""
         fmt = self._activation_format()
-        if not isinstance(fmt, NVFP4) or fmt.scale_rule is not ScaleRule.STATIC:
+        if isinstance(fmt, NVFP4) and fmt.scale_rule is ScaleRule.STATIC:
+            return fmt
+        return None
+
+    def _static_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A ``static`` NVFP4 activation format's one scale for the RL step, shared by every
+        forward of either policy until the next :meth:`begin_step`: fixed by a calibration
+        (:func:`fp4rl.nn.calibrate_static_scales`, which the rollout engine runs over all the
+        prompts of a ``generate`` before sampling, so that it does not depend on how they
+        are chunked) or else by the first forward that meets none, from its real tokens.
+        None for any other format."""
+        fmt = self._static_format()
+        if fmt is None:
             return None
-        kept = self._kept.at(self._weight_key())
-        if kept.static_scale is None:
+        if self._static is None:
             with torch.no_grad(), static_scale(None):
-                kept.static_scale = fmt.tensor_scale(x.detach().reshape(-1, x.shape[-1]).float())
-            assert kept.static_scale is not None  # a static format has a per-tensor scale
-        return kept.static_scale
+                self._static = fmt.tensor_scale(x.detach().reshape(-1, x.shape[-1]).float())
+            assert self._static is not None  # a static format has a per-tensor scale
+        return self._static
+
+    def start_calibration(self) -> None:
+        """Begin a static-scale calibration: until :meth:`finish_calibration` a layer whose
+        activations take a static NVFP4 scale records the amax of its real input rows and
+        computes unquantized (the high-precision model's activations, as a post-training
+        observer sees them: no layer's calibration depends on another's scale, nor on
+        which prompts share a forward)."""
+        self._calibration = torch.zeros((), dtype=torch.float32, device=self.weight.device) \
+            if self._static_format() is not None else None
+
+    def finish_calibration(self) -> None:
+        """Fix the static scale from the amax recorded since :meth:`start_calibration`."""
+        fmt, amax = self._static_format(), self._calibration
+        self._calibration = None
+        if fmt is None or amax is None:
+            return
+        with torch.no_grad(), static_scale(None):
+            # the scale of a tensor is a function of its finite amax alone: the amax over
+            # every prompt gives the scale of all of them at once, however they were split
+            self._static = fmt.tensor_scale(amax.reshape(1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = active_compute_dtype(x)
         x = self._without_padding(x)
+        if self._calibration is not None:
+            with torch.no_grad():
+                rows = x.detach().reshape(-1, x.shape[-1])
+                self._calibration = torch.maximum(self._calibration, finite_amax(rows))
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         with static_scale(self._static_scale(x)):
             return self._forward(x, dtype)
 
@@ -441,15 +524,18 @@ class FP4Linear(nn.Linear):
                 self.recovery.reads_weight or \
                 not packed_fusion(fmt, x2.shape[0], x2.device, dtype):
             return None
-        kept = self._kept.at(self._weight_key())
-        if kept.received is not None:
+        if self._received_weight() is not None:
             return None
-        if kept.rollout_packed is None:
-            with torch.no_grad():
-                packed = self.recovery.weight_operand(self.weight.detach(), packed=True)
-            assert isinstance(packed, PackedOperand)
-            kept.rollout_packed = PackedCall.of(packed)
-        return kept.rollout_packed
+        kept = self._kept_now()
+        if kept is not None and kept.rollout_packed is not None:
+            return kept.rollout_packed
+        with torch.no_grad():
+            packed = self.recovery.weight_operand(self.weight.detach(), packed=True)
+        assert isinstance(packed, PackedOperand)
+        call = PackedCall.of(packed)
+        if kept is not None:
+            kept.rollout_packed = call
+        return call
 
     def extra_repr(self) -> str:
         r, t = self.recipe.rollout, self.recipe.train

@@ -141,6 +141,67 @@ def train_mode(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]
 
 
 def begin_step(model: nn.Module) -> None:
-    """Mark the start of an RL step: SmoothQuant recalibrates, RHT may redraw its signs."""
+    """Mark the start of an RL step: SmoothQuant recalibrates, RHT may redraw its signs, a
+    static NVFP4 activation scale is fixed anew."""
     for layer in _layers_or_raise(model):
         layer.begin_step()
+
+
+@contextlib.contextmanager
+def hold_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Context manager: within it the caller changes the weights only through optimizer
+    steps (``torch.optim``, fused or not: each drops what is kept) or writes that bump a
+    parameter's version or move its storage, so the FP4 layers keep what they derive from
+    their weights (``Q(W)`` in each GEMM's form, the rollout ``Q(W)``) for a weight version.
+
+    Outside it nothing is kept: a write through ``weight.data`` (a PEFT merge, a loader's
+    ``param.data.copy_``, a user's edit between steps) is invisible to any cheap key, so
+    plain library use quantizes the master at every GEMM and can never compute with an
+    old ``Q(W)``. fp4rl's trainer holds the policy for a step, its engine for a
+    ``generate``, TRL's plug-in for a training step. Nested scopes share the outermost;
+    entering and leaving it drops everything kept. Returns ``model``."""
+    layers = list(fp4_layers(model).values())
+    for layer in layers:
+        layer.hold()
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.release()
+
+
+def needs_static_calibration(model: nn.Module) -> bool:
+    """Whether any patched layer's activations (in its current mode) take a static NVFP4
+    scale, which :func:`calibrate_static_scales` fixes."""
+    return any(layer._static_format() is not None for layer in fp4_layers(model).values())
+
+
+def copy_static_scales(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target``'s patched layers the static NVFP4 scales ``source``'s fixed (by layer
+    name): a rollout copy calibrates, the training model it was copied from scores with the
+    same scale (one policy)."""
+    mine = fp4_layers(target)
+    for name, layer in fp4_layers(source).items():
+        if name in mine and layer._static is not None:
+            mine[name]._static = layer._static.to(mine[name].weight.device)
+
+
+@contextlib.contextmanager
+def calibrate_static_scales(model: nn.Module) -> Iterator[nn.Module]:
+    """Context manager: the forwards run inside it calibrate every static NVFP4 activation
+    scale of ``model``, which is fixed on leaving, for the RL step (until the next
+    :func:`begin_step`): the amax of each layer's real input rows over all of them, with
+    the layers computing unquantized meanwhile. The scale then depends on the set of
+    inputs alone, not on how they were split into forwards or ordered. Where a forward
+    raises, no scale is fixed."""
+    layers = list(fp4_layers(model).values())
+    for layer in layers:
+        layer.start_calibration()
+    try:
+        yield model
+    except BaseException:
+        for layer in layers:
+            layer._calibration = None
+        raise
+    for layer in layers:
+        layer.finish_calibration()

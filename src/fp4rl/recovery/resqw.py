@@ -50,20 +50,23 @@ class ResQW(ResQ):
     serves_in_engines = False  # its weight residual is a second GEMM operand vLLM lacks
 
     def init_state(self) -> None:
-        self._residual: tuple[tuple[int, int, torch.dtype], Operand] | None = None
+        #: the residual of one ``Q(W)`` operand (held, so its identity is not reused)
+        self._residual: tuple[Operand, torch.dtype, Operand] | None = None
 
     @cached_property
     def weight_pattern(self) -> SparsityPattern:
         return parse_pattern(self.config.weight_sparsity)
 
     def weight_residual(self, w: torch.Tensor, qw: Operand, dtype: torch.dtype) -> Operand:
-        """``S_w(Q(W - Q(W)))`` in ``dtype`` (exact), cached per weight version."""
-        key = (w._version, w.data_ptr(), dtype)
-        if self._residual is None or self._residual[0] != key:
+        """``S_w(Q(W - Q(W)))`` in ``dtype`` (exact), kept as long as ``qw`` is the operand
+        the layer passes: the layer's kept ``Q(W)`` (:func:`fp4rl.nn.weight_cache`) is one
+        object per weight version, and outside a scope each forward passes a new one, so
+        the residual is never older than the ``Q(W)`` it corrects."""
+        if self._residual is None or self._residual[0] is not qw or self._residual[1] != dtype:
             r = quantize_operand(w.float() - qw.dense().float(), self.weight_format)
-            self._residual = (key, Operand(sparsify(r.values, self.weight_pattern),
-                                           r.scale).to(dtype))
-        return self._residual[1]
+            self._residual = (qw, dtype, Operand(sparsify(r.values, self.weight_pattern),
+                                                 r.scale).to(dtype))
+        return self._residual[2]
 
     def forward(self, x: torch.Tensor, qw: Operand, w: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

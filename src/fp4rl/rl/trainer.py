@@ -31,7 +31,9 @@ from fp4rl.data import Example
 from fp4rl.errors import ConfigError
 from fp4rl.nn import (
     begin_step,
+    copy_static_scales,
     fp4_layers,
+    hold_weights,
     load_rollout_states,
     quantize_model,
     rollout_states,
@@ -269,15 +271,31 @@ class Trainer:
         return self.cfg.data.reward or example.reward
 
     def train_step(self) -> Metrics:
-        """Run one RL step and return its metrics (timings in ``last_timings`` too)."""
+        """Run one RL step and return its metrics (timings in ``last_timings`` too).
+
+        The step holds the weights (:func:`fp4rl.nn.hold_weights`): within it they change
+        only through the optimizer, so the FP4 layers keep ``Q(W)`` from the rollout through
+        the micro-batches; between steps nothing is kept, and whatever writes the weights
+        there (a loader, a user's edit through ``.data``) meets no old ``Q(W)``."""
+        with contextlib.ExitStack() as held:
+            for model in {id(m): m for m in (self.policy, self.model)}.values():
+                if fp4_layers(model):
+                    held.enter_context(hold_weights(model))
+            return self._train_step()
+
+    def _train_step(self) -> Metrics:
         g = self.cfg.grpo
         self.step += 1
         timings = StepTimings()
         rows = self.chunks(self.next_batch())
         sync = self._sync_policy()
         begin_step(self.policy)
+        if self.policy is not self.model and fp4_layers(self.model):
+            begin_step(self.model)
         with _stopwatch(timings, "rollout"):
             mine = self.rollout(rows)
+        if self.policy is not self.model:  # the rollout copy's static scales, the trainer's too
+            copy_static_scales(self.policy, self.model)
         with _stopwatch(timings, "reward"):
             chunk_rewards = {c: self.rewards([self.train_examples[i] for i, _, _ in rows[c]], b)
                              for c, b in mine.items()}

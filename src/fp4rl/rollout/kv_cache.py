@@ -20,7 +20,13 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from fp4rl.nn import fp4_layers, rollout_mode
+from fp4rl.nn import (
+    calibrate_static_scales,
+    fp4_layers,
+    hold_weights,
+    needs_static_calibration,
+    rollout_mode,
+)
 from fp4rl.nn.invariant import invariant_for
 from fp4rl.precision import autocast
 from fp4rl.progress import LogProgress, progress_bar
@@ -112,6 +118,31 @@ def _generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                         logprobs[:, :used], finished)
 
 
+@torch.no_grad()
+def calibrate(model: torch.nn.Module, chunks: Sequence[Sequence[Sequence[int]]],
+              pad_token_id: int) -> bool:
+    """Fix the static NVFP4 activation scales of ``model`` (in its current mode) for the
+    step from every prompt of ``chunks``: one prefill per chunk of its distinct prompts,
+    the layers unquantized (:func:`fp4rl.nn.calibrate_static_scales`), before any token is
+    sampled. A prompt's rows do not depend on the chunk it is in (under a batch-invariant
+    forward, to the bit), and the amax over all of them does not depend on the split, so
+    neither does the scale: a step rolled out in chunks of 6 and one in chunks of 2 are
+    one policy. Returns whether there was anything to calibrate."""
+    if not needs_static_calibration(model):
+        return False
+    device = next(model.parameters()).device
+    extra = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    with calibrate_static_scales(model):
+        for chunk in chunks:
+            if not chunk:
+                continue
+            ids, mask = left_pad(chunk, pad_token_id, device)
+            unique, _ = _distinct(chunk, device)
+            model(input_ids=ids[unique], attention_mask=mask[unique],
+                  position_ids=position_ids(mask[unique]), use_cache=False, **extra)
+    return True
+
+
 def _distinct(prompts: Sequence[Sequence[int]], device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the first occurrence of each distinct prompt, and for every row the
@@ -152,6 +183,7 @@ def generate(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     batch_size: int | None = None,
     progress: bool | ProgressFn = False,
+    calibrate_scales: bool = True,
 ) -> RolloutBatch:
     """Sample one response per prompt (token-id lists) with the model's KV cache.
 
@@ -162,6 +194,11 @@ def generate(
     not depend on it. ``progress=True`` shows a progress bar over decode steps; a callable is
     called after every decode step with the number of tokens it produced. Wrap the call
     in ``fp4rl.rollout_mode(model)`` to sample from a patched model's rollout policy.
+
+    The call holds the model's weights (:func:`fp4rl.nn.hold_weights`: each patched layer
+    quantizes its weight once, not at every decode step), and where its activations take a
+    static NVFP4 scale, ``calibrate_scales`` fixes it from all the prompts first
+    (:func:`calibrate`), so that it does not depend on ``batch_size`` either.
     """
     if not prompts:
         raise ValueError("generate needs at least one prompt")
@@ -180,8 +217,11 @@ def generate(
             for i in range(0, len(prompts), size)]
     on_step, bar = _progress_fn(progress, len(chunks) * config.max_new_tokens)
     try:
-        batches = [_generate_batch(model, chunk, config, pad_token_id, eos, gen, on_step)
-                   for chunk, gen in zip(chunks, gens, strict=True)]
+        with hold_weights(model):
+            if calibrate_scales:
+                calibrate(model, chunks, pad_token_id)
+            batches = [_generate_batch(model, chunk, config, pad_token_id, eos, gen, on_step)
+                       for chunk, gen in zip(chunks, gens, strict=True)]
     finally:
         if bar is not None:
             bar.stop()
@@ -247,11 +287,13 @@ class KVCacheEngine:
         mode = rollout_mode(self.policy) if patched else contextlib.nullcontext()
         on_step, bar = _progress_fn(progress, len(chunks) * sampling.max_new_tokens)
         try:
-            with autocast(device, self.compute_dtype), mode:
+            with autocast(device, self.compute_dtype), mode, hold_weights(self.policy):
+                # the static scales from every chunk's prompts, before any chunk samples
+                calibrate(self.policy, chunks, self.pad_token_id)
                 return [generate(self.policy, chunk, sampling, pad_token_id=self.pad_token_id,
                                  eos_token_ids=self.eos_token_ids,
                                  generator=row_generators(chunk_seeds, device),
-                                 progress=on_step or False)
+                                 progress=on_step or False, calibrate_scales=False)
                         for chunk, chunk_seeds in zip(chunks, seeds, strict=True)]
         finally:
             if bar is not None:
