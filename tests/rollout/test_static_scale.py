@@ -82,3 +82,24 @@ def test_the_first_chunk_alone_would_have_given_another_scale():
     engine.generate([prompts[:2]], [[0, 1]], SamplingConfig(max_new_tokens=2))
     first = {name: layer._static for name, layer in fp4_layers(model).items()}
     assert any(not torch.equal(first[name], scale) for name, scale in whole.items())
+
+
+def test_an_optimizer_step_elsewhere_between_rollout_and_scoring_keeps_the_steps_scale():
+    """The case the old rule lost: the scale lived with the kept ``Q(W)``, which any
+    optimizer step in the process drops (the step count is process-wide), so an optimizer
+    stepping between the engine's rollout and the trainer's scoring (another model's, or a
+    mini-batch's own) made the trainer's first micro-batch calibrate a scale of its own:
+    two policies, tenths of a nat to thousands in ``token_mult_prob_error``. Now the scale
+    is the step's, and only the next step's calibration replaces it."""
+    model = _model()
+    batch, scales = _rollout(model, 4, torch.float32)
+    other = torch.zeros(3, requires_grad=True)
+    other.grad = torch.ones(3)
+    torch.optim.SGD([other], lr=0.1).step()
+    ids, attention = batch.sequences()
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        scored = response_logprobs(model, ids, attention, batch.prompt_ids.shape[1])[0]
+    assert all(torch.equal(layer._static, scales[name])
+               for name, layer in fp4_layers(model).items())
+    assert torch.equal(scored[mask], batch.logprobs[mask])
