@@ -21,10 +21,12 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from fp4rl.experiments.stats import seed_t
+from fp4rl.experiments.stats import Estimate, seed_t
 from fp4rl.precision import describe_cpu
 
 ENGINES = ("hf", "vllm")
@@ -35,7 +37,8 @@ SCORES = (("fp4", "FP4 rollout policy, greedy accuracy (points)", 100.0),
           ("fp4_words", "word problems it did not train on (points)", 100.0))
 
 
-def run_one(engine: str, seed: int, steps: int, prompts: int, output: Path) -> dict:
+def run_one(engine: str, seed: int, steps: int, prompts: int, output: Path
+            ) -> dict[str, Any]:
     """One demo run's outcome (run now unless its outcome.json exists)."""
     out = output / f"{engine}-seed{seed}"
     done = out / "outcome.json"
@@ -45,19 +48,21 @@ def run_one(engine: str, seed: int, steps: int, prompts: int, output: Path) -> d
                "--output", str(out)]
         print("running:", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
-    return json.loads(done.read_text())
+    outcome: dict[str, Any] = json.loads(done.read_text())
+    return outcome
 
 
-def changes(outcome: dict, key: str) -> np.ndarray:
+def changes(outcome: dict[str, Any], key: str) -> npt.NDArray[np.float64]:
     """Per held-out prompt: after minus before (share of correct samples)."""
     before, after = outcome["before"][key], outcome["after"][key]
     if before["prompts"] != after["prompts"]:
         raise SystemExit(f"{key}: before and after were scored on different prompts")
     k = _k(after)  # samples per prompt
-    return (np.asarray(after["correct"]) - np.asarray(before["correct"])) / k
+    return (np.asarray(after["correct"], dtype=np.float64)
+            - np.asarray(before["correct"], dtype=np.float64)) / k
 
 
-def _k(result: dict) -> int:
+def _k(result: dict[str, Any]) -> int:
     return int(next(key for key in result if key.startswith("mean@")).split("@")[1])
 
 
@@ -71,13 +76,14 @@ def main() -> None:
     print(describe_cpu(), flush=True)
     runs = {(e, s): run_one(e, s, args.steps, args.eval_prompts, args.output)
             for s in args.seeds for e in ENGINES}
-    rows = []
+    #: per score: its label and the scaled estimates of hf, vllm and vllm - hf
+    rows: list[tuple[str, dict[str, Estimate]]] = []
     for key, label, scale in SCORES:
         per = {e: np.stack([changes(runs[e, s], key) for s in args.seeds]) for e in ENGINES}
         est = {e: seed_t(per[e]) for e in ENGINES}
         diff = seed_t(per["vllm"] - per["hf"])
-        rows.append({"score": label, **{e: asdict(est[e].scaled(scale)) for e in ENGINES},
-                     "vllm_minus_hf": asdict(diff.scaled(scale))})
+        rows.append((label, {**{e: est[e].scaled(scale) for e in ENGINES},
+                             "vllm_minus_hf": diff.scaled(scale)}))
         cells = [f"{est[e].scaled(scale).mean:+.3g} [{est[e].scaled(scale).lo:+.3g}, "
                  f"{est[e].scaled(scale).hi:+.3g}]" for e in ENGINES]
         d = diff.scaled(scale)
@@ -86,14 +92,16 @@ def main() -> None:
     minutes = {e: [runs[e, s]["minutes"] for s in args.seeds] for e in ENGINES}
     table = ["| change over the run (seed-t 95% interval) | fp4rl's engine (hf) | vLLM | "
              "vLLM - hf |", "| --- | --- | --- | --- |"]
-    for row in rows:
-        table.append(f"| {row['score']} | " + " | ".join(
-            f"{row[k]['mean']:+.3g} [{row[k]['lo']:+.3g}, {row[k]['hi']:+.3g}]"
+    for label, row in rows:
+        table.append(f"| {label} | " + " | ".join(
+            f"{row[k].mean:+.3g} [{row[k].lo:+.3g}, {row[k].hi:+.3g}]"
             for k in (*ENGINES, "vllm_minus_hf")) + " |")
     (args.output / "summary.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     summary = {"cpu": describe_cpu(), "seeds": args.seeds, "steps": args.steps,
-               "eval_prompts": args.eval_prompts, "minutes": minutes, "rows": rows}
+               "eval_prompts": args.eval_prompts, "minutes": minutes,
+               "rows": [{"score": label, **{k: asdict(e) for k, e in row.items()}}
+                        for label, row in rows]}
     (args.output / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {args.output / 'summary.json'}")
 
