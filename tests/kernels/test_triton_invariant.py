@@ -41,7 +41,8 @@ _COMPILE = """
 import json
 from fp4rl.kernels import aot, triton_invariant
 done = aot.compile_all(list(triton_invariant.variants()), processes=1)
-print(json.dumps([[c.kernel, c.target, c.cubin_bytes, c.error[:300]] for c in done]))
+print(json.dumps([[c.kernel, c.target, c.cubin_bytes, c.error[:300], c.fp64, c.local]
+                  for c in done]))
 """
 
 
@@ -51,8 +52,10 @@ def test_every_variant_compiles_for_hopper_and_blackwell():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     done = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(done) == 4 * 2
+    assert len(done) == len(list(triton_invariant.variants())) * 2 == 18 * 2
     assert [d for d in done if d[3] or d[2] <= 0] == []
+    # the SASS read: no float64 instruction and no local memory (a register spill)
+    assert [d for d in done if d[4] != 0 or d[5] != 0] == []
 
 
 class _Ops(TorchDispatchMode):
@@ -78,5 +81,6 @@ def test_on_a_gpu_device_the_mode_routes_gemms_to_the_kernel(dtype):
         plain = x @ layer.weight.t()
     assert y.shape == (5, 32) and scores.shape == (2, 5, 5) and plain.shape == (5, 32)
     assert y.device.type == "meta" and y.dtype == dtype
-    assert ops.seen.count("fp4rl.bi_mm.default") == 3
+    assert ops.seen.count("fp4rl.bi_mm.default") == 2
+    assert ops.seen.count("fp4rl.bi_bmm.default") == 1
     assert not any(op.startswith(("aten.mm", "aten.addmm", "aten.bmm")) for op in ops.seen)

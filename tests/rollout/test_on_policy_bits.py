@@ -9,14 +9,16 @@ size. Every one of those shapes must give a token the same bits.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import fp4rl
-from fp4rl.kernels.cpu import bi_gemm, bi_softmax, bi_supported, load_library
+from fp4rl.kernels.cpu import bi_gemm, bi_softmax, load_library
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, get_recipe, quantize_model
-from fp4rl.nn.invariant import batch_invariant, is_batch_invariant, tokens_fed
+from fp4rl.nn.invariant import is_batch_invariant, tokens_fed
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
 from fp4rl.rollout.kv_cache import generate
@@ -316,10 +318,39 @@ def test_softmax_rows_are_their_own(log):
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_the_mode_passes_other_devices_and_dtypes_through():
-    a = torch.randn(3, 4, dtype=torch.float64)
-    with batch_invariant():
-        assert torch.equal(a @ a.t(), (a @ a.t()))
-        meta = torch.empty(3, 4, device="meta") @ torch.empty(4, 5, device="meta")
-    assert meta.device.type == "meta" and meta.shape == (3, 5)
-    assert not bi_supported(a) and bi_supported(a.float())
+# ----- the GPU path: the Triton kernels, interpreted ---------------------------------
+
+TRITON_RECIPES = [pytest.param(r, marks=() if r == "bf16" else pytest.mark.slow)
+                  for r in ROW_LOCAL]
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    """Every kernel a GPU runs (the quantizers, the GEMMs, attention's sums, softmax and
+    the row means) through Triton on CPU tensors, interpreted."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter")
+    monkeypatch.setenv("FP4RL_KERNELS", "triton")
+    from fp4rl.nn.invariant import invariant_backend
+
+    assert invariant_backend("cpu") == "triton"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("recipe", TRITON_RECIPES)
+def test_on_the_triton_path_the_trainer_scores_the_engines_tokens_with_its_bits(
+        triton_path, recipe, dtype):
+    """One block (three for Miles's recipe, which keeps boundary blocks in BF16); the
+    engine's prompts left-padded by 8, 4 and 0 in its prefill, rolled out in chunks of 4
+    that ``concat_batches`` re-pads; the trainer's micro-batches of 9, 4 and 1 pad them
+    again otherwise. Every sampled token: the engine's bits."""
+    model = _model(recipe, "dynamic", True, layers=3 if recipe == "miles-nvfp4" else 1)
+    prompts = _prompts()
+    with torch.no_grad(), fp4rl.rollout_mode(model), _autocast(dtype):
+        batch = generate(model, prompts, SamplingConfig(max_new_tokens=5), pad_token_id=3,
+                         eos_token_ids=EOS, generator=row_generators(range(len(prompts))),
+                         batch_size=4)
+    engine = batch.logprobs[batch.response_mask.bool()]
+    for scored in _scored(model, batch, dtype, (9, 4, 1)):
+        assert torch.equal(scored, engine)

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
+from fp4rl.nn.invariant import check_batch_invariant
 from fp4rl.nn.recipe import Recipe
 from fp4rl.precision import compute_dtype, resolve_mixed_precision
 from fp4rl.rl.config import TrainConfig
@@ -47,13 +48,16 @@ def plan_run(config: TrainConfig) -> RunPlan:
     """``config`` resolved on this process (joins the launcher's process group, once).
 
     Refuses in one line, before anything loads: a batch that the processes cannot share,
-    and a rollout engine that cannot serve the run here (``batch_invariant`` runs fp4rl's
-    own engine; ``auto`` picks one for the device)."""
+    a rollout engine that cannot serve the run here (``batch_invariant`` runs fp4rl's
+    own engine; ``auto`` picks one for the device), and ``batch_invariant`` where its
+    kernels cannot run on the device."""
     d = config.distributed
     dist, device = setup(d.strategy, d.backend, config.device, d.timeout_s)
     dist.check_divides(config.grpo.batch_size)  # every rank samples as many prompts
     mixed = resolve_mixed_precision(config.mixed_precision, device)
     recipe = config.recipe()
+    if config.batch_invariant:  # its kernels must run here: never on in name only
+        check_batch_invariant(device)
     name = KVCacheEngine.name if config.batch_invariant else \
         resolve_engine(config.rollout.engine, device, recipe)
     engine = get_engine(name)
