@@ -320,8 +320,11 @@ def test_softmax_rows_are_their_own(log):
 
 # ----- the GPU path: the Triton kernels, interpreted ---------------------------------
 
-TRITON_RECIPES = [pytest.param(r, marks=() if r == "bf16" else pytest.mark.slow)
-                  for r in ROW_LOCAL]
+#: interpreted, a recipe takes 20 s (bf16) to 200 s (Miles's, three blocks): CI runs bf16
+#: and HiF4, ``make test-long`` every one, with ``static`` NVFP4 too
+TRITON_RECIPES = [pytest.param(r, s, marks={"bf16": (), "hif4": pytest.mark.slow}.get(
+                      r, pytest.mark.long), id=r if s == "dynamic" else f"{r}-{s}")
+                  for r, s in [*((r, "dynamic") for r in ROW_LOCAL), ("nvfp4", "static")]]
 
 
 @pytest.fixture
@@ -338,14 +341,14 @@ def triton_path(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("recipe", TRITON_RECIPES)
+@pytest.mark.parametrize(("recipe", "scale"), TRITON_RECIPES)
 def test_on_the_triton_path_the_trainer_scores_the_engines_tokens_with_its_bits(
-        triton_path, recipe, dtype):
+        triton_path, recipe, scale, dtype):
     """One block (three for Miles's recipe, which keeps boundary blocks in BF16); the
     engine's prompts left-padded by 8, 4 and 0 in its prefill, rolled out in chunks of 4
     that ``concat_batches`` re-pads; the trainer's micro-batches of 9, 4 and 1 pad them
     again otherwise. Every sampled token: the engine's bits."""
-    model = _model(recipe, "dynamic", True, layers=3 if recipe == "miles-nvfp4" else 1)
+    model = _model(recipe, scale, True, layers=3 if recipe == "miles-nvfp4" else 1)
     prompts = _prompts()
     with torch.no_grad(), fp4rl.rollout_mode(model), _autocast(dtype):
         batch = generate(model, prompts, SamplingConfig(max_new_tokens=5), pad_token_id=3,
