@@ -205,7 +205,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
              mixed_precision: str = "auto", config: str = "demo",
              rollout_engine: str | None = None) -> int:
     from fp4rl.models import load_model
-    from fp4rl.precision import resolve_device, resolve_mixed_precision
+    from fp4rl.rl.plan import plan_run
 
     size = size or DemoSize()
     started = time.perf_counter()
@@ -215,10 +215,12 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
         from fp4rl.rollout.vllm.errors import require_vllm
 
         require_vllm()
+    # resolved once, as `fp4rl train` resolves it: the evaluations and the training run
+    # below share the plan's device, compute dtype and engine
+    plan = plan_run(cfg)
+    cfg, where, precision = plan.config, plan.device, plan.mixed_precision
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    where = resolve_device(cfg.device)
-    precision = resolve_mixed_precision(cfg.mixed_precision, where)
     label = _recipe_label(cfg)
     with status(console, f"loading {cfg.model} (the first run converts its GGUF file, ~30 s)"):
         net, tok = load_model(cfg.model, device=where)
@@ -241,7 +243,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     train = _format_name(cfg.recipe().train.weights)
     console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
-    trainer = Trainer(cfg, out / "run", net, tok, log=console.print)
+    trainer = Trainer(plan, out / "run", net, tok, log=console.print)
     with progress_bar(console) as bar:
         task = bar.add_task("GRPO", total=size.steps, info="")
         trainer.train(progress=lambda s, t, m: bar.update(

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp4rl.rollout.vllm.host import RECIPE_ENV, encode_recipe
+
 PREAMBLE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
@@ -28,8 +30,11 @@ import fp4rl.integrations.verl  # what verl's external_lib import does in each w
 
 def run_one_rank(script: str, port: int, cwd: Path) -> dict[str, Any]:
     """Run ``PREAMBLE + script`` with verl's CUDA engine selected (its platform is the CPU
-    one) and return the child's ``RESULT`` mapping; the child's stderr where it fails."""
-    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}
+    one) and the actor's recipe (the paper's) set as the documented command's ``ray_kwargs``
+    set it in each worker; return the child's ``RESULT`` mapping; the child's stderr where
+    it fails."""
+    env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "",
+           RECIPE_ENV: encode_recipe("hif4+resq-2:4")}
     run = subprocess.run([sys.executable, "-c", PREAMBLE + script,
                           str(Path(__file__).parent), str(port)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=cwd)

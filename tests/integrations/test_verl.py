@@ -18,7 +18,8 @@ from fp4rl.models import tiny_model
 from fp4rl.nn import fp4_layers
 from fp4rl.nn.linear import Mode
 from fp4rl.nn.recipe import get_recipe
-from fp4rl.rollout.vllm.config import recipe_from_config
+from fp4rl.rollout.vllm.config import quantization_config, recipe_from_config
+from fp4rl.rollout.vllm.host import decode_recipe, encode_recipe
 
 
 class StandInEngine:
@@ -96,11 +97,77 @@ def test_fsdp1_for_the_actor_is_refused_in_one_line(engine_cls, strategy):
 
 
 def test_the_recipe_comes_from_the_environment(engine_cls, monkeypatch):
-    monkeypatch.setenv(verl.RECIPE_ENV, "nvfp4")
+    monkeypatch.setenv(verl.RECIPE_ENV, "nvfp4")  # a name, as set by hand
     layers = fp4_layers(engine_cls("llama")._build_module())
     assert {str(m.recipe.train.weights) for m in layers.values()} == {"nvfp4"}
-    monkeypatch.delenv(verl.RECIPE_ENV)
-    assert verl.recipe_from_env() == get_recipe(verl.DEFAULT_RECIPE)
+
+
+def test_an_actor_without_the_recipe_is_refused_in_one_line(engine_cls, monkeypatch):
+    """No default recipe: the engine rolls out its own quantization_config's recipe, and an
+    actor trained in another would make two policies without an error."""
+    monkeypatch.delenv(verl.RECIPE_ENV, raising=False)
+    for build in (verl.recipe_from_env, engine_cls("llama")._build_module):
+        with pytest.raises(UserError, match=rf"{verl.RECIPE_ENV} is not set") as err:
+            build()
+        assert "\n" not in str(err.value) and "python -m fp4rl.integrations.verl" in str(err.value)
+    # the reference policy needs no recipe
+    assert not fp4_layers(engine_cls("llama", forward_only=True)._build_module())
+    # neither does an engine whose host sets none (a checkpoint served on its own)
+    assert recipe_from_config(quantization_config("hif4")).rollout == get_recipe("hif4").rollout
+
+
+def _actor_recipe(overrides: list[str], engine_cls, monkeypatch):
+    """The recipe verl's actor trains with and the one its engine rolls out, from
+    ``overrides`` as Hydra reads them and Ray hands them to each worker."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    values = {o.key_or_group: o.value()
+              for o in OverridesParser.create().parse_overrides(overrides)}
+    env = values[f"ray_kwargs.ray_init.runtime_env.env_vars.{verl.RECIPE_ENV}"]
+    assert isinstance(env, str)  # Ray takes environment variables as strings
+    monkeypatch.setenv(verl.RECIPE_ENV, env)
+    actor = {m.recipe for m in fp4_layers(engine_cls("llama")._build_module()).values()}
+    config = values["actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"]
+    engine = recipe_from_config(config["quantization_config"])  # checked against the actor's
+    assert len(actor) == 1
+    return actor.pop(), engine
+
+
+def test_a_recipe_object_and_its_name_give_the_same_overrides_and_actor(engine_cls,
+                                                                       monkeypatch):
+    name = "mxfp4+resq-channel:0.5"
+    assert verl.hydra_overrides(get_recipe(name)) == verl.hydra_overrides(name)
+    actor, engine = _actor_recipe(verl.hydra_overrides(get_recipe(name)), engine_cls,
+                                  monkeypatch)
+    assert actor == get_recipe(name) and engine.rollout == actor.rollout
+    assert str(actor.train.weights) == "mxfp4"  # not the paper's default recipe
+
+
+def test_an_unregistered_recipe_object_reaches_the_actor_whole(engine_cls, monkeypatch):
+    """A recipe built in code has no name: it travels as its JSON, train side and
+    ``ignore`` list included, and the engine's check accepts it."""
+    recipe = get_recipe("nvfp4:fp4/w4a8+resq-2:4")
+    recipe = recipe.replace(train=recipe.train.replace(stochastic_gradients=True),
+                            ignore=("kind:attention", "last:1"))
+    assert all(recipe != get_recipe(n) for n in ("nvfp4", "nvfp4:fp4/w4a8+resq-2:4"))
+    assert decode_recipe(encode_recipe(recipe)) == recipe
+    actor, engine = _actor_recipe(verl.hydra_overrides(recipe), engine_cls, monkeypatch)
+    assert actor == recipe
+    assert engine.rollout == recipe.rollout and engine.ignore == recipe.ignore
+    layers = fp4_layers(engine_cls("llama")._build_module())
+    assert layers and not any("self_attn" in n for n in layers)  # ignore reached the actor
+
+
+def test_an_engine_rolling_out_another_recipe_than_the_actors_is_refused(monkeypatch):
+    recipe = get_recipe("hif4").replace(ignore=("last:1",))
+    monkeypatch.setenv(verl.RECIPE_ENV, encode_recipe(recipe))
+    with pytest.raises(UserError, match=r"rolls out .* but the actor's FP4RL_RECIPE") as err:
+        recipe_from_config(quantization_config("hif4"))  # the same, but for ignore
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv(verl.RECIPE_ENV, "{not json")
+    with pytest.raises(UserError, match="holds no recipe JSON") as err:
+        verl.recipe_from_env()
+    assert "\n" not in str(err.value)
 
 
 def test_an_actor_without_fp32_masters_is_warned_about():
@@ -178,7 +245,8 @@ def test_the_overrides_parse_in_hydra_to_the_engine_arguments(recipe):
     assert values[f"{prefix}.hf_overrides"] == kwargs["hf_overrides"]
     assert recipe_from_config(values[f"{prefix}.hf_overrides"]["quantization_config"]) \
         .rollout == get_recipe(recipe).rollout
-    assert values[f"ray_kwargs.ray_init.runtime_env.env_vars.{verl.RECIPE_ENV}"] == recipe
+    env = values[f"ray_kwargs.ray_init.runtime_env.env_vars.{verl.RECIPE_ENV}"]
+    assert decode_recipe(env) == get_recipe(recipe)
 
 
 def test_the_overrides_command_says_one_line_on_a_bad_recipe(capsys):

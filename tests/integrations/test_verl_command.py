@@ -121,3 +121,15 @@ def test_the_run_reads_the_files_fp4rl_writes():
     assert "python3 -m fp4rl.integrations.verl_data --output ~/data/gsm8k" in section
     assert command["data.train_files"] == "$HOME/data/gsm8k/train.parquet"
     assert command["data.val_files"] == "$HOME/data/gsm8k/test.parquet"
+
+
+def test_the_command_carries_the_overrides_fp4rl_prints():
+    """Word for word what ``python -m fp4rl.integrations.verl`` prints for the paper's
+    recipe, the actor's ``FP4RL_RECIPE`` included: the engine and the actor get one recipe."""
+    from fp4rl.integrations import verl
+
+    section = DOCS.read_text().split("\n## verl\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(block[block.index(MAIN) + len(MAIN):].replace("\\\n", " "))
+    missing = set(verl.hydra_overrides(verl.DEFAULT_RECIPE)) - set(words)
+    assert not missing, missing

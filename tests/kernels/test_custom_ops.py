@@ -166,7 +166,7 @@ def test_a_dispatch_mode_sees_every_launch_of_a_training_step(triton_path):
     two-axis quantizer of the weight, the activation and the output gradient)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fp4rl.nn import FP4Linear, get_recipe
+    from fp4rl.nn import FP4Linear, get_recipe, hold_weights
 
     seen: list[str] = []
 
@@ -178,6 +178,6 @@ def test_a_dispatch_mode_sees_every_launch_of_a_training_step(triton_path):
 
     layer = FP4Linear.from_linear(torch.nn.Linear(64, 32), get_recipe("nvfp4"))
     x = torch.randn(8, 64, requires_grad=True)
-    with Seen():
+    with Seen(), hold_weights(layer):  # the weights held, as a trainer's step holds them
         layer(x).sum().backward()
     assert seen.count("quantize_both") == 3 and "finite_amax" in seen

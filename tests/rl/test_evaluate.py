@@ -78,3 +78,14 @@ def test_k_1_decodes_greedily_and_scores_mean_at_1():
     sampled = evaluate(None, tok, examples, prompts, k=4, temperature=0.7, engine=engine)
     assert not any(s.greedy for s in engine.sampling)
     assert {s.temperature for s in engine.sampling} == {0.7} and sampled.mean == greedy.mean
+
+
+def test_an_unresolved_mixed_precision_is_refused_not_resolved_again():
+    """``auto`` is resolved once, where the device is known (the run's plan, or the
+    command's edge); evaluate takes the result."""
+    from fp4rl.errors import UserError
+    from fp4rl.rl.evaluate import evaluate
+
+    with pytest.raises(UserError, match="resolved mixed_precision") as err:
+        evaluate(None, None, [], [], mixed_precision="auto")
+    assert "\n" not in str(err.value)

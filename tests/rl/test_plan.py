@@ -93,3 +93,34 @@ def test_a_trainer_checks_its_engine_and_joins_the_process_group_once(tmp_path, 
     # a plan made already is taken as it is: nothing resolved or checked again
     again = Trainer(trainer.plan, tmp_path / "again", *tiny_model("llama"), log=lambda m: None)
     assert len(joined) == 1 and _Counting.checks == [1] and again.plan is trainer.plan
+
+
+def test_the_plan_holds_batch_invariance_and_its_engine(monkeypatch):
+    """``batch_invariant`` is the plan's (the trainer reads it there, not from the raw
+    config), its engine fp4rl's own whatever ``auto`` would pick, and the rule that it needs
+    that engine is one function the config, the plan and the TRL trainer call."""
+    from fp4rl.errors import UserError
+    from fp4rl.rollout import check_invariant_engine, resolve_engine
+
+    monkeypatch.setattr(plan_module, "check_batch_invariant", lambda device: None)
+    plan = plan_run(load_config(None, [*SMALL, "batch_invariant=true", "rollout.engine=auto"]))
+    assert plan.batch_invariant and plan.engine is KVCacheEngine
+    assert not plan_run(load_config(None, SMALL)).batch_invariant
+    cuda = torch.device("cuda")  # where auto would pick vLLM, were it installed
+    assert resolve_engine("auto", cuda, plan.recipe, batch_invariant=True) == "hf"
+    check_invariant_engine("hf")
+    check_invariant_engine("auto")
+    for where in (lambda: check_invariant_engine("vllm"),
+                  lambda: resolve_engine("vllm", cuda, plan.recipe, batch_invariant=True),
+                  lambda: load_config(None, [*SMALL, "batch_invariant=true",
+                                             "rollout.engine=vllm"])):
+        with pytest.raises(UserError, match="runs fp4rl's own engine") as err:
+            where()
+        assert "\n" not in str(err.value)
+
+
+def test_the_plan_holds_the_weight_cache_setting():
+    """The plan says whether the FP4 layers keep Q(W) (and turns it off where the run
+    shards its weights)."""
+    assert plan_run(load_config(None, SMALL)).weight_cache
+    assert not plan_run(load_config(None, [*SMALL, "weight_cache=false"])).weight_cache

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from fp4rl.precision import resolve_device
+    from fp4rl.precision import resolve_device, resolve_mixed_precision
     from fp4rl.progress import progress_bar
     from fp4rl.rl.datasets import encode_examples
     from fp4rl.rl.evaluate import evaluate
@@ -53,14 +53,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     check_outputs(json=args.json)
     examples = eval_split(args.data, n=args.n, levels=args.levels, seed=args.seed,
                           fields=args.field)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device)  # this entry point's edge: no training config
+    mixed_precision = resolve_mixed_precision(args.mixed_precision, device)
     model, tok, label = load_policy(args.model, args.checkpoint, args.recipe, device)
     examples, prompts = encode_examples(examples, tok, 4096, args.template)
     with progress_bar(console) as bar:
         task = bar.add_task("eval", total=None, info=label)
         result = evaluate(model, tok, examples, prompts, k=args.mean_at, seed=args.seed,
                           temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size, mixed_precision=args.mixed_precision,
+                          batch_size=args.batch_size, mixed_precision=mixed_precision,
                           progress=lambda n: bar.advance(task, n))
     console.print(f"{label} on {args.data} ({result.n} prompts): "
                   f"mean@{result.k} = {result.mean:.1%}, best@{result.k} = {result.best:.1%}"

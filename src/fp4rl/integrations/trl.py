@@ -60,7 +60,7 @@ from fp4rl.nn import (
     rollout_mode,
 )
 from fp4rl.nn.invariant import invariant_for
-from fp4rl.rollout import KVCacheEngine, SamplingConfig
+from fp4rl.rollout import KVCacheEngine, SamplingConfig, VLLMEngine, check_invariant_engine
 from fp4rl.rollout.logprobs import response_logprobs
 from fp4rl.rollout.mismatch import nemo_rl_mismatch
 
@@ -315,10 +315,10 @@ class FP4GRPOTrainer(GRPOTrainer):
                  **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
         on_vllm = args is not None and args.use_vllm
-        if fp4_batch_invariant and on_vllm:
-            raise UserError("fp4_batch_invariant=True runs fp4rl's rollout engines, not "
-                            "use_vllm=True: vLLM has a batch-invariant mode of its own "
-                            "(VLLM_BATCH_INVARIANT=1, on a GPU)")
+        if fp4_batch_invariant:  # the rule of fp4rl's config, in TRL's words
+            check_invariant_engine(VLLMEngine.name if on_vllm else KVCacheEngine.name,
+                                   "fp4_batch_invariant=True",
+                                   "fp4_rollout_engine, or transformers' generate")
         self.fp4_batch_invariant = fp4_batch_invariant
         # vLLM's sampler applies every generation option of GRPOConfig
         engine = _check_engine(fp4_rollout_engine, None if on_vllm else args)

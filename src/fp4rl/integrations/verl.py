@@ -29,9 +29,13 @@ method stages each weight in the precision it arrives in and quantizes it there,
 engine holds ``Q(W)`` of the FP32 masters, as fp4rl's own refit gives
 (``tests/vllm_engine/test_verl_sync.py``).
 
-The recipe comes from the environment variable ``FP4RL_RECIPE`` (default
-:data:`DEFAULT_RECIPE`), which reaches verl's Ray workers through
-``+ray_kwargs.ray_init.runtime_env.env_vars.FP4RL_RECIPE=...``.
+The actor's recipe comes from the environment variable ``FP4RL_RECIPE``, which reaches
+verl's Ray workers through ``+ray_kwargs.ray_init.runtime_env.env_vars.FP4RL_RECIPE=...``:
+:func:`hydra_overrides` writes it and the engine's ``quantization_config`` from one recipe
+(a name or a :class:`Recipe` built in code, carried as its JSON), so the actor trains the
+recipe the engine rolls out. An actor without the variable is refused in one line rather
+than trained in some default recipe, and where it is set, an engine whose rollout differs
+from it stops when vLLM reads its config (:func:`check_actor_recipe`).
 ``python -m fp4rl.integrations.verl --recipe R`` prints the overrides for a recipe.
 """
 
@@ -63,9 +67,10 @@ from fp4rl.rollout.vllm.config import (
     WeightStorage,
     quantization_config,
 )
-from fp4rl.rollout.vllm.host import RECIPE_ENV
+from fp4rl.rollout.vllm.host import RECIPE_ENV, actor_recipe, encode_recipe
 
-#: the paper's recipe: HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity
+#: the paper's recipe (HiF4 training and rollout, Rollout-ResQ with 2:4 sparsity): what
+#: ``python -m fp4rl.integrations.verl`` prints the overrides for without ``--recipe``
 DEFAULT_RECIPE = "hif4+resq-2:4"
 #: the verl releases whose sources the hook follows (``FSDPEngine._build_module``,
 #: ``engine_kwargs.vllm`` passed last, ``load_weights`` then
@@ -103,8 +108,10 @@ _Args = ParamSpec("_Args")
 
 
 def recipe_from_env() -> Recipe:
-    """The recipe ``FP4RL_RECIPE`` names (default :data:`DEFAULT_RECIPE`)."""
-    return get_recipe(os.environ.get(RECIPE_ENV) or DEFAULT_RECIPE)
+    """The actor's recipe ``FP4RL_RECIPE`` holds (its JSON, or a recipe name); refused in
+    one line where it is unset: the engine rolls out the recipe of its
+    ``quantization_config``, and an actor trained in another would make two policies."""
+    return actor_recipe(required=True)
 
 
 def fp4_actor(module: torch.nn.Module, recipe: Recipe | str) -> torch.nn.Module:
@@ -354,15 +361,18 @@ def hydra_overrides(recipe: Recipe | str,
                     weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
                     ) -> list[str]:
     """The ``verl.trainer.main_ppo`` command-line overrides that train verl's actor in FP4
-    and roll out in vLLM with ``recipe`` (each one shell argument)."""
+    and roll out in vLLM with ``recipe`` (each one shell argument). ``recipe`` reaches both
+    from one value: the engine's ``quantization_config`` and the actor's ``FP4RL_RECIPE``
+    (the recipe's JSON, so a name and the :class:`Recipe` it stands for give the same
+    overrides, and a recipe built in code needs no name)."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     kwargs = engine_kwargs(recipe, weight_storage)
     prefix = "+actor_rollout_ref.rollout.engine_kwargs.vllm"
-    out = ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl", FSDP2, FP32_PARAMS,
-           f"{prefix}.quantization={kwargs['quantization']}",
-           f"{prefix}.hf_overrides={_hydra(kwargs['hf_overrides'])}"]
-    if isinstance(recipe, str):  # a Recipe object has no name for the workers to read
-        out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{RECIPE_ENV}={_hydra(recipe)}")
-    return out
+    return ["actor_rollout_ref.model.external_lib=fp4rl.integrations.verl", FSDP2, FP32_PARAMS,
+            f"{prefix}.quantization={kwargs['quantization']}",
+            f"{prefix}.hf_overrides={_hydra(kwargs['hf_overrides'])}",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.{RECIPE_ENV}="
+            f"{_hydra(encode_recipe(recipe))}"]
 
 
 def _hydra(value: object) -> str:

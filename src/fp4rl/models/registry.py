@@ -135,14 +135,18 @@ def _dequantize_gguf(gguf: Path, out: Path) -> None:
 def local_model_dir(name_or_path: str) -> Path:
     """The local Hugging Face directory a path or a Hub id (``ORG/NAME[@REVISION]``,
     resolved through the Hub cache, see :mod:`fp4rl.hub`) names. A local directory wins
-    over a Hub id of the same spelling."""
+    over a Hub id of the same spelling. A verl checkpoint (its root, a ``global_step_N``,
+    its ``actor`` or ``actor/huggingface``) names its Hugging Face weights, or is refused
+    in one line naming verl's merge command (:mod:`fp4rl.models.verl_dir`)."""
     from fp4rl.hub import is_model_id, model_snapshot
+    from fp4rl.models.verl_dir import resolve_verl_dir
 
     path = Path(name_or_path).expanduser()
     if not path.is_dir() and is_model_id(name_or_path):
         path = model_snapshot(name_or_path)
     if not path.is_dir():
         raise ModelNotFoundError(_unknown_message(name_or_path))
+    path = resolve_verl_dir(path) or path
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(
             f"{str(path)!r} has no config.json, so it is not a Hugging Face checkpoint directory "

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fp4rl.data import Example
-from fp4rl.precision import compute_dtype, resolve_mixed_precision
+from fp4rl.errors import UserError
+from fp4rl.precision import compute_dtype
 from fp4rl.rl.datasets import stop_token_ids
 from fp4rl.rl.rewards import get_reward
 from fp4rl.rollout import (
@@ -72,19 +73,24 @@ def evaluate(model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase,
              progress: bool | Callable[[int], None] = False,
              mixed_precision: str = "no", engine: RolloutEngine | None = None) -> EvalResult:
     """Score ``examples`` (with their encoded ``prompts``) by Mean@k, on the model's device
-    and in the compute dtype of ``mixed_precision`` (no, bf16 or auto).
+    and in the compute dtype of ``mixed_precision``, as resolved where the run's device is
+    known (no or bf16: a :class:`~fp4rl.rl.plan.RunPlan`'s, or
+    :func:`fp4rl.precision.resolve_mixed_precision` at the edge; ``auto`` is refused rather
+    than resolved a second time).
 
     Sample j of prompt i draws under its own seed (``seed``, i, j), in chunks of
     ``batch_size`` rows, from ``engine`` (default: fp4rl's KV-cache engine on ``model``,
     as its rollout policy if it is patched; ``model`` may be None when ``engine`` is
     given)."""
+    if mixed_precision not in ("no", "bf16"):
+        raise UserError(f"evaluate takes a resolved mixed_precision (no or bf16), got "
+                        f"{mixed_precision!r}: resolve it once, where the device is known "
+                        "(fp4rl.precision.resolve_mixed_precision, or the run's plan)")
     if engine is None:
         assert model is not None  # may be None only when ``engine`` is given
-        device = next(model.parameters()).device
         engine = KVCacheEngine(model, tokenizer.pad_token_id,
                                eos_token_ids or stop_token_ids(tokenizer),
-                               compute_dtype=compute_dtype(
-                                   resolve_mixed_precision(mixed_precision, device)))
+                               compute_dtype=compute_dtype(mixed_precision))
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens,
                               greedy=k == 1)
     rows = [(p, sample_seed(seed, i, j)) for i, p in enumerate(prompts) for j in range(k)]

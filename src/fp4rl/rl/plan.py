@@ -22,7 +22,7 @@ from fp4rl.nn.recipe import Recipe
 from fp4rl.precision import compute_dtype, resolve_mixed_precision
 from fp4rl.rl.config import TrainConfig
 from fp4rl.rl.distributed import Dist, setup
-from fp4rl.rollout import KVCacheEngine, RolloutEngine, get_engine, resolve_engine
+from fp4rl.rollout import RolloutEngine, get_engine, resolve_engine
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ class RunPlan:
     recipe: Recipe
     engine: type[RolloutEngine]
     engine_settings: BaseModel | None
+    #: on-policy to the bit (``batch_invariant``): checked to run here, and the engine is
+    #: fp4rl's own; the trainer's layers and engine take it from here
+    batch_invariant: bool = False
+    #: whether the FP4 layers keep Q(W) between weight updates (``weight_cache``): off
+    #: where the run shards its weights, whose unsharded copies live for one GEMM
+    weight_cache: bool = True
 
 
 def plan_run(config: TrainConfig) -> RunPlan:
@@ -58,8 +64,7 @@ def plan_run(config: TrainConfig) -> RunPlan:
     recipe = config.recipe()
     if config.batch_invariant:  # its kernels must run here: never on in name only
         check_batch_invariant(device)
-    name = KVCacheEngine.name if config.batch_invariant else \
-        resolve_engine(config.rollout.engine, device, recipe)
+    name = resolve_engine(config.rollout.engine, device, recipe, config.batch_invariant)
     engine = get_engine(name)
     engine.check(recipe, device, dist.world_size)
     as_run = config.model_copy(update={
@@ -67,7 +72,9 @@ def plan_run(config: TrainConfig) -> RunPlan:
         "distributed": d.model_copy(update={"strategy": dist.strategy})})
     return RunPlan(config=as_run, dist=dist, device=device, mixed_precision=mixed,
                    compute_dtype=compute_dtype(mixed), recipe=recipe, engine=engine,
-                   engine_settings=config.rollout.settings_of(name))
+                   engine_settings=config.rollout.settings_of(name),
+                   batch_invariant=config.batch_invariant,
+                   weight_cache=config.weight_cache and not dist.shards)
 
 
 __all__ = ["RunPlan", "plan_run"]

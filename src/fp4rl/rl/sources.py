@@ -29,10 +29,16 @@ class CheckpointNotFoundError(UserError, FileNotFoundError):
 def checkpoint_dir(path: str | Path) -> Path:
     """The checkpoint ``path`` names: itself if it is one, else the latest of the run
     directory ``path``. Commands that take ``--checkpoint`` share this rule."""
+    from fp4rl.models.verl_dir import is_verl_checkpoint
+
     path = Path(path)
     if (path / ckpt.COMPLETE).is_file():
         return path
     found = ckpt.latest_checkpoint(path)
+    if found is None and is_verl_checkpoint(path):
+        raise CheckpointNotFoundError(
+            f"{path} is a verl checkpoint, not an fp4rl run: pass it as --model {path} with "
+            "--recipe RECIPE (the recipe its overrides were printed for, e.g. hif4+resq-2:4)")
     if found is None:
         raise CheckpointNotFoundError(
             f"{path} is neither a checkpoint (a directory with {ckpt.COMPLETE}) nor a run "

@@ -152,8 +152,8 @@ class Trainer:
         if note:
             log(note)
         self.recipe = plan.recipe
-        quantize_model(self.model, self.recipe, batch_invariant=config.batch_invariant,
-                       weight_cache=config.weight_cache and not self.dist.shards)
+        quantize_model(self.model, self.recipe, batch_invariant=plan.batch_invariant,
+                       weight_cache=plan.weight_cache)
         self.model.eval()  # no dropout in either policy; gradients still flow
         #: the rollout policy's model: the training model itself, or under FSDP an
         #: unsharded copy refreshed from the shards once per step (generation runs many

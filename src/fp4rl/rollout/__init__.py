@@ -21,6 +21,7 @@ from fp4rl.rollout.kv_cache import KVCacheEngine, generate
 from fp4rl.rollout.registry import (
     EngineError,
     build_engine,
+    check_invariant_engine,
     engine_name,
     get_engine,
     list_engines,
@@ -32,6 +33,6 @@ from fp4rl.rollout.vllm.engine import VLLMEngine
 
 __all__ = ["EngineError", "KVCacheEngine", "ProgressFn", "RolloutBatch",
            "RolloutEngine", "RolloutSetup", "SamplingConfig", "VLLMEngine", "build_engine",
-           "concat_batches", "engine_name", "generate", "get_engine", "left_pad", "list_engines",
-           "position_ids", "register_engine", "resolve_engine", "row_generators", "sample_next",
-           "sample_seed", "settings_as"]
+           "check_invariant_engine", "concat_batches", "engine_name", "generate", "get_engine",
+           "left_pad", "list_engines", "position_ids", "register_engine", "resolve_engine",
+           "row_generators", "sample_next", "sample_seed", "settings_as"]

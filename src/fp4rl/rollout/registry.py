@@ -62,10 +62,29 @@ def engine_name(name: str) -> str:
     return name
 
 
-def resolve_engine(name: str, device: torch.device, recipe: Recipe) -> str:
+def check_invariant_engine(name: str, setting: str = "batch_invariant=true",
+                           own: str = f"rollout.engine={KVCacheEngine.name}") -> None:
+    """Refuse, in one line, batch invariance (``setting``, as the entry point spells it)
+    with an engine other than fp4rl's own (``own``, as the entry point spells that): only
+    its forward runs the patched model's fixed-order kernels; vLLM's forward has a
+    batch-invariant mode of its own. ``auto`` is fine: under batch invariance it picks
+    fp4rl's engine (:func:`resolve_engine`). The one place the rule is written: the
+    config's check, the run's plan and the TRL trainer call it."""
+    if name != AUTO and get_engine(name).name != KVCacheEngine.name:  # an alias is fine
+        raise EngineError(f"{setting} runs fp4rl's own engine ({own}), not {name}: vLLM's "
+                          "forward has a batch-invariant mode of its own "
+                          "(VLLM_BATCH_INVARIANT=1, on a GPU)")
+
+
+def resolve_engine(name: str, device: torch.device, recipe: Recipe,
+                   batch_invariant: bool = False) -> str:
     """The engine ``name`` stands for on ``device``: itself, or for ``auto`` vLLM on a
     CUDA device where vLLM is installed and its plug-in runs ``recipe``'s rollout (what
-    users run on GPUs), else fp4rl's own engine."""
+    users run on GPUs), else fp4rl's own engine; under ``batch_invariant`` fp4rl's own,
+    another named engine refused (:func:`check_invariant_engine`)."""
+    if batch_invariant:
+        check_invariant_engine(name)
+        return KVCacheEngine.name
     if name != AUTO:
         return engine_name(name)
     if device.type != "cuda" or importlib.util.find_spec("vllm") is None:

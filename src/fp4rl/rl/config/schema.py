@@ -35,6 +35,7 @@ from fp4rl.rollout.registry import (
     AUTO_PICKS,
     DEFAULT_ENGINE,
     EngineError,
+    check_invariant_engine,
     engine_name,
     get_engine,
     list_engines,
@@ -334,10 +335,11 @@ class TrainConfig(_Section):
         except RecipeError as err:
             raise ValueError(str(err)) from None
         chosen = self.rollout.engine
-        if self.batch_invariant and chosen != AUTO and get_engine(chosen).name != "hf":
-            raise ValueError(f"batch_invariant=true runs fp4rl's own engine (rollout.engine="
-                             f"hf), not {chosen}: vLLM's forward has a batch-invariant mode "
-                             "of its own (VLLM_BATCH_INVARIANT=1, on a GPU)")
+        if self.batch_invariant:
+            try:
+                check_invariant_engine(chosen)
+            except UserError as err:
+                raise ValueError(str(err)) from None
         for name in list_engines():
             if chosen in (name, AUTO):
                 try:
