@@ -211,12 +211,9 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
     started = time.perf_counter()
     # before anything is written: a bad --config leaves no empty run directory behind
     cfg = _config(config, model, size, seed, device, mixed_precision, rollout_engine)
-    if cfg.rollout.engine == "vllm":
-        from fp4rl.rollout.vllm.errors import require_vllm
-
-        require_vllm()
-    # resolved once, as `fp4rl train` resolves it: the evaluations and the training run
-    # below share the plan's device, compute dtype and engine
+    # resolved once, as `fp4rl train` resolves it (an engine that cannot run here, vLLM
+    # not installed say, refused in one line before anything is written): the evaluations
+    # and the training run below share the plan's device, compute dtype and engine
     plan = plan_run(cfg)
     cfg, where, precision = plan.config, plan.device, plan.mixed_precision
     out = Path(output)

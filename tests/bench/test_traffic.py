@@ -94,7 +94,13 @@ def test_cli_prints_the_target_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["bench", "linear", "--traffic", "--shape", "512,2048"],
                                   ["bench", "linear", "--shape", "8,64,64"],
-                                  ["bench", "formats", "--traffic"]])
+                                  ["bench", "formats", "--traffic"],
+                                  ["bench", "rollout", "--traffic", "--recipe", "mxfp4",
+                                   "--format", "hif4"],
+                                  ["bench", "rollout", "--traffic", "--format", "hif4",
+                                   "--format", "mxfp4"],
+                                  ["bench", "rollout", "--recipe", "mxfp4"],
+                                  ["bench", "formats", "--recipe", "mxfp4"]])
 def test_cli_refuses_bad_traffic_options_in_one_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -145,3 +151,27 @@ def test_cli_rollout_traffic(capsys):
     out = capsys.readouterr().out
     assert "packed:" in out and "target: the packed linear <= 0.4x" in out
     assert "packed_mm" in out
+
+
+def test_rollout_traffic_reports_the_linears_keys_for_the_recipe_asked(tmp_path, capsys):
+    """``bench rollout --traffic``: ``--recipe`` is the recipe counted (as ``--format`` is),
+    and the report has the linear report's keys, the packed store as the FP4 side."""
+    from fp4rl.bench.traffic import rollout_traffic
+
+    out = tmp_path / "r.json"
+    assert main(["bench", "rollout", "--traffic", "--recipe", "nvfp4", "--shape", "8,64,128",
+                 "--json", str(out)]) == 0
+    assert "(nvfp4, 8 tokens" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    linear = linear_traffic("hif4", (8, 64, 128)).as_dict()
+    shared = {"shape", "recipe", "fp4_bytes", "bf16_bytes", "ratio", "target",
+              "fp4_launches", "bf16_launches"}
+    assert shared <= set(linear) and shared <= set(data)
+    assert data["recipe"] == "nvfp4" and data["shape"] == [8, 64, 128]
+    expected = rollout_traffic("nvfp4", 8, (64, 128)).as_dict()
+    assert data["storage"] == "packed"
+    assert data["fp4_bytes"] == expected["packed_bytes"] != \
+        rollout_traffic("hif4", 8, (64, 128)).as_dict()["packed_bytes"]
+    assert data["bf16_bytes"] == expected["bf16_bytes"]
+    assert data["ratio"] == pytest.approx(data["fp4_bytes"] / data["bf16_bytes"])
+    assert data["target"] is None  # set for 64 tokens

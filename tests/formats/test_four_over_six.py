@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def _block(values: list[float]) -> list[float]:
     for top in (6.0, 4.0):
         s = _e4m3(min(amax / top, 448.0))
         q = [math.copysign(_e2m1(abs(v) / s) if s > 0 else 0.0, v) for v in values]
-        err = sum((qi * s - v) ** 2 for qi, v in zip(q, values, strict=True))
+        err = sum((Fraction(qi * s) - Fraction(v)) ** 2 for qi, v in zip(q, values, strict=True))
         choices.append((err, top, [qi * s for qi in q]))
     six, four = choices
     return four[2] if four[0] < six[0] else six[2]

@@ -80,8 +80,28 @@ def test_the_training_config_applies_the_rule_and_refuses_vllm_with_batch_invari
                              "batch_invariant=true"])
     assert cfg.recipe().train.activations is get_format("nvfp4_static")
     assert cfg.batch_invariant
-    with pytest.raises(Exception, match="batch_invariant=true runs fp4rl's own engine"):
+    with pytest.raises(Exception, match="batch_invariant=true runs a batch-invariant engine"):
         load_config(None, ["batch_invariant=true", "rollout.engine=vllm"])
+
+
+def test_a_format_says_its_scale_and_the_rules_it_takes():
+    """The recipe, the layers and the engines ask the format (``scale_rule``,
+    ``fixed_scale``, :func:`scale_rules`), not its class: the static rule is the fixed one,
+    a per-token scale takes no static rule, and a format without a scale on top of its
+    blocks takes none."""
+    from fp4rl.formats.base import FIXED_SCALE_RULE
+    from fp4rl.formats.nvfp4 import ScaleRule
+    from fp4rl.formats.registry import scale_rules, with_scale_rule
+
+    assert FIXED_SCALE_RULE == ScaleRule.STATIC
+    assert get_format("nvfp4_static").fixed_scale and not get_format("nvfp4").fixed_scale
+    assert not get_format("nvfp4_pow2").fixed_scale and not get_format("mxfp4").fixed_scale
+    assert scale_rules(get_format("nvfp4")) == list(ScaleRule)
+    assert scale_rules(get_format("nvfp4_per_token")) == [ScaleRule.DYNAMIC, ScaleRule.POW2]
+    assert scale_rules(get_format("hif4")) == [] and get_format("hif4").scale_rule is None
+    assert with_scale_rule(get_format("nvfp4_pow2"), "static") is get_format("nvfp4_static")
+    assert with_scale_rule(get_format("nvfp4_static"), "dynamic") is get_format("nvfp4")
+    assert with_scale_rule(get_format("nvfp4_per_token"), ScaleRule.STATIC) is None
 
 
 def test_a_static_scale_is_fixed_per_step_and_shared_by_both_policies():

@@ -60,7 +60,6 @@ NOT_IN_VERL = {
     "run.seed": "verl seeds its data loader and engines itself",
     "optimizer.name": "AdamW, verl's default optimizer",
     "optimizer.kwargs": "none set: torch's AdamW defaults, as verl's betas (0.9, 0.999)",
-    "eval.steps": "verl validates every trainer.test_freq steps",
     "eval.size": "verl validates on the whole test file",
     "eval.mean_at_k": "verl's val_kwargs.n (1) and greedy decoding by default",
     "eval.temperature": "verl's validation decodes greedily (val_kwargs.do_sample false)",

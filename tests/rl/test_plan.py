@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from fp4rl.errors import ConfigError
+from fp4rl.errors import ConfigError, UserError
 from fp4rl.models import tiny_model
 from fp4rl.rl import plan as plan_module
 from fp4rl.rl.config import load_config
@@ -99,7 +99,6 @@ def test_the_plan_holds_batch_invariance_and_its_engine(monkeypatch):
     """``batch_invariant`` is the plan's (the trainer reads it there, not from the raw
     config), its engine fp4rl's own whatever ``auto`` would pick, and the rule that it needs
     that engine is one function the config, the plan and the TRL trainer call."""
-    from fp4rl.errors import UserError
     from fp4rl.rollout import check_invariant_engine, resolve_engine
 
     monkeypatch.setattr(plan_module, "check_batch_invariant", lambda device: None)
@@ -114,9 +113,64 @@ def test_the_plan_holds_batch_invariance_and_its_engine(monkeypatch):
                   lambda: resolve_engine("vllm", cuda, plan.recipe, batch_invariant=True),
                   lambda: load_config(None, [*SMALL, "batch_invariant=true",
                                              "rollout.engine=vllm"])):
-        with pytest.raises(UserError, match="runs fp4rl's own engine") as err:
+        with pytest.raises(UserError, match=r"runs a batch-invariant engine \(set "
+                           r"rollout.engine to hf\), not vllm") as err:
             where()
         assert "\n" not in str(err.value)
+
+
+def test_engines_are_chosen_by_what_they_say_of_themselves():
+    """Batch invariance, ``auto``'s pick and its help ask each engine's capabilities, not
+    its name: an engine registered at run time that says it is batch-invariant serves a
+    batch-invariant run, and one of higher ``auto_priority`` that serves the run is what
+    ``auto`` picks (first in the help too); one that does not serve it is passed over."""
+    from fp4rl.rollout import check_invariant_engine, resolve_engine
+    from fp4rl.rollout.registry import _ENGINES as engines
+    from fp4rl.rollout.registry import auto_picks
+
+    class Eager(KVCacheEngine):
+        name = "eager-test"
+        summary = "a test's engine"
+        auto_priority = 100
+        auto_when = "where the test says"
+        serving: ClassVar[bool] = True
+
+        @classmethod
+        def serves(cls, recipe, device):
+            return cls.serving
+
+    class Loose(Eager):
+        name = "loose-test"
+        batch_invariant = False
+        auto_priority = 200
+
+    register_engine(Eager)
+    register_engine(Loose)
+    try:
+        recipe = load_config(None, SMALL).recipe()
+        cpu = torch.device("cpu")
+        check_invariant_engine("eager-test")  # says it is: no name list to edit
+        with pytest.raises(UserError, match="not loose-test"):
+            check_invariant_engine("loose-test")
+        assert resolve_engine("auto", cpu, recipe) == "loose-test"
+        assert resolve_engine("auto", cpu, recipe, batch_invariant=True) == "eager-test"
+        Eager.serving = False  # Loose inherits it: neither serves now
+        assert resolve_engine("auto", cpu, recipe) == "hf"
+        assert auto_picks().startswith("loose-test where the test says, else eager-test")
+        assert auto_picks().endswith("else hf")
+    finally:
+        engines.unregister("eager-test")
+        engines.unregister("loose-test")
+
+
+def test_an_engine_that_does_not_say_its_capabilities_is_refused():
+    from fp4rl.rollout import EngineError
+
+    class Bare:
+        name = "bare-test"
+
+    with pytest.raises(EngineError, match="does not say summary, settings, batch_invariant"):
+        register_engine(Bare)  # type: ignore[arg-type]
 
 
 def test_the_plan_holds_the_weight_cache_setting():

@@ -101,17 +101,44 @@ def test_the_worker_extension_is_named_where_it_lives():
 
 
 def test_engines_sharing_a_cpu_split_the_kv_cache(monkeypatch):
+    """Settled by the device asked about, not by what torch sees on this machine."""
     import torch
 
-    from fp4rl.rollout.vllm.engine import default_kv_cache_bytes
+    from fp4rl.rollout.vllm.settings import default_kv_cache_bytes
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # not what decides
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert default_kv_cache_bytes() == 1 << 30
+    assert default_kv_cache_bytes(cpu) == 1 << 30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert default_kv_cache_bytes() == 1 << 29  # two engines, one machine's memory
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert default_kv_cache_bytes() is None  # a GPU each, sized by vLLM's share of it
+    assert default_kv_cache_bytes(cpu) == 1 << 29  # two engines, one machine's memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_kv_cache_bytes(cuda) is None  # a GPU each, sized by vLLM's share of it
+
+
+def test_the_plan_settles_the_engine_settings_for_its_device(monkeypatch):
+    """``auto`` in ``rollout.vllm`` is settled once, by the plan, for the run's device:
+    the settings the engine then gets hold no ``auto``; and the engine's spec takes the
+    defaults the settings declare (one declaration)."""
+    import torch
+
+    from fp4rl.rollout import VLLMEngine
+    from fp4rl.rollout.vllm.engine import EngineSpec
+    from fp4rl.rollout.vllm.settings import DEFAULTS, VLLMSettings
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the plan's device decides
+    cpu_settled = VLLMEngine.settle(None, torch.device("cpu"))
+    assert cpu_settled == VLLMSettings(enforce_eager=True, kv_cache_bytes=1 << 30)
+    gpu_settled = VLLMEngine.settle(VLLMSettings(kv_cache_bytes=4096), torch.device("cuda"))
+    assert gpu_settled == VLLMSettings(enforce_eager=False, kv_cache_bytes=4096)
+    assert VLLMEngine.settle(gpu_settled, torch.device("cpu")) == gpu_settled  # settled once
+    spec = EngineSpec("model", "hif4", device=torch.device("cpu"))
+    assert spec.gpu_memory_utilization == DEFAULTS.gpu_memory_utilization
+    assert spec.weight_storage is DEFAULTS.weight_storage
+    assert spec.kv_cache_bytes == 1 << 30 and spec.eager
+    gpu = EngineSpec("model", "hif4", device=torch.device("cuda"))
+    assert gpu.kv_cache_bytes is None and not gpu.eager
 
 
 @pytest.mark.parametrize("value", ["maybe", "1", "0.5"])
@@ -151,13 +178,13 @@ def test_engines_compile_on_gpus_for_every_format(monkeypatch):
 
     from fp4rl.rollout.vllm.engine import EngineSpec
 
-    def spec(recipe, eager=None):
+    def spec(recipe, eager="auto"):
         return EngineSpec("model", recipe, enforce_eager=eager)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert spec("hif4+resq-2:4").eager and spec(None).eager
     assert not spec("hif4", eager=False).eager
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a spec outside a plan
     assert not spec("hif4+resq-2:4").eager and not spec("mxfp4").eager
     assert not spec(None).eager and not spec("nvfp4").eager
     assert spec("nvfp4", eager=True).eager

@@ -321,6 +321,9 @@ def linear_traffic(recipe: str = "hif4", shape: tuple[int, int, int] = TARGET_SH
 
 #: the packed rollout linear's bytes against bf16's at 64 tokens
 ROLLOUT_TARGET = (64, 0.4)
+#: the storage a rollout report's ``fp4_bytes`` and ``ratio`` count: the 4-bit codes and
+#: scales, as the packed store runs (what the target is set for)
+ROLLOUT_FP4_STORAGE = "packed"
 #: the rollout linears the report compares: the dequantized store, the packed store as it
 #: runs (the fused kernel up to :data:`~fp4rl.kernels.FUSED_MAX_ROWS` tokens), and the
 #: packed store's other path (decode into a bf16 weight, then the bf16 GEMM)
@@ -342,10 +345,19 @@ class RolloutTraffic:
         return self.storages[storage].total() / self.bf16.total()
 
     def as_dict(self) -> dict[str, object]:
-        """The JSON record: per storage, its bytes, ratio to bf16 and launches, flat
-        (``packed_bytes``, ``packed_ratio``, ``packed_launches``, ...)."""
-        out: dict[str, object] = {"recipe": self.recipe, "tokens": self.tokens,
-                                  "shape": list(self.shape), "bf16_bytes": self.bf16.total()}
+        """The JSON record: the linear's keys (:class:`LinearTraffic`: ``shape`` as tokens,
+        in, out; ``fp4_bytes``, ``bf16_bytes``, ``ratio``, ``target``, the launches), the
+        FP4 side being the store of 4-bit codes as it runs (:data:`ROLLOUT_FP4_STORAGE`,
+        named by ``storage``); then per storage its bytes, ratio to bf16 and launches,
+        flat (``packed_bytes``, ``packed_ratio``, ``packed_launches``, ...)."""
+        fp4 = self.storages[ROLLOUT_FP4_STORAGE]
+        tokens, target = ROLLOUT_TARGET
+        out: dict[str, object] = {
+            "shape": [self.tokens, *self.shape], "recipe": self.recipe, "tokens": self.tokens,
+            "storage": ROLLOUT_FP4_STORAGE, "fp4_bytes": fp4.total(),
+            "bf16_bytes": self.bf16.total(), "ratio": self.ratio(ROLLOUT_FP4_STORAGE),
+            "target": target if self.tokens == tokens else None,
+            "fp4_launches": fp4.records(), "bf16_launches": self.bf16.records()}
         for name, rec in self.storages.items():
             out |= {f"{name}_bytes": rec.total(), f"{name}_ratio": self.ratio(name),
                     f"{name}_launches": rec.records()}
@@ -454,7 +466,8 @@ def render(traffic: Traffic, console: Console) -> None:
                       f"({traffic.ratio:.2f}x)", markup=False)
 
 
-__all__ = ["GPUS", "ROLLOUT_STORAGES", "ROLLOUT_TARGET", "TARGETS", "TARGET_SHAPE", "Launch",
+__all__ = ["GPUS", "ROLLOUT_FP4_STORAGE", "ROLLOUT_STORAGES", "ROLLOUT_TARGET", "TARGETS",
+           "TARGET_SHAPE", "Launch",
            "LaunchRecord", "LinearTraffic", "PassBytes", "Recorder", "RolloutTraffic",
            "Roofline", "Traffic", "linear_traffic", "recording", "render",
            "render_rollout", "rollout_traffic"]

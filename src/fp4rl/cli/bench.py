@@ -22,8 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="engine: the vLLM rollout engine's memory, refit bytes and "
                        "speed, bf16 against the fp4rl method's two weight storages; "
                        "invariant: the batch-invariant forward against the default one")
-    bench.add_argument("--recipe", default="hif4", help="invariant: the recipe (default "
-                       "hif4)")
+    bench.add_argument("--recipe", help="invariant, linear --traffic, rollout --traffic: the "
+                       "recipe (default hif4; --traffic also takes it as --format)")
     bench.add_argument("--model", default="smollm2-135m", help="model for rollout / train")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.add_argument("--format", dest="formats", action="append",
@@ -77,6 +77,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
                         "only")
     if args.traffic and args.what not in ("linear", "rollout"):
         raise UserError("--traffic applies to bench linear and bench rollout only")
+    if args.recipe is not None and args.what != "invariant" and not args.traffic:
+        raise UserError("--recipe applies to bench invariant and bench linear/rollout "
+                        "--traffic only")
     if args.micro_batches != 1 and args.what != "linear":
         raise UserError("--micro-batches applies to bench linear --traffic only")
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
@@ -141,9 +144,9 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     from fp4rl.bench import common
     from fp4rl.bench import linear as bench
 
-    fmt = (args.formats or ["hif4"])[0]
     if args.traffic:
-        return _traffic(args, console, fmt)
+        return _traffic(args, console, _traffic_recipe(args))
+    fmt = (args.formats or ["hif4"])[0]
     shapes = bench.SHAPES if args.tokens is None else tuple(
         (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
     with status(console, f"benchmarking the {fmt} linear"):
@@ -152,11 +155,23 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     return common.report(results, benchmark="linear", size=args.size)
 
 
+def _traffic_recipe(args: argparse.Namespace) -> str:
+    """The recipe a ``--traffic`` count runs: ``--recipe``, or ``--format`` (which names
+    it too), default hif4; both naming different ones is refused in one line."""
+    formats = args.formats or []
+    if len(formats) > 1:
+        raise UserError("--traffic counts one recipe: give --format once")
+    if args.recipe is not None and formats and formats[0] != args.recipe:
+        raise UserError(f"--recipe {args.recipe} and --format {formats[0]} name two recipes; "
+                        "--traffic counts one: give one of them")
+    return args.recipe or (formats or ["hif4"])[0]
+
+
 def _rollout_traffic(args: argparse.Namespace, console: Console) -> dict:
     from fp4rl.bench import traffic
     from fp4rl.nn import get_recipe
 
-    recipe = (args.formats or ["hif4"])[0]
+    recipe = _traffic_recipe(args)
     get_recipe(recipe)  # an unknown name: one line, before any work
     m, k, n = args.shape or (traffic.ROLLOUT_TARGET[0], *traffic.TARGET_SHAPE[1:])
     result = traffic.rollout_traffic(recipe, m, (k, n))
@@ -197,13 +212,14 @@ def _invariant(args: argparse.Namespace, console: Console, device: torch.device,
     if device.type != "cpu":
         raise UserError("bench invariant times the CPU kernels (--device cpu); on a GPU "
                         "vLLM's batch-invariant mode is the tool")
-    get_recipe(args.recipe)  # an unknown recipe: one line, before loading
+    recipe = args.recipe or "hif4"
+    get_recipe(recipe)  # an unknown recipe: one line, before loading
     batch, new_tokens = args.batch or 8, args.tokens or 32
     with status(console, "benchmarking the batch-invariant forward"):
-        results, tokens = bench.run(args.model, args.recipe, batch=batch,
+        results, tokens = bench.run(args.model, recipe, batch=batch,
                                     new_tokens=new_tokens, repeats=args.repeats)
-    bench.render(results, console, args.recipe, batch, new_tokens, tokens)
-    return common.report(results, benchmark="invariant", recipe=args.recipe, batch=batch,
+    bench.render(results, console, recipe, batch, new_tokens, tokens)
+    return common.report(results, benchmark="invariant", recipe=recipe, batch=batch,
                          new_tokens=new_tokens, score_tokens=tokens)
 
 

@@ -25,6 +25,9 @@ from fp4rl.formats.packing import PackedTensor
 from fp4rl.kernels import FormatKernels, has_matrix_kernel, quantize_matrix, quantize_rows
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the scale rule under which a caller fixes the FP32 scale on top of the blocks
+#: (``ScaleRule.STATIC``'s spelling: :attr:`NumberFormat.fixed_scale`)
+FIXED_SCALE_RULE = "static"
 
 
 class Rounding(StrEnum):
@@ -93,6 +96,22 @@ class NumberFormat(ABC):
     vector_scales: ClassVar[bool] = False
     #: the format a weight takes in a recipe named after this one (None: this one)
     weight_format: ClassVar[str | None] = None
+    #: how the FP32 scale on top of the blocks follows the input: the spelling of one
+    #: :class:`fp4rl.formats.nvfp4.ScaleRule` (a ``StrEnum``, equal to it) for a format
+    #: with such a scale (``dynamic``: from each input), None for one without. A format
+    #: under another rule is a registered format of its own (``nvfp4_pow2``), found by
+    #: :func:`fp4rl.formats.registry.with_scale_rule`
+    scale_rule: ClassVar[str | None] = None
+
+    @property
+    def fixed_scale(self) -> bool:
+        """Whether the FP32 scale on top of the blocks is one a caller fixes (one per layer
+        and RL step: the ``static`` rule), not one computed from each input. Such a
+        format needs its layer to calibrate the scale, cannot be a weight's (whose scale
+        is its own amax), cannot share the scale with a recovery method's residual, and
+        runs only in an engine that keeps the layer's scale: the recipe, the layers and
+        the engines ask this, not the format's class."""
+        return self.scale_rule == FIXED_SCALE_RULE
 
     @property
     def display_name(self) -> str:

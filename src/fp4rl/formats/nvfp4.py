@@ -29,8 +29,8 @@ fixed. Each rule is a format of its own (``nvfp4_pow2``, ``nvfp4_static``, ...,
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
+import threading
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import ClassVar, Unpack
@@ -74,19 +74,28 @@ class ScaleRule(StrEnum):
     STATIC = "static"
 
 
-_static_scale: contextvars.ContextVar[torch.Tensor | None] = \
-    contextvars.ContextVar("fp4rl_static_scale", default=None)
+#: :func:`static_scale`'s scale, per thread: ``torch.compile`` reads a ``threading.local``
+#: in its graph (and guards on it), where a ``ContextVar.get`` breaks the graph; a forward
+#: awaits nothing, so a thread's scope is also its task's
+_static = threading.local()
+
+
+def _static_scale() -> torch.Tensor | None:
+    """The scale :func:`static_scale` set in this thread, or None."""
+    scale: torch.Tensor | None = getattr(_static, "scale", None)
+    return scale
 
 
 @contextlib.contextmanager
 def static_scale(scale: torch.Tensor | None) -> Iterator[None]:
     """Within the block, a ``static`` NVFP4 format's second-level scale is ``scale`` (a
     0-dim float32 tensor; None: the dynamic one)."""
-    reset = _static_scale.set(scale)
+    outer = _static_scale()
+    _static.scale = scale
     try:
         yield
     finally:
-        _static_scale.reset(reset)
+        _static.scale = outer
 
 
 def e4m3_round(v: torch.Tensor, noise: torch.Tensor | None = None,
@@ -181,7 +190,7 @@ class NVFP4(BlockFormat):
         if not opts.per_tensor_scale:
             return None
         if self.scale_rule is ScaleRule.STATIC:
-            fixed = _static_scale.get()
+            fixed = _static_scale()
             if fixed is not None:
                 return fixed
         return _scale_of(finite_amax(rows), self.tensor_range, self.scale_rule)
@@ -221,8 +230,9 @@ class NVFP4PerToken(NVFP4):
 class NVFP4FourOverSix(NVFP4):
     """NVFP4 with Four Over Six block scales (see the module docstring): each block scaled
     to a largest magnitude of 6 or of 4, whichever errs less, under a tensor scale of
-    range ``6 * 256``. Each block's squared error is added pairwise in a fixed order
-    (:func:`_pairwise_sum`), which both kernels follow, so a tie is a tie on every path.
+    range ``6 * 256``. The two squared errors are compared exactly
+    (:func:`four_errs_less`), as both kernels compare them, so a tie is a tie on every
+    path.
     The C kernel (CPU) and Triton quantize it; the fast row encoder implements NVFP4's
     rule alone."""
 
@@ -235,9 +245,7 @@ class NVFP4FourOverSix(NVFP4):
         a = blocks.abs()
         s6, q6 = _scaled_to(a, 6.0, noise)
         s4, q4 = _scaled_to(a, 4.0, noise)
-        err6 = _pairwise_sum((q6 * s6 - a).square())
-        err4 = _pairwise_sum((q4 * s4 - a).square())
-        four = err4 < err6
+        four = four_errs_less(a, q4 * s4, q6 * s6, s6)
         return {"scale": torch.where(four, s4, s6), "q": torch.where(four, q4, q6),
                 "neg": torch.signbit(blocks)}
 
@@ -347,13 +355,47 @@ def _scaled_to(a: torch.Tensor, top: float, noise: torch.Tensor | None
     return s, e2m1_round(v, noise)
 
 
-def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum along the last axis (a power of two long), neighbours added first, then
-    neighbouring pairs, and so on, the axis kept (size 1): each step adds two numbers, so
-    every device and kernel rounds it the same way."""
-    while t.shape[-1] > 1:
-        t = t[..., 0::2] + t[..., 1::2]
-    return t
+#: the bits of one fraction limb of :func:`four_errs_less` (two limbs: 48 bits)
+_LIMB = 24
+
+
+def four_errs_less(a: torch.Tensor, p4: torch.Tensor, p6: torch.Tensor, s6: torch.Tensor
+                   ) -> torch.Tensor:
+    """Whether each block's squared error under the scale to 4 is smaller than under the
+    scale to 6, decided exactly: ``sum((p4 - a)^2) < sum((p6 - a)^2)`` for blocks ``a`` of
+    float32 magnitudes (float64 tensors, ``(N, 16)``), their two quantizations ``p4`` and
+    ``p6`` and the scale ``s6`` (``(N, 1)``). A float sum of squares rounds, and two
+    rounded sums can order otherwise than the errors do (a near-tie); a GPU would also
+    need float64 to follow it. The exact difference is an integer sum instead, so the
+    reference, the C kernel and the Triton kernel (in float32 and int32) decide alike.
+
+    The difference is ``sum((p4 - p6)(p4 + p6 - 2a))``. Both quantizations lie on the
+    grid ``g = 2^(E - 4)`` of the smaller scale (``s6 = m 2^(E - 3)``, E at least -6, an
+    E2M1 value a multiple of 1/2), at most 384 steps; a value whose two quantizations
+    differ is below 256 g and at least ``2^-25 s6`` (the least that rounds up, nearest
+    or stochastic), so ``a / g`` has at most 48 fraction bits. In units of ``g^2``, the
+    difference is ``sum(P4^2 - P6^2) - 2 sum(D a / g)``, ``D = P4 - P6``: ``a / g`` split
+    into its integer part and two 24-bit fraction limbs, each limb's sum an exact
+    integer, the limbs carried into the integer part, whose sign is the difference's.
+    Where both quantizations agree (every value, when both scales saturate at 448) the
+    value adds nothing and is left out."""
+    e = torch.where(s6 > 0, torch.frexp(s6)[1] - 1, -6).clamp(min=-6)
+    inv_g = torch.ldexp(torch.ones_like(s6), 4 - e)  # 1 / g, exact
+    big4, big6 = p4 * inv_g, p6 * inv_g  # integers below 2^9
+    d = big4 - big6
+    r = torch.where(d != 0, a, 0.0) * inv_g  # below 2^8, 48 fraction bits
+    c0 = r.floor()
+    f = (r - c0) * 2.0**_LIMB
+    c1 = f.floor()
+    c2 = (f - c1) * 2.0**_LIMB
+    di = d.long()
+    l0 = (big4.square() - big6.square()).long() - 2 * di * c0.long()
+    l1 = -2 * di * c1.long()
+    l2 = -2 * di * c2.long()
+    low = l2.sum(-1, keepdim=True)
+    mid = l1.sum(-1, keepdim=True) + torch.div(low, 2**_LIMB, rounding_mode="floor")
+    top = l0.sum(-1, keepdim=True) + torch.div(mid, 2**_LIMB, rounding_mode="floor")
+    return top < 0
 
 
 def _scale_of(amax: torch.Tensor, tensor_range: float = TENSOR_RANGE,
@@ -410,7 +452,8 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     fast = kernel_amax(x)  # a GPU: one Triton pass
     if fast is not None:
         return fast
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        # (a compiled graph takes the masked pass below: reading a value breaks it)
         low, high = torch.aminmax(x)  # one pass, no |x| temporary
         amax = torch.maximum(-low, high).float()  # a max is exact in x's own dtype
         if bool(torch.isfinite(amax)):

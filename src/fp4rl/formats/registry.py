@@ -23,6 +23,8 @@ from fp4rl.formats.nvfp4 import (
     NVFP4PerToken,
     NVFP4PerTokenFourOverSix,
     NVFP4Tiles,
+    ScaleRule,
+    scale_rule_name,
     scale_variants,
 )
 from fp4rl.registry import Registry
@@ -69,6 +71,25 @@ def get_format(name: str | NumberFormat) -> NumberFormat:
     if not isinstance(name, str):
         raise FormatError(f"format must be a name, got {type(name).__name__}")
     return _FORMATS.get(name)
+
+
+def with_scale_rule(fmt: NumberFormat, rule: ScaleRule | str) -> NumberFormat | None:
+    """``fmt`` with its FP32 scale on top of the blocks under ``rule`` (a
+    :class:`~fp4rl.formats.nvfp4.ScaleRule` or its spelling): the registered format of that
+    rule (``nvfp4`` under ``pow2`` is ``nvfp4_pow2``; ``fmt`` itself under its own rule),
+    or None where ``fmt`` takes no such rule (it has no such scale, or no variant of it
+    under ``rule`` is registered: a per-token scale is never ``static``)."""
+    if fmt.scale_rule is None or not isinstance(fmt, NVFP4):
+        return None
+    name = scale_rule_name(fmt, ScaleRule(rule))
+    return _FORMATS.get(name) if name in _FORMATS else None
+
+
+def scale_rules(fmt: NumberFormat) -> list[ScaleRule]:
+    """The rules ``fmt``'s FP32 scale on top of the blocks can follow, in
+    :class:`~fp4rl.formats.nvfp4.ScaleRule`'s order (none for a format without one): what
+    ``nvfp4_scale`` may ask of it."""
+    return [rule for rule in ScaleRule if with_scale_rule(fmt, rule) is not None]
 
 
 def quantize(x: torch.Tensor, fmt: str | NumberFormat, dim: int = -1,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from packaging.requirements import Requirement
@@ -60,9 +60,17 @@ from fp4rl.nn import (
     rollout_mode,
 )
 from fp4rl.nn.invariant import invariant_for
-from fp4rl.rollout import KVCacheEngine, SamplingConfig, VLLMEngine, check_invariant_engine
+from fp4rl.rollout import (
+    RolloutSetup,
+    SamplingConfig,
+    VLLMEngine,
+    check_invariant_engine,
+    get_engine,
+    list_engines,
+)
 from fp4rl.rollout.logprobs import response_logprobs
 from fp4rl.rollout.mismatch import nemo_rl_mismatch
+from fp4rl.rollout.registry import DEFAULT_ENGINE
 
 #: the TRL releases this module is tested with (the ``trl`` extra of fp4rl pins the same)
 TRL_REQUIREMENT = "trl>=1.16,<1.17"
@@ -86,10 +94,16 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
     from trl.trainer.grpo_trainer import RewardFunc
 
-#: ``fp4_rollout_engine``: fp4rl's KV-cache engine (``hf``, the name ``rollout.engine``
-#: gives it) or transformers' ``generate``; vLLM is TRL's own switch (``use_vllm``)
-TRLEngine = Literal["hf", "transformers"]
-TRL_ENGINES: tuple[str, ...] = get_args(TRLEngine)
+#: ``fp4_rollout_engine``'s choice that is no rollout engine: transformers' ``generate``
+TRANSFORMERS = "transformers"
+
+
+def trl_engines() -> list[str]:
+    """``fp4_rollout_engine``'s choices: every registered rollout engine that samples the
+    module it is given in this process (``samples_module``: fp4rl's KV-cache engine,
+    ``hf``, and any such engine registered), then transformers' ``generate``. An engine
+    that loads weights of its own is not one: vLLM is TRL's own switch (``use_vllm``)."""
+    return [*(n for n in list_engines() if get_engine(n).samples_module), TRANSFORMERS]
 
 #: GRPOTrainer arguments this trainer cannot honour, and why
 _REFUSED_ARGUMENTS = {
@@ -127,14 +141,16 @@ def resolve_recipe(recipe: Recipe | str) -> Recipe:
 
 
 def _check_engine(engine: str, args: GRPOConfig | None) -> str:
-    """``engine``'s one name (``hf`` or ``transformers``), checked against ``args``'
+    """``engine``'s one name (one of :func:`trl_engines`), checked against ``args``'
     generation options."""
-    if engine not in TRL_ENGINES:
-        hint = (": vLLM is TRL's switch, use_vllm=True with vllm_mode='colocate'"
-                if engine == "vllm" else did_you_mean(engine, TRL_ENGINES))
+    choices = trl_engines()
+    if engine not in choices:
+        hint = (f": the {engine} engine loads weights of its own, which TRL does not hand "
+                "it; vLLM is TRL's switch, use_vllm=True with vllm_mode='colocate'"
+                if engine in list_engines() else did_you_mean(engine, choices))
         raise UserError(f"fp4_rollout_engine {engine!r} is not one of "
-                        f"{', '.join(TRL_ENGINES)}{hint}")
-    if engine == "transformers":
+                        f"{', '.join(choices)}{hint}")
+    if engine == TRANSFORMERS:
         return engine
     if args is None:
         return engine
@@ -203,7 +219,8 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
     if args.use_cpu or not torch.cuda.is_available():
         extra["enforce_eager"] = True
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            extra["kv_cache_memory_bytes"] = fp4vllm.default_kv_cache_bytes()
+            extra["kv_cache_memory_bytes"] = fp4vllm.default_kv_cache_bytes(
+                torch.device("cpu"))
     build = vllm_generation.LLM
 
     def llm_with_fp4rl(**kwargs: object) -> object:
@@ -249,13 +266,23 @@ def _lengths_through_eos(tokens: torch.Tensor, eos_token_ids: Sequence[int]) -> 
 
 def sample_with_fp4rl(model: nn.Module, prompt_ids: Sequence[Sequence[int]],
                       config: SamplingConfig, pad_token_id: int,
-                      eos_token_ids: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """One completion per prompt from fp4rl's KV-cache engine (``hf``), with each token's
-    log-prob under the filtered distribution it was drawn from. Each row's seed is drawn
-    from torch's global generator, so TRL's ``seed`` fixes the completions."""
+                      eos_token_ids: Sequence[int], *, engine: str = DEFAULT_ENGINE,
+                      recipe: Recipe | None = None
+                      ) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion per prompt from the fp4rl engine ``engine`` sampling ``model`` (one
+    of :func:`trl_engines`: fp4rl's KV-cache engine, ``hf``, by default), with each
+    token's log-prob under the filtered distribution it was drawn from. Each row's seed is
+    drawn from torch's global generator, so TRL's ``seed`` fixes the completions.
+    ``recipe`` is the policy's, for an engine that reads it (None: the module's patched
+    layers hold it, which is what an engine that samples the module runs)."""
     seeds = torch.randint(0, 2**62, (len(prompt_ids),)).tolist()
-    [batch] = KVCacheEngine(model, pad_token_id, eos_token_ids).generate(
-        [prompt_ids], [seeds], config)
+    longest = max(map(len, prompt_ids), default=0) + config.max_new_tokens
+    setup = RolloutSetup(model=str(getattr(getattr(model, "config", None), "_name_or_path",
+                                           "")),
+                         policy=model, recipe=recipe or Recipe(),
+                         compute_dtype=torch.float32, seed=0, max_model_len=longest,
+                         pad_token_id=pad_token_id, eos_token_ids=tuple(eos_token_ids))
+    [batch] = get_engine(engine).from_setup(setup).generate([prompt_ids], [seeds], config)
     return _trim(batch.response_ids, batch.logprobs, batch.response_lengths())
 
 
@@ -311,17 +338,17 @@ class FP4GRPOTrainer(GRPOTrainer):
     def __init__(self, model: str | PreTrainedModel,
                  reward_funcs: RewardFunc | list[RewardFunc] | None = None,
                  args: GRPOConfig | None = None, *, fp4_recipe: Recipe | str,
-                 fp4_rollout_engine: TRLEngine = "hf", fp4_batch_invariant: bool = False,
+                 fp4_rollout_engine: str = DEFAULT_ENGINE, fp4_batch_invariant: bool = False,
                  **kwargs: Any) -> None:
         recipe = resolve_recipe(fp4_recipe)
         on_vllm = args is not None and args.use_vllm
-        if fp4_batch_invariant:  # the rule of fp4rl's config, in TRL's words
-            check_invariant_engine(VLLMEngine.name if on_vllm else KVCacheEngine.name,
-                                   "fp4_batch_invariant=True",
-                                   "fp4_rollout_engine, or transformers' generate")
-        self.fp4_batch_invariant = fp4_batch_invariant
         # vLLM's sampler applies every generation option of GRPOConfig
         engine = _check_engine(fp4_rollout_engine, None if on_vllm else args)
+        used = VLLMEngine.name if on_vllm else engine  # TRL's vLLM is fp4rl's vllm engine
+        if fp4_batch_invariant and used != TRANSFORMERS:  # fp4rl's rule, in TRL's words
+            check_invariant_engine(used, "fp4_batch_invariant=True",
+                                   "set fp4_rollout_engine to {fit}, or transformers")
+        self.fp4_batch_invariant = fp4_batch_invariant
         if args is not None:
             _check_config(args)
         if on_vllm:
@@ -333,7 +360,7 @@ class FP4GRPOTrainer(GRPOTrainer):
                 contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
         self.fp4_recipe = recipe
-        self.fp4_rollout_engine = "vllm" if on_vllm else engine
+        self.fp4_rollout_engine = used
         self._patch_policies(recipe)
         # TRL applies its sampler-mismatch correction only under this flag (see the module
         # docstring); unless args.use_vllm, TRL built no vLLM engine.
@@ -440,12 +467,13 @@ class FP4GRPOTrainer(GRPOTrainer):
                                                  num_generations, has_tool_images)
         pad_token_id = self.generation_config.pad_token_id
         with self._rollout_policy() as policy:
-            if self.fp4_rollout_engine == "transformers":
+            if self.fp4_rollout_engine == TRANSFORMERS:
                 return sample_with_transformers(cast("PreTrainedModel", policy), prompt_ids,
                                                 self.generation_config, pad_token_id,
                                                 self.eos_token_ids)
             return sample_with_fp4rl(policy, prompt_ids, self._sampling_config(),
-                                     pad_token_id, self.eos_token_ids)
+                                     pad_token_id, self.eos_token_ids,
+                                     engine=self.fp4_rollout_engine, recipe=self.fp4_recipe)
 
     def _refit_engine(self) -> None:
         """Hand TRL's colocated engine ``Q(W)`` of the step's weights (and the other
@@ -473,6 +501,6 @@ class FP4GRPOTrainer(GRPOTrainer):
                               max_new_tokens=cast(int, self.max_completion_length))
 
 
-__all__ = ["INSTALL", "TRL_ENGINES", "TRL_REQUIREMENT", "FP4GRPOTrainer", "TRLEngine",
-           "TRLVersionError", "check_trl_version", "resolve_recipe", "sample_with_fp4rl",
-           "sample_with_transformers"]
+__all__ = ["INSTALL", "TRANSFORMERS", "TRL_REQUIREMENT", "FP4GRPOTrainer", "TRLVersionError",
+           "check_trl_version", "resolve_recipe", "sample_with_fp4rl",
+           "sample_with_transformers", "trl_engines"]

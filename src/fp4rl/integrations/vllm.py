@@ -47,7 +47,6 @@ from fp4rl.rollout.vllm.config import (
 from fp4rl.rollout.vllm.engine import (
     EngineSpec,
     VLLMEngine,
-    default_kv_cache_bytes,
     engine_model,
     make_llm,
     method_kwargs,
@@ -59,6 +58,7 @@ from fp4rl.rollout.vllm.host import RECIPE_ENV, WORKER_EXTENSION, check_actor_re
 from fp4rl.rollout.vllm.names import hf_layer_names
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import RefitPayload, RefitStats, refit, refit_payload
+from fp4rl.rollout.vllm.settings import default_kv_cache_bytes
 
 __all__ = ["CONFIG_KEYS", "QUANT_METHOD", "RECIPE_ENV", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from fp4rl.kernels import cpu
+from fp4rl.kernels import cpu, cpu_ops
 from fp4rl.kernels.codes import FormatCode
 
 #: largest n:m group the fused CPU path handles
@@ -112,7 +112,7 @@ def _backend(fmt: KernelFormat, device: torch.device, op: str) -> ModuleType | N
     tri = _triton_for(device)
     if tri is not None:
         return tri if op in support.triton else None
-    if device.type == "cpu" and op in support.c and cpu.load_library() is not None:
+    if device.type == "cpu" and op in support.c and cpu_ops.available():
         return cpu
     return None
 
@@ -207,20 +207,15 @@ def _quantize_cpu(fmt: KernelFormat, x: torch.Tensor, noise: torch.Tensor | None
     number; a scale per vector (broadcasting against ``x``) is divided out before and
     multiplied back after, the same two float32 steps the kernel takes inside."""
     if tensor_scale is None or tensor_scale.numel() == 1:
-        return cpu.quantize_rows_cpu(_code(fmt), x, noise, _number(tensor_scale), axis)
-    out = cpu.quantize_rows_cpu(_code(fmt), (x / tensor_scale).contiguous(), noise, None, axis)
-    return None if out is None else out * tensor_scale
+        return cpu_ops.quantize_rows(_code(fmt), x, noise, tensor_scale, axis)
+    out = cpu_ops.quantize_rows(_code(fmt), (x / tensor_scale).contiguous(), noise, None, axis)
+    return out * tensor_scale
 
 
 def _code(fmt: KernelFormat) -> int:
     """``fmt``'s kernel code; only called once a backend was chosen, so it has kernels."""
     assert fmt.kernels is not None
     return int(fmt.kernels.code)
-
-
-def _number(tensor_scale: torch.Tensor | None) -> float | None:
-    """A CPU tensor's one scale as the number the C kernel takes (no sync on a CPU)."""
-    return None if tensor_scale is None else float(tensor_scale.reshape(()))
 
 
 def resq_rows(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> torch.Tensor | None:
@@ -232,7 +227,7 @@ def resq_rows(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int) -> t
     if kernels is None:
         return None
     if kernels is cpu:
-        return cpu.resq_rows_cpu(_code(fmt), rows.contiguous(), keep, group)
+        return cpu_ops.resq_rows(_code(fmt), rows.contiguous(), keep, group)
     return kernels.fused_resq(fmt, rows, keep, group)
 
 
@@ -256,7 +251,7 @@ def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int,
     if kernels is None:
         return None
     if kernels is cpu:
-        out = cpu.resq_terms_cpu(_code(fmt), rows.contiguous(), keep, group)
+        out = cpu_ops.resq_terms(_code(fmt), rows.contiguous(), keep, group)
     else:
         out = kernels.resq_terms(fmt, rows, keep, group)
     if out is None:
@@ -278,7 +273,7 @@ def quantize_rows_bf16(fmt: KernelFormat, rows: torch.Tensor,
         return None
     if kernels is cpu:
         return None if tensor_scale is not None else \
-            cpu.quantize_bf16_cpu(_code(fmt), rows.contiguous())
+            cpu_ops.quantize_bf16(_code(fmt), rows.contiguous())
     return kernels.quantize_2d(fmt, rows, 1, None, tensor_scale,
                                out_dtype=torch.bfloat16, rescale=False)
 

@@ -221,22 +221,39 @@ static void nvfp4_block(const float *x, float *y, int n, const float *u, float g
 /*
  * Four Over Six: the block scaled to a largest magnitude of 6 (NVFP4's rule) or of 4,
  * whichever leaves the smaller squared error, 6 on a tie; both candidates round with the
- * same draws. Each candidate's 16 squared errors are added pairwise (neighbours, then
- * pairs, ...), the reference's order; the build turns floating-point contraction off, so
- * every square and every sum is rounded on its own, as there.
+ * same draws. The errors are compared exactly, as the reference does
+ * (fp4rl.formats.nvfp4.four_errs_less, which says why): in units of the grid g of the
+ * scale to 6, sum(P4^2 - P6^2) - 2 sum((P4 - P6) a / g), a / g split into its integer
+ * part and two 24-bit fraction limbs, each limb summed exactly in 64-bit integers and
+ * carried into the integer part, whose sign is the difference's.
  */
-static double nvfp4_candidate(const float *buf, double *mag, double s, const float *u, int n)
+static void nvfp4_candidate(const float *buf, double *mag, double s, const float *u, int n)
 {
-    double sq[16];
-    for (int i = 0; i < 16; i++) {  /* the padding (i >= n) is 0 and stays 0 */
-        const double a = (double)fabsf(buf[i]);
-        mag[i] = nvfp4_element(a, s, i < n ? u : NULL, i);
-        const double d = mag[i] - a;
-        sq[i] = d * d;
+    for (int i = 0; i < 16; i++)  /* the padding (i >= n) is 0 and stays 0 */
+        mag[i] = nvfp4_element((double)fabsf(buf[i]), s, i < n ? u : NULL, i);
+}
+
+static inline int64_t floor_limb(int64_t v) { return (v >= 0 ? v : v - 0xFFFFFF) / 0x1000000; }
+
+static int four_errs_less(const float *buf, const double *m4, const double *m6, double s6)
+{
+    int e = s6 > 0.0 ? floor_log2(s6) : -6;
+    const double inv_g = pow2(4 - (e < -6 ? -6 : e));
+    int64_t top = 0, mid = 0, low = 0;
+    for (int i = 0; i < 16; i++) {
+        const double p4 = m4[i] * inv_g, p6 = m6[i] * inv_g;  /* integers below 2^9 */
+        if (p4 == p6) continue;
+        const double r = (double)fabsf(buf[i]) * inv_g;        /* 48 fraction bits */
+        const double c0 = floor(r), f = (r - c0) * 16777216.0, c1 = floor(f);
+        const double c2 = (f - c1) * 16777216.0;
+        const int64_t d = (int64_t)p4 - (int64_t)p6;
+        top += (int64_t)p4 * (int64_t)p4 - (int64_t)p6 * (int64_t)p6 - 2 * d * (int64_t)c0;
+        mid -= 2 * d * (int64_t)c1;
+        low -= 2 * d * (int64_t)c2;
     }
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) sq[i] = sq[2 * i] + sq[2 * i + 1];
-    return sq[0];
+    mid += floor_limb(low);
+    top += floor_limb(mid);
+    return top < 0;
 }
 
 static void nvfp4_4o6_block(const float *x, float *y, int n, const float *u, float g)
@@ -244,9 +261,11 @@ static void nvfp4_4o6_block(const float *x, float *y, int n, const float *u, flo
     float buf[16], mag[16], amax;
     if (load_block(x, n, 16, g, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
     double m6[16], m4[16];
-    const double e6 = nvfp4_candidate(buf, m6, nvfp4_scale(amax, 6.0), u, n);
-    const double e4 = nvfp4_candidate(buf, m4, nvfp4_scale(amax, 4.0), u, n);
-    for (int i = 0; i < 16; i++) mag[i] = (float)(e4 < e6 ? m4[i] : m6[i]);
+    const double s6 = nvfp4_scale(amax, 6.0);
+    nvfp4_candidate(buf, m6, s6, u, n);
+    nvfp4_candidate(buf, m4, nvfp4_scale(amax, 4.0), u, n);
+    const int four = four_errs_less(buf, m4, m6, s6);
+    for (int i = 0; i < 16; i++) mag[i] = (float)(four ? m4[i] : m6[i]);
     store_block(buf, mag, y, n, g);
 }
 

@@ -10,8 +10,8 @@ does not fit 24 bits is carried as two floats (TwoProd, one ``tl.fma``), a sum a
 level, an E4M3 scale, an E2M1 element of ``x / s``) compares the exact value with a
 threshold that is itself exact, so no division is needed where its rounding could
 matter. The output is bit-identical to the float64 reference in :mod:`fp4rl.formats`.
-The one float64 step left is Four Over Six's choice, which compares two rounded
-float64 sums of squared errors as the reference does. Float32 divisions use ``div_rn``
+Four Over Six's choice compares two squared errors exactly, as an integer sum in units
+of the block's grid (int32 limbs). Float32 divisions use ``div_rn``
 (Triton's default float32 division is approximate on GPUs).
 
 One program quantizes a tile of ``ROWS`` independent rows by one block of ``BS``
@@ -274,28 +274,48 @@ def _nvfp4_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
     return _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE)
 
 
-@triton.jit
-def _squared_error(q, a, ROWS: tl.constexpr):
-    """Each (ROWS, 16) block's sum of (q - a)^2 in float64, added pairwise (neighbours,
-    then neighbouring pairs, ...): the order the reference adds in, so ties stay ties.
-    The one float64 step left in the quantizers: the reference compares two rounded
-    float64 sums, which float32 arithmetic cannot reproduce bit for bit."""
-    q = q.to(tl.float64)
-    a = a.to(tl.float64)
-    e = (q - a) * (q - a)
-    e = tl.sum(tl.reshape(e, (ROWS, 8, 2)), axis=2)
-    e = tl.sum(tl.reshape(e, (ROWS, 4, 2)), axis=2)
-    e = tl.sum(tl.reshape(e, (ROWS, 2, 2)), axis=2)
-    return tl.sum(e, axis=1)
+#: 2^16: the fraction limbs of :func:`_four_errs_less` (three: 48 bits)
+LIMB = tl.constexpr(65536.0)
 
 
 @triton.jit
-def _nvfp4_4o6_mag(a, amax, noise, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
+def _four_errs_less(a, p4, p6, s6):
+    """Whether each (ROWS, 16) block errs less scaled to 4 (``p4``) than to 6 (``p6``),
+    exactly, in float32 and int32: :func:`fp4rl.formats.nvfp4.four_errs_less` (which says
+    why the difference is an integer sum in units of the grid ``g`` of ``s6``). Here
+    ``a / g`` is split into its integer part and three 16-bit fraction limbs, so that
+    each limb's sum over the block fits an int32 (|P4 - P6| < 2^9, 16 values)."""
+    inv_g = pow2(4 - tl.maximum(_floor_log2(s6), -6))[:, None]  # 1 / g, exact
+    big4 = p4 * inv_g  # integers below 2^9
+    big6 = p6 * inv_g
+    d = big4 - big6
+    r = tl.where(d != 0.0, a, 0.0) * inv_g  # below 2^8, 48 fraction bits
+    c0 = tl.floor(r)
+    r = (r - c0) * LIMB
+    c1 = tl.floor(r)
+    r = (r - c1) * LIMB
+    c2 = tl.floor(r)
+    c3 = (r - c2) * LIMB  # an integer: nothing is left below 48 bits
+    di = d.to(tl.int32)
+    b4 = big4.to(tl.int32)
+    b6 = big6.to(tl.int32)
+    top = tl.sum(b4 * b4 - b6 * b6 - 2 * di * c0.to(tl.int32), axis=1)
+    l1 = tl.sum(-2 * di * c1.to(tl.int32), axis=1)
+    l2 = tl.sum(-2 * di * c2.to(tl.int32), axis=1)
+    l3 = tl.sum(-2 * di * c3.to(tl.int32), axis=1)
+    l2 += l3 >> 16  # carries, floor division (an arithmetic shift)
+    l1 += l2 >> 16
+    top += l1 >> 16
+    return top < 0
+
+
+@triton.jit
+def _nvfp4_4o6_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
     """|Q(x)| of finite NVFP4 blocks under Four Over Six: the block scaled to a largest
     magnitude of 4 where that errs less than 6 (6 on a tie), the same noise for both."""
     q6 = _nvfp4_scaled(a, amax, noise, 6.0, HAS_NOISE)
     q4 = _nvfp4_scaled(a, amax, noise, 4.0, HAS_NOISE)
-    four = _squared_error(q4, a, ROWS) < _squared_error(q6, a, ROWS)
+    four = _four_errs_less(a, q4, q6, _e4m3_scale(amax, 6.0))
     return tl.where(four[:, None], q4, q6)
 
 
@@ -321,7 +341,7 @@ def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: t
     elif FMT == MXFP8:
         mag = _mx_mag(a, amax, noise, 3, -6, 448.0, 8, HAS_NOISE)
     elif FMT == NVFP4_4O6:
-        mag = _nvfp4_4o6_mag(a, amax, noise, ROWS, HAS_NOISE)
+        mag = _nvfp4_4o6_mag(a, amax, noise, HAS_NOISE)
     else:  # NVFP4, and its 16 x 16 tiles (whose amax is the tile's)
         mag = _nvfp4_mag(a, amax, noise, HAS_NOISE)
     y = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
@@ -469,9 +489,14 @@ def _resq_rows(block: int, group: int) -> int:
     """The ResQ kernels' rows per program: half the quantizer's where they rank a group
     (ROWS x block x group comparisons at once): at full height the two-term kernels at the
     widest group spill registers to local memory with Triton 3.9, and the fp32 MX ones at
-    2:4 spill more with Triton 3.6 (torch 2.11's; a few accesses are left there, which the
-    SASS test names)."""
+    2:4 spill with Triton 3.6 (torch 2.11's)."""
     return rows_per_program(block * (2 if group else 1))
+
+
+#: warps of a ResQ kernel that ranks a group: on 4, the fp32 MX kernels at 2:4 still
+#: spilled a few registers at half height with Triton 3.6 (on sm_90); 8 warps hold the
+#: same tile without a spill on either Triton (the SASS test checks the newest)
+RESQ_RANK_WARPS = 8
 
 
 def grid_1d(n_rows: int, length: int, block: int, rows: int | None = None) -> tuple[int]:
@@ -568,7 +593,8 @@ def resq_variant(fmt: KernelFormat, x: torch.dtype, group: int, terms: bool) -> 
     out = torch.bfloat16 if terms else torch.float32
     return Variant(_resq_kernel, (x, out, out),
                    (("FMT", code), ("BS", bs), ("ROWS", _resq_rows(bs, group)),
-                    ("GROUP", group), ("TERMS", terms)))
+                    ("GROUP", group), ("TERMS", terms)),
+                   num_warps=RESQ_RANK_WARPS if group else 4)
 
 
 def resq_groups(fmt: KernelFormat) -> list[int]:

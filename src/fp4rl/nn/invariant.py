@@ -55,9 +55,9 @@ pad rows stay out of a per-tensor NVFP4 scale (:func:`token_rows`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
+import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Literal
 
@@ -79,8 +79,10 @@ _HOOKS = "_fp4rl_forward_hooks"
 #: routes (SDPA's fused CPU kernel is one op with an order of its own)
 INVARIANT_ATTENTION = "eager"
 
-_token_rows: contextvars.ContextVar[torch.Tensor | None] = \
-    contextvars.ContextVar("fp4rl_token_rows", default=None)
+#: :func:`tokens_fed`'s mask, per thread: ``torch.compile`` reads a ``threading.local`` in
+#: its graph (and guards on it), where a ``ContextVar.get`` breaks the graph; a forward
+#: awaits nothing, so a thread's scope is also its task's
+_tokens = threading.local()
 
 
 class BatchInvariantError(UserError):
@@ -395,17 +397,19 @@ def token_rows() -> torch.Tensor | None:
     """Within a patched model's forward, which of the flattened token rows its linear
     layers see are real tokens (bool, ``batch * length``): the attention mask's columns for
     the tokens fed. None where the forward was given no mask."""
-    return _token_rows.get()
+    rows: torch.Tensor | None = getattr(_tokens, "rows", None)
+    return rows
 
 
 @contextlib.contextmanager
 def tokens_fed(mask: torch.Tensor | None) -> Iterator[None]:
     """Within the block, :func:`token_rows` is ``mask`` (bool, flattened token rows)."""
-    reset = _token_rows.set(mask)
+    outer = token_rows()
+    _tokens.rows = mask
     try:
         yield
     finally:
-        _token_rows.reset(reset)
+        _tokens.rows = outer
 
 
 def _rows_of(args: tuple[object, ...], kwargs: dict[str, object]) -> torch.Tensor | None:

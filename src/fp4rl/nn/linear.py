@@ -46,7 +46,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4rl.formats import NumberFormat
-from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, finite_amax, static_scale
+from fp4rl.formats.nvfp4 import ScaleRule, finite_amax, static_scale
+from fp4rl.formats.registry import with_scale_rule
 from fp4rl.gemm import (
     UNQUANTIZED,
     Operand,
@@ -126,6 +127,19 @@ def _backward_operand(op: Operand, precision: TrainPrecision, dtype: torch.dtype
     return op.to(dtype)
 
 
+def _gradient_format(fmt: OperandFormat) -> OperandFormat:
+    """The output gradient's format as the backward quantizes it: a ``static`` NVFP4 one
+    by its dynamic rule, which is what it computes there (the step's fixed scale belongs
+    to the activations and is set only while the forward runs). Named so, the backward
+    reads no scope: a compiled backward, traced while the forward's scope is open, gives
+    the eager bits."""
+    if isinstance(fmt, NumberFormat) and fmt.fixed_scale:
+        dynamic = with_scale_rule(fmt, ScaleRule.DYNAMIC)
+        assert dynamic is not None  # a fixed-scale format is one rule of a dynamic one
+        return dynamic
+    return fmt
+
+
 class _FP4LinearFn(torch.autograd.Function):
     """Autograd of ``Y = Q(X) Q(W)^T + b`` with quantized backward GEMMs."""
 
@@ -133,7 +147,8 @@ class _FP4LinearFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 precision: TrainPrecision, dtype: torch.dtype,
                 signs: torch.Tensor | None = None,
-                layer: FP4Linear | None = None) -> torch.Tensor:
+                layer: FP4Linear | None = None,
+                gradients: OperandFormat | None = None) -> torch.Tensor:
         p = precision
         x2 = x.reshape(-1, x.shape[-1])
         qw = _train_weight(layer, weight, p, -1, dtype, backward=False,
@@ -157,6 +172,7 @@ class _FP4LinearFn(torch.autograd.Function):
         ctx.x_scale = None if saved_x is None else saved_x.scale
         ctx.precision, ctx.dtype, ctx.x_shape, ctx.signs = p, dtype, x.shape, signs
         ctx.layer = layer
+        ctx.gradients = _gradient_format(p.gradients) if gradients is None else gradients
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -164,30 +180,31 @@ class _FP4LinearFn(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         weight, qx_values = ctx.saved_tensors
         p: TrainPrecision = ctx.precision
+        grads: OperandFormat = ctx.gradients
         g = grad_y.reshape(-1, grad_y.shape[-1])
         sr = p.stochastic_gradients
         grad_x = grad_w = grad_b = None
         g_rows = g_cols = None
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not sr and ctx.signs is None:
             # dY along the outputs (dX's) and along the tokens (dW's), one read
-            g_rows, g_cols = quantize_operand_pair(g, p.gradients)
+            g_rows, g_cols = quantize_operand_pair(g, grads)
         if ctx.needs_input_grad[0]:
             qw = _train_weight(ctx.layer, weight, p, backward_axes(p)[0], ctx.dtype,
                                backward=True)
             if g_rows is None:
-                g_rows = quantize_operand(g, p.gradients, -1, sr)
+                g_rows = quantize_operand(g, grads, -1, sr)
             grad_x = mm(g_rows, qw, ctx.dtype)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             qx = Operand(qx_values, ctx.x_scale)
             if g_cols is None:
                 gw = g if ctx.signs is None else rotate_tokens(g, ctx.signs)
-                g_cols = quantize_operand(gw, p.gradients, 0, sr)
+                g_cols = quantize_operand(gw, grads, 0, sr)
             grad_w = mm(g_cols.t(), qx, ctx.dtype)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(dim=0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _KeptWeights:
@@ -296,6 +313,9 @@ class FP4Linear(nn.Linear):
             weight_format=recipe.rollout.weights)
         generator = torch.Generator().manual_seed(self.seed)
         self._wgrad_signs = make_signs(WGRAD_HADAMARD_BLOCK, generator)
+        #: the output gradient's format as the backward quantizes it (resolved here, not
+        #: in a traced backward: :func:`_gradient_format`)
+        self._gradients = _gradient_format(recipe.train.gradients)
         self._kept = _KeptWeights()
         #: a Q(W) received from elsewhere, for the weight version it came with (state set
         #: by its sender, not a cache: no scope drops it)
@@ -344,8 +364,13 @@ class FP4Linear(nn.Linear):
 
     def _kept_now(self) -> _KeptWeights | None:
         """The kept values for the current weight version, inside a scope; else None (the
-        caller derives afresh and keeps nothing)."""
-        return self._kept.at(self._weight_key()) if self._held else None
+        caller derives afresh and keeps nothing). Under ``torch.compile`` also None: the
+        version key compares data pointers and version counters, which a graph cannot
+        hold, so a compiled forward derives ``Q(W)`` in its graph at every call (the same
+        bits)."""
+        if not self._held or torch.compiler.is_compiling():
+            return None
+        return self._kept.at(self._weight_key())
 
     def begin_step(self) -> None:
         """Start of an RL step: recovery methods recalibrate / redraw as configured, and a
@@ -435,10 +460,11 @@ class FP4Linear(nn.Linear):
     def _activation_format(self) -> OperandFormat:
         return (self.recipe.train if self.mode is Mode.TRAIN else self.recipe.rollout).activations
 
-    def _static_format(self) -> NVFP4 | None:
-        """This mode's activation format where it is a ``static`` NVFP4 one, else None."""
+    def _static_format(self) -> NumberFormat | None:
+        """This mode's activation format where its scale is one a caller fixes (``static``
+        NVFP4: :attr:`~fp4rl.formats.NumberFormat.fixed_scale`), else None."""
         fmt = self._activation_format()
-        if isinstance(fmt, NVFP4) and fmt.scale_rule is ScaleRule.STATIC:
+        if isinstance(fmt, NumberFormat) and fmt.fixed_scale:
             return fmt
         return None
 
@@ -494,7 +520,8 @@ class FP4Linear(nn.Linear):
             if self.mode is Mode.TRAIN:
                 out: torch.Tensor = _FP4LinearFn.apply(
                     x, self.weight, self.bias, self.recipe.train, dtype,
-                    self._wgrad_signs_for(x.device), self._keeps_weights())
+                    self._wgrad_signs_for(x.device), self._keeps_weights(),
+                    self._gradients)
                 return out
             return self._rollout_forward(x, dtype)
 

@@ -38,7 +38,8 @@ from pydantic import (
 
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import NumberFormat, get_format, list_formats
-from fp4rl.formats.nvfp4 import NVFP4, ScaleRule, scale_rule_name
+from fp4rl.formats.nvfp4 import ScaleRule
+from fp4rl.formats.registry import with_scale_rule
 from fp4rl.gemm import UNQUANTIZED, NotQuantized, OperandFormat, operand_format
 from fp4rl.nn.select import Selector, block_count
 from fp4rl.recovery import Recovery
@@ -120,7 +121,7 @@ def _weight_format(value: object, where: str) -> OperandFormat:
     """A weight's format: not one with a scale per vector, which a GEMM keeps outside the
     product only along its other axis (tokens), not along a weight's."""
     fmt = _operand_format(value, where)
-    if isinstance(fmt, NVFP4) and fmt.scale_rule is ScaleRule.STATIC:
+    if isinstance(fmt, NumberFormat) and fmt.fixed_scale:
         raise RecipeError(f"{where}: {fmt} fixes an activation's scale per layer; a weight "
                           f"takes {fmt.weight_format}")
     if isinstance(fmt, NumberFormat) and fmt.vector_scales:
@@ -282,7 +283,7 @@ class Recipe(Settings):
         """A static activation scale and a rollout recovery method do not go together: the
         method's residual would be quantized with the activation's fixed scale."""
         act = self.rollout.activations
-        if isinstance(act, NVFP4) and act.scale_rule is ScaleRule.STATIC and \
+        if isinstance(act, NumberFormat) and act.fixed_scale and \
                 self.rollout.recovery.method != "none":
             raise RecipeError(f"rollout.activations {act} takes no recovery method (got "
                               f"{self.rollout.recovery.label}): its residual would be "
@@ -335,23 +336,24 @@ class Recipe(Settings):
             raise RecipeError(f"nvfp4_scale must be one of {', '.join(ScaleRule)}, got "
                               f"{rule!r}") from None
         acts = {"train": self.train.activations, "rollout": self.rollout.activations}
-        nvfp4 = {k: f for k, f in acts.items() if isinstance(f, NVFP4)}
-        if not nvfp4:
+        scaled = {k: f for k, f in acts.items()
+                  if isinstance(f, NumberFormat) and f.scale_rule is not None}
+        if not scaled:
             if rule is ScaleRule.DYNAMIC:
                 return self
             raise RecipeError(f"nvfp4_scale={rule} changes NVFP4 activations' scale; this "
                               "recipe's activations are "
                               f"{' and '.join(sorted({str(f) for f in acts.values()}))}")
         changed: dict[str, OperandFormat] = {}
-        for where, fmt in nvfp4.items():
-            name = scale_rule_name(fmt, rule)
-            if name not in list_formats():
+        for where, fmt in scaled.items():
+            variant = with_scale_rule(fmt, rule)
+            if variant is None:
                 why = " (a per-token scale is the token's own already)" \
                     if fmt.vector_scales else ""
-                base = scale_rule_name(fmt, ScaleRule.DYNAMIC)
+                base = with_scale_rule(fmt, ScaleRule.DYNAMIC) or fmt
                 raise RecipeError(f"{where}.activations: {base} takes no {rule} "
                                   f"second-level scale{why}")
-            changed[where] = get_format(name)
+            changed[where] = variant
         return self.replace(
             train=self.train.replace(activations=changed.get("train", self.train.activations)),
             rollout=self.rollout.replace(

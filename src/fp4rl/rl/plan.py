@@ -5,7 +5,8 @@ A :class:`~fp4rl.rl.config.TrainConfig` holds what a user wrote (``device: auto`
 once per process, into the objects those words stand for on this machine: the process
 group joined and the device picked, the compute ``torch.dtype``, the :class:`Recipe` with
 its format objects, the rollout engine's class with its own typed settings (vLLM's
-storage and wire as enums), each engine refusal made. Everything below takes the plan's
+storage and wire as enums, each ``auto`` in them settled for the device), each engine
+refusal made. Everything below takes the plan's
 objects; nothing re-reads a name or re-checks what the plan settled.
 """
 
@@ -31,8 +32,8 @@ class RunPlan:
 
     ``config`` is the config as run, with the device, ``mixed_precision`` and distributed
     strategy written back as resolved, so that the saved ``config.yaml`` reproduces the
-    run; ``engine_settings`` is the engine's ``rollout.<engine>`` section as its own model
-    (None for an engine that takes none)."""
+    run; ``engine_settings`` is the engine's ``rollout.<engine>`` section as its own model,
+    each ``auto`` in it settled for ``device`` (None for an engine that takes none)."""
 
     config: TrainConfig
     dist: Dist
@@ -72,7 +73,7 @@ def plan_run(config: TrainConfig) -> RunPlan:
         "distributed": d.model_copy(update={"strategy": dist.strategy})})
     return RunPlan(config=as_run, dist=dist, device=device, mixed_precision=mixed,
                    compute_dtype=compute_dtype(mixed), recipe=recipe, engine=engine,
-                   engine_settings=config.rollout.settings_of(name),
+                   engine_settings=engine.settle(config.rollout.settings_of(name), device),
                    batch_invariant=config.batch_invariant,
                    weight_cache=config.weight_cache and not dist.shards)
 

@@ -82,6 +82,33 @@ class RolloutEngine(Protocol):
     #: the model of its own settings, ``rollout.<name>`` in a training config (None: it
     #: takes none); :class:`RolloutSetup` ``settings`` hands them to it
     settings: ClassVar[type[BaseModel] | None]
+    #: whether its forward is the patched model's own, whose kernels run in fixed order
+    #: under ``batch_invariant``: only such an engine serves a batch-invariant run
+    #: (:func:`fp4rl.rollout.registry.check_invariant_engine`)
+    batch_invariant: ClassVar[bool]
+    #: its rank where ``rollout.engine: auto`` picks: the highest of the engines that
+    #: :meth:`serves` the run (an engine that serves every run may close the list)
+    auto_priority: ClassVar[int]
+    #: where ``auto`` picks it, in a few words (``fp4rl train --help-config``; "" for the
+    #: engine that serves every run)
+    auto_when: ClassVar[str]
+    #: whether it samples the module it is given, in the caller's process, with nothing
+    #: loaded of its own: a host that owns the model and its generation (the TRL
+    #: plug-in's ``fp4_rollout_engine``) can run it
+    samples_module: ClassVar[bool]
+
+    @classmethod
+    def serves(cls, recipe: Recipe, device: torch.device) -> bool:
+        """Whether ``auto`` may pick it for ``recipe``'s rollout on ``device``: it runs
+        there (its library installed, the device its own) and runs that rollout. No
+        refusal: :meth:`check` words those, for an engine that is named."""
+
+    @classmethod
+    def settle(cls, settings: BaseModel | None, device: torch.device) -> BaseModel | None:
+        """``settings`` (its validated section; None: its defaults) with every ``auto``
+        made what it is on ``device``: the plan settles them once, where the run's device
+        is known, and the engine reads them as they are (None for an engine that takes
+        none)."""
 
     @classmethod
     def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,

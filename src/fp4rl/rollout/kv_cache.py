@@ -241,6 +241,20 @@ class KVCacheEngine:
     summary: ClassVar[str] = "fp4rl's KV-cache engine on the trainer's model"
     # typed as RolloutEngine declares it: a protocol's ClassVar is matched exactly
     settings: ClassVar[type[BaseModel] | None] = None
+    batch_invariant: ClassVar[bool] = True
+    auto_priority: ClassVar[int] = 0
+    auto_when: ClassVar[str] = ""
+    samples_module: ClassVar[bool] = True
+
+    @classmethod
+    def serves(cls, recipe: Recipe, device: torch.device) -> bool:
+        """Every recipe, on every device."""
+        return True
+
+    @classmethod
+    def settle(cls, settings: BaseModel | None, device: torch.device) -> BaseModel | None:
+        """Nothing to settle: ``settings`` as they are (None: it takes none)."""
+        return settings
 
     @classmethod
     def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,

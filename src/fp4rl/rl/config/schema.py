@@ -32,9 +32,9 @@ from fp4rl.precision import MixedPrecision
 from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
     AUTO,
-    AUTO_PICKS,
     DEFAULT_ENGINE,
     EngineError,
+    auto_picks,
     check_invariant_engine,
     engine_name,
     get_engine,
@@ -157,8 +157,9 @@ class DistributedConfig(_Section):
 
 
 class EvalConfig(_Section):
-    steps: int = Field(0, ge=0, description="evaluate every N steps during training; 0: "
-                       "off")
+    """How a policy is scored: by ``fp4rl eval``, the demo's before/after scores and the
+    experiments' runner. The trainer does not evaluate during training."""
+
     size: int | None = Field(None, ge=1, description="test prompts; default: "
                              "data.test_size")
     mean_at_k: int = Field(1, ge=1, description="1: greedy Mean@1; k > 1: Mean@k, k "
@@ -169,6 +170,20 @@ class EvalConfig(_Section):
     prompt_seed: int | None = Field(None, ge=0, description="seed that draws the synthetic "
                                     "test prompts (default: run.seed); fixing it scores every "
                                     "seed of a multi-seed grid on the same prompts, paired")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_steps(cls, data: object) -> object:
+        """``eval.steps`` (evaluate every N training steps) was never run: a config that
+        asks for it is refused in one line; ``0`` (off, what every run did), as a run's
+        saved ``config.yaml`` holds it, is read as the absence it meant."""
+        if not isinstance(data, Mapping) or "steps" not in data:
+            return data
+        if data["steps"] in (0, None):
+            return {k: v for k, v in data.items() if k != "steps"}
+        raise ValueError(f"eval.steps={data['steps']}: the trainer does not evaluate during "
+                         "training; drop eval.steps and score the saved checkpoints with "
+                         "fp4rl eval --checkpoint RUN (or one of its checkpoints)")
 
 
 class RunConfig(_Section):
@@ -181,7 +196,7 @@ class RunConfig(_Section):
 
 
 def _engine_summaries() -> dict[str, str]:
-    return {**{name: get_engine(name).summary for name in list_engines()}, AUTO: AUTO_PICKS}
+    return {**{name: get_engine(name).summary for name in list_engines()}, AUTO: auto_picks()}
 
 
 def _engine_settings() -> dict[str, type[BaseModel]]:
@@ -197,7 +212,7 @@ def _plugin_sections() -> dict[str, type[BaseModel]]:
             if name not in RolloutConfig.model_fields}
 
 
-#: a rollout engine's name, an alias of one, or ``auto`` (:data:`AUTO_PICKS`)
+#: a rollout engine's name, an alias of one, or ``auto`` (:func:`auto_picks`)
 EngineName = Annotated[str, Choices(lambda: [*list_engines(), AUTO], _engine_summaries)]
 
 

@@ -23,7 +23,8 @@ from typing import TypedDict
 
 from pydantic import JsonValue
 
-from fp4rl.formats.nvfp4 import NVFP4, ScaleRule
+from fp4rl.formats import NumberFormat
+from fp4rl.formats.registry import scale_rules
 from fp4rl.nn.recipe import Recipe, get_recipe
 from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.rollout.vllm.errors import VLLMError
@@ -66,10 +67,11 @@ def rollout_recipe(recipe: Recipe) -> Recipe:
                         "dense, n:m, channel or block sparsity); use rollout.engine=hf for "
                         f"{method}")
     act = recipe.rollout.activations
-    if isinstance(act, NVFP4) and act.scale_rule is ScaleRule.STATIC:
+    if isinstance(act, NumberFormat) and act.fixed_scale:
+        others = " or ".join(r for r in scale_rules(act) if r != act.scale_rule)
         raise VLLMError(f"rollout activations {act} need the layer's fixed scale, which the "
                         "vLLM plug-in does not keep (it scales each call's activations): use "
-                        "rollout.engine=hf, or nvfp4_scale=pow2 or dynamic")
+                        f"rollout.engine=hf, or nvfp4_scale={others}")
     return recipe
 
 

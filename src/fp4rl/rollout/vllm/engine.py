@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -26,11 +26,11 @@ from fp4rl.rollout.vllm.config import (
     quantization_config,
     rollout_recipe,
 )
-from fp4rl.rollout.vllm.errors import require_vllm
+from fp4rl.rollout.vllm.errors import VLLMError, require_vllm, vllm_installed
 from fp4rl.rollout.vllm.host import WORKER_EXTENSION
 from fp4rl.rollout.vllm.plugin import register
-from fp4rl.rollout.vllm.refit import PIECE_BYTES, refit
-from fp4rl.rollout.vllm.settings import VLLMSettings
+from fp4rl.rollout.vllm.refit import refit
+from fp4rl.rollout.vllm.settings import DEFAULTS, VLLMSettings
 from fp4rl.rollout.weight_sync import is_fsdp, refresh_rollout_copy
 
 if TYPE_CHECKING:
@@ -46,41 +46,68 @@ if TYPE_CHECKING:
 CPU_MAX_NUM_SEQS = 256
 
 
+def here() -> torch.device:
+    """The device of an engine built outside a run's plan (a benchmark, a test, verl's
+    rollout): the GPU where torch sees one, else the CPU. A run's engine serves the
+    plan's device instead (:meth:`VLLMEngine.from_setup`)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """How a colocated engine is built: model directory, rollout recipe, compute dtype,
-    sampling seed and the longest sequence (prompt + response) it serves."""
+    sampling seed, the longest sequence (prompt + response) it serves, and the device it
+    serves on. The settings a training config also takes (``rollout.vllm``) default to
+    :data:`~fp4rl.rollout.vllm.settings.DEFAULTS`, and their ``auto`` is settled for
+    ``device`` when the spec is made (:meth:`VLLMSettings.settled`), so that every field
+    reads as the engine is built."""
 
     model_dir: str
     recipe: Recipe | str | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     max_model_len: int = 1024
-    #: the KV cache's bytes; None: vLLM sizes it from ``gpu_memory_utilization`` (GPUs)
-    kv_cache_bytes: int | None = 1 << 30
+    #: the KV cache's bytes; None: vLLM sizes it from ``gpu_memory_utilization`` (GPUs);
+    #: ``auto``: :func:`~fp4rl.rollout.vllm.settings.default_kv_cache_bytes` on ``device``
+    kv_cache_bytes: int | Literal["auto"] | None = "auto"
     #: the share of the GPU's memory the engine may take, weights and KV cache (a
     #: colocated engine shares the GPU with the trainer: TRL's colocate default)
-    gpu_memory_utilization: float = 0.3
-    weight_storage: WeightStorage = WeightStorage.DEQUANTIZED
+    gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization
+    weight_storage: WeightStorage = DEFAULTS.weight_storage
     #: one engine in each process of a launched run (torchrun, accelerate): vLLM joins the
     #: trainer's process group as its external launcher, each engine on its own rank
     per_rank: bool = False
-    #: no CUDA graphs or torch.compile; None: :attr:`eager` decides
-    enforce_eager: bool | None = None
+    #: no CUDA graphs or torch.compile; ``auto``: eager on a CPU, compiled on GPUs (every
+    #: format, NVFP4 included: its per-tensor scale stays on the device)
+    enforce_eager: bool | Literal["auto"] = DEFAULTS.enforce_eager
     #: ranks one engine's layers are split over (each holds its share of ``Q(W)``)
     tensor_parallel_size: int = 1
     #: tokens one engine step may take; None: vLLM's default on GPUs, ``max(max_model_len,
     #: 256)`` on a CPU (see :meth:`scheduling`)
     max_num_batched_tokens: int | None = None
+    #: the device the engine serves on (:func:`here` for a spec built outside a plan)
+    device: torch.device = field(default_factory=here)
+
+    def __post_init__(self) -> None:
+        """Each ``auto`` settled for :attr:`device`, as the run's plan settles a config's."""
+        given = VLLMSettings(gpu_memory_utilization=self.gpu_memory_utilization,
+                             enforce_eager=self.enforce_eager,
+                             kv_cache_bytes=None if self.kv_cache_bytes in ("auto", None)
+                             else self.kv_cache_bytes)
+        settled = given.settled(self.device)
+        object.__setattr__(self, "enforce_eager", settled.enforce_eager)
+        if self.kv_cache_bytes == "auto":
+            object.__setattr__(self, "kv_cache_bytes", settled.kv_cache_bytes)
 
     @property
     def eager(self) -> bool:
-        """``enforce_eager``, or by default: eager on CPU (where vLLM's compiled mode gains
-        nothing and costs about a minute of start-up), compiled on GPUs (every format,
-        NVFP4 included: its per-tensor scale stays on the device)."""
-        if self.enforce_eager is not None:
-            return self.enforce_eager
-        return not torch.cuda.is_available()
+        """Whether the engine runs eagerly (``enforce_eager``, settled for the device)."""
+        return self.enforce_eager is True
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the engine serves on a CUDA device."""
+        return self.device.type == "cuda"
 
     def scheduling(self) -> dict[str, int | bool]:
         """The scheduler's ``vllm.LLM`` arguments. On GPUs: the token budget asked for, or
@@ -90,7 +117,7 @@ class EngineSpec:
         sequences a step); by default no more, since vLLM warms an engine up on one batch
         of the whole budget and a CPU step is compute-bound anyway (vLLM's 4096 made an
         fp4rl engine's start take minutes where bf16 matmuls are slow)."""
-        if torch.cuda.is_available():
+        if self.on_gpu:
             return {} if self.max_num_batched_tokens is None else \
                 {"max_num_batched_tokens": self.max_num_batched_tokens}
         budget = max(self.max_num_batched_tokens or 0, self.max_model_len, CPU_MAX_NUM_SEQS)
@@ -135,7 +162,7 @@ def make_llm(spec: EngineSpec) -> LLM:
     actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
     # vLLM's external launcher runs the engine core in the launched process
-    with sharing_the_process(True if spec.per_rank else None):
+    with sharing_the_process(spec.per_rank or not spec.on_gpu):
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         memory = {"gpu_memory_utilization": spec.gpu_memory_utilization} \
             if spec.kv_cache_bytes is None else {"kv_cache_memory_bytes": spec.kv_cache_bytes}
@@ -145,16 +172,6 @@ def make_llm(spec: EngineSpec) -> LLM:
                         **spec.scheduling(),
                         tensor_parallel_size=spec.tensor_parallel_size,
                         **method_kwargs(spec.recipe, spec.weight_storage))
-
-
-def default_kv_cache_bytes() -> int | None:
-    """The KV cache of one engine on a CPU: 1 GiB, split between the engines of a
-    launched run that share this machine's memory (``LOCAL_WORLD_SIZE``). None on GPUs:
-    each rank's engine has its own device, and vLLM sizes the cache from its share of
-    that device's memory (``gpu_memory_utilization``)."""
-    if torch.cuda.is_available():
-        return None
-    return (1 << 30) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def engine_model(llm: LLM) -> torch.nn.Module:
@@ -195,6 +212,31 @@ class VLLMEngine:
     summary: ClassVar[str] = "a colocated vLLM engine with the fp4rl quantization method"
     # typed as RolloutEngine declares it: a protocol's ClassVar is matched exactly
     settings: ClassVar[type[BaseModel] | None] = VLLMSettings
+    #: vLLM's forward has a batch-invariant mode of its own (VLLM_BATCH_INVARIANT=1, on a
+    #: GPU), not fp4rl's fixed-order kernels
+    batch_invariant: ClassVar[bool] = False
+    auto_priority: ClassVar[int] = 10
+    auto_when: ClassVar[str] = ("on a CUDA device where vLLM is installed and runs the "
+                                "recipe's rollout")
+    samples_module: ClassVar[bool] = False
+
+    @classmethod
+    def serves(cls, recipe: Recipe, device: torch.device) -> bool:
+        """On a CUDA device (what users run it on; on a CPU it is there to be named),
+        vLLM installed, and a rollout the plug-in runs."""
+        if device.type != "cuda" or not vllm_installed():
+            return False
+        try:
+            rollout_recipe(recipe)
+        except VLLMError:
+            return False
+        return True
+
+    @classmethod
+    def settle(cls, settings: BaseModel | None, device: torch.device) -> BaseModel | None:
+        """``rollout.vllm`` with its ``auto`` settled for ``device``
+        (:meth:`VLLMSettings.settled`)."""
+        return settings_as(settings, VLLMSettings).settled(device)
 
     @classmethod
     def check_config(cls, settings: BaseModel | None, recipe: Recipe, shards: bool,
@@ -211,9 +253,10 @@ class VLLMEngine:
             rollout_recipe(recipe)
 
     def __init__(self, llm: LLM, pad_token_id: int, eos_token_ids: Sequence[int],
-                 refit_wire: RefitWire = RefitWire.PACKED,
+                 refit_wire: RefitWire = DEFAULTS.refit_wire,
                  policy: torch.nn.Module | None = None,
-                 world_size: int = 1, refit_piece_bytes: int = PIECE_BYTES) -> None:
+                 world_size: int = 1,
+                 refit_piece_bytes: int = DEFAULTS.refit_piece_bytes) -> None:
         """Drive ``llm``, a ``vllm.LLM`` built with fp4rl's worker extension (by
         :func:`make_llm`, or TRL's colocated engine). Under FSDP ``policy`` is the
         trainer's unsharded rollout copy, refreshed from the shards before each refit.
@@ -228,9 +271,9 @@ class VLLMEngine:
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, pad_token_id: int, eos_token_ids: Sequence[int],
-                  refit_wire: RefitWire = RefitWire.PACKED,
+                  refit_wire: RefitWire = DEFAULTS.refit_wire,
                   policy: torch.nn.Module | None = None, world_size: int = 1,
-                  refit_piece_bytes: int = PIECE_BYTES) -> VLLMEngine:
+                  refit_piece_bytes: int = DEFAULTS.refit_piece_bytes) -> VLLMEngine:
         """An engine built now (seconds), so that no step's timings include its start."""
         return cls(make_llm(spec), pad_token_id, eos_token_ids, refit_wire, policy,
                    world_size, refit_piece_bytes)
@@ -248,17 +291,18 @@ class VLLMEngine:
     def from_setup(cls, setup: RolloutSetup) -> VLLMEngine:
         """An engine loading ``setup.model`` with the recipe's rollout policy in the run's
         compute dtype, one per process of a launched run, as ``setup.settings`` (the
-        training config's ``rollout.vllm``, :class:`VLLMSettings`) says."""
-        options = setup.settings_as(VLLMSettings)
-        kv_cache_bytes = options.kv_cache_bytes or default_kv_cache_bytes()
-        eager = options.enforce_eager
+        training config's ``rollout.vllm``, :class:`VLLMSettings`, which the run's plan
+        settled for its device) says, on the device of ``setup.policy`` (the plan's)."""
+        device = next(setup.policy.parameters()).device
+        options = setup.settings_as(VLLMSettings).settled(device)  # settled: unchanged
         spec = EngineSpec(model_dir(setup.model), setup.recipe,
                           dtype=setup.compute_dtype, seed=setup.seed,
-                          max_model_len=setup.max_model_len, kv_cache_bytes=kv_cache_bytes,
+                          max_model_len=setup.max_model_len,
+                          kv_cache_bytes=options.kv_cache_bytes,
                           gpu_memory_utilization=options.gpu_memory_utilization,
                           weight_storage=options.weight_storage,
                           per_rank=setup.world_size > 1,
-                          enforce_eager=None if eager == "auto" else eager)
+                          enforce_eager=options.enforce_eager, device=device)
         return cls.from_spec(spec, setup.pad_token_id, setup.eos_token_ids,
                              options.refit_wire, policy=setup.policy,
                              world_size=setup.world_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from fp4rl.errors import UserError
@@ -25,4 +26,9 @@ def require_vllm() -> ModuleType:
     return vllm
 
 
-__all__ = ["VLLMError", "require_vllm"]
+def vllm_installed() -> bool:
+    """Whether ``vllm`` can be imported here (found, not imported: no cost)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+__all__ = ["VLLMError", "require_vllm", "vllm_installed"]

@@ -1,11 +1,16 @@
 """``rollout.vllm``: the vLLM engine's own settings in a training config, one typed and
-documented field each. The trainer validates them with the config; the engine reads
-them, defaults included, from here alone."""
+documented field each. The trainer validates them with the config, the run's plan settles
+each ``auto`` for the run's device (:meth:`VLLMSettings.settled`), and the engine reads
+them, defaults included, from here alone: :class:`~fp4rl.rollout.vllm.engine.EngineSpec`
+and :class:`~fp4rl.rollout.vllm.engine.VLLMEngine` take their defaults from
+:data:`DEFAULTS`."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
+import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -66,5 +71,31 @@ class VLLMSettings(BaseModel):
                              "sent: set rollout.vllm.refit_wire=packed")
         return self
 
+    def settled(self, device: torch.device) -> VLLMSettings:
+        """These settings with each ``auto`` made what it is on ``device`` (the run's, as
+        the plan resolved it; settling twice changes nothing): ``enforce_eager`` eager on
+        a CPU (vLLM's compiled mode gains nothing there and costs about a minute of
+        start-up), compiled on GPUs; ``kv_cache_bytes`` as
+        :func:`default_kv_cache_bytes` sizes it where none is given."""
+        eager = device.type != "cuda" if self.enforce_eager == "auto" else self.enforce_eager
+        kv = self.kv_cache_bytes if self.kv_cache_bytes is not None else \
+            default_kv_cache_bytes(device)
+        return self.model_copy(update={"enforce_eager": eager, "kv_cache_bytes": kv})
 
-__all__ = ["VLLMSettings"]
+
+def default_kv_cache_bytes(device: torch.device) -> int | None:
+    """The KV cache of one engine on a CPU: 1 GiB, split between the engines of a launched
+    run that share this machine's memory (``LOCAL_WORLD_SIZE``). None on a GPU: each
+    rank's engine has its own device, and vLLM sizes the cache from its share of that
+    device's memory (``gpu_memory_utilization``)."""
+    if device.type == "cuda":
+        return None
+    return (1 << 30) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+#: every setting's default: the one declaration the engine's other entry points
+#: (:class:`~fp4rl.rollout.vllm.engine.EngineSpec`, ``VLLMEngine``'s constructors) read
+DEFAULTS = VLLMSettings()
+
+
+__all__ = ["DEFAULTS", "VLLMSettings", "default_kv_cache_bytes"]
