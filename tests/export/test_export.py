@@ -246,7 +246,7 @@ def test_cli_unblockable_shape_names_the_layer(tmp_path, capsys):
 
 def test_missing_compressed_tensors_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)
-    with pytest.raises(ExportError, match=r'pip install "fp4rl\[export\]"'):
+    with pytest.raises(ExportError, match=r'pip install "compressed-tensors==0\.20\.0"'):
         check_format("nvfp4")
     assert check_format("HiF4") == "hif4"
 

@@ -15,7 +15,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
-pytest.importorskip("trl", reason="TRL is not installed: pip install \"fp4rl[trl]\"")
+pytest.importorskip("trl", reason="TRL is not installed: pip install \"trl>=1.16,<1.17\"")
 
 from _jitter import attention_jitter  # noqa: E402
 from _trl_checks import IS_METRICS, digit_fraction, logged, recomputed_logprobs  # noqa: E402

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs these "
                     "tests in an environment of its own")
-pytest.importorskip("trl", reason="TRL is not installed: pip install \"fp4rl[trl]\"")
+pytest.importorskip("trl", reason="TRL is not installed: pip install \"trl>=1.16,<1.17\"")
 
 from _launch import run_bounded
 
