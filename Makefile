@@ -80,8 +80,24 @@ lint: setup
 
 # Tests marked `long` (several minutes each: multi-process training with an engine per
 # process, a compiled engine, a resumed run) are left to `make test-long`.
+# vLLM's and verl's environments (pip's downloads and unpacking, mostly waiting on the disk
+# and the network) are built beside the main suite, which needs neither: their output goes
+# to ENVS_LOG and is printed if a build fails; Ctrl-C stops them too.
+ENVS_LOG ?= runs/test-envs.log
+
 test: lint
-	$(PY) -m pytest -q -m "not long" --durations=10
+	@mkdir -p $(dir $(ENVS_LOG))
+	@echo "building $(VLLM_VENV) and $(VERL_VENV) beside the main suite (log: $(ENVS_LOG))"
+	@setsid $(MAKE) --no-print-directory $(VSTAMP) $(WSTAMP) > $(ENVS_LOG) 2>&1 & envs=$$!; \
+	trap 'kill -TERM -- -$$envs 2>/dev/null; exit 130' INT TERM; \
+	start=$$(date +%s); \
+	$(PY) -m pytest -q -m "not long" --durations=20; suite=$$?; \
+	echo "main suite: $$(( $$(date +%s) - start )) s; waiting for the environments"; \
+	wait $$envs; built=$$?; \
+	echo "environments ready $$(( $$(date +%s) - start )) s after the suite started"; \
+	if [ $$built -ne 0 ]; then tail -n 80 $(ENVS_LOG); \
+		echo "building the vLLM/verl environments failed (exit $$built): see $(ENVS_LOG)"; exit $$built; fi; \
+	exit $$suite
 	$(MAKE) test-vllm
 	$(MAKE) test-verl
 
