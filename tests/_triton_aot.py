@@ -6,22 +6,24 @@ operation's launches at several token counts. Prints one JSON line."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from unittest import mock
 
 import torch
 
-import fp4rl
 from fp4rl.formats import get_format, list_formats
 from fp4rl.gemm import PackedOperand
-from fp4rl.kernels import aot, triton_decode, triton_packed_mm, triton_quant
+from fp4rl.kernels import aot, dispatch, triton_decode, triton_packed_mm, triton_quant
 
 TOKENS = (1, 2, 16, 33, 64, 248, 4096)
+os.environ["FP4RL_QUANTIZE_ON_LOAD"] = "1"  # the training GEMMs' kernel is launched too
 WIDTH = 256
 
 
 OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode", "packed_mm",
-       "packed_mm_resq", "both", "both_bf16", "operand_rows", "operand_cols")
+       "packed_mm_resq", "both", "both_bf16", "operand_rows", "operand_cols", "qmm_forward",
+       "qmm_input_grad", "qmm_weight_grad")
 #: the rows of the weight the packed GEMM multiplies
 OUT = 96
 
@@ -53,6 +55,8 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
             quantize_operand_pair(x.bfloat16(), fmt)
     elif op.startswith("packed_mm"):
         packed_mm(fmt, x, op == "packed_mm_resq")
+    elif op.startswith("qmm_"):
+        qmm(op.removeprefix("qmm_"), fmt, x)
     else:
         decode(fmt, x.shape[0])
 
@@ -70,14 +74,14 @@ def launches_by_op(launched: set) -> dict[str, set[str]]:
         launched.add(variant)
 
     with mock.patch.object(triton_quant.Variant, "launch", record), \
-            mock.patch.object(fp4rl.kernels, "_triton_for", lambda device: triton_quant):
+            mock.patch.object(dispatch, "triton_for", lambda device: triton_quant):
         for n in TOKENS:
             x = torch.randn(n, WIDTH)
             for f in (get_format(name) for name in list_formats()):
                 for name in OPS if f.kernels is not None else ():
                     op = f"{f.name}.{name}"
                     if name.startswith("packed_mm"):  # a tile height per token range
-                        op += f".h{triton_packed_mm.height(n)}"
+                        op += f".h{triton_packed_mm.height(n, 2 if 'resq' in name else 1)}"
                     run_op(name, f, x)
     return keys
 
@@ -93,8 +97,8 @@ def decode(fmt, rows: int) -> None:
 
 def packed_mm(fmt, x: torch.Tensor, resq: bool) -> None:
     """``x``'s rows (bf16, a scale a row), or (``resq``) ResQ's two terms of them with a
-    bias, times a packed weight, through :func:`fp4rl.gemm.mm_packed` (the fused kernel up
-    to its token count, else the decode)."""
+    bias, times a packed weight, through :func:`fp4rl.gemm.mm_packed` (the fused kernel at
+    every token count; at one token it splits K, and its reduction runs too)."""
     from fp4rl.gemm import Operand, mm_packed
 
     if fmt.kernels is None or "packed_mm" not in fmt.kernels.triton:
@@ -110,10 +114,51 @@ def packed_mm(fmt, x: torch.Tensor, resq: bool) -> None:
         mm_packed(a, w, torch.bfloat16)
 
 
+def qmm(gemm: str, fmt, x: torch.Tensor) -> None:
+    """One of a linear's three training GEMMs on ``x``'s rows quantized on load, with the
+    scales the layer computes for it (fp4rl.nn.linear: both axes' scales of X in the
+    forward, of dY in the backward), through :func:`fp4rl.gemm.mm_on_load`: the forward
+    from float32 with a float32 bias, the input gradient from bf16 into float32, the
+    weight gradient along the tokens (its scales made in the other two)."""
+    from fp4rl.gemm import OnLoad, Operand, mm_on_load, quantizes_on_load
+
+    if not quantizes_on_load(fmt, x, torch.bfloat16):
+        return
+    w = Operand(torch.randn(OUT, WIDTH).bfloat16())
+    g = torch.randn(x.shape[0], OUT).bfloat16()
+    if gemm == "forward":
+        rows, _ = fmt.tensor_scales(x)
+        mm_on_load(OnLoad(x, fmt, rows), w.t(), torch.bfloat16, torch.zeros(OUT))
+    elif gemm == "input_grad":
+        rows, _ = fmt.tensor_scales(g)
+        mm_on_load(OnLoad(g, fmt, rows), w, torch.bfloat16, out_dtype=torch.float32)
+    else:
+        vector = fmt.vector_scales
+        g_cols = torch.ones(1, OUT) if vector else torch.ones(())
+        x_cols = torch.ones(1, WIDTH) if vector else torch.ones(())
+        mm_on_load(OnLoad(g, fmt, g_cols).t(), OnLoad(x, fmt, x_cols), torch.bfloat16,
+                   out_dtype=torch.float32)
+
+
+def to_compile(variants: list, formats: list) -> list:
+    """The variants compiled: all of them under ``FP4RL_AOT_ALL=1`` (``make test-long``);
+    otherwise the quantize-on-load GEMM's :func:`~fp4rl.kernels.triton_qmm.qmm_representatives`
+    stand for its variants (the others differ only in a pointer's element type), which
+    keeps this file's compile within minutes."""
+    from fp4rl.kernels.triton_qmm import _qmm_kernel, qmm_representatives
+
+    if os.environ.get("FP4RL_AOT_ALL") == "1":
+        return variants
+    picked = {v for f in formats if f.kernels is not None and "qmm" in f.kernels.triton
+              for v in qmm_representatives(f)}
+    return [v for v in variants if v.kernel is not _qmm_kernel or v in picked]
+
+
 def main() -> None:
     formats = [get_format(n) for n in list_formats()]
     variants = aot.variants(formats)
-    compiled = aot.compile_all(variants, keep_ir=True)
+    chosen = to_compile(variants, formats)
+    compiled = aot.compile_all(chosen, keep_ir=True)
     narrow = {f"{c.kernel} {c.constants}": aot.narrow_offsets(c.ttir)
               for c in compiled if c.target == "sm_90" and not c.error}
     launched: set = set()
@@ -121,6 +166,7 @@ def main() -> None:
     print(json.dumps({
         "triton": __import__("triton").__version__,
         "variants": len(variants),
+        "chosen": len(chosen),
         "compiled": [{"kernel": c.kernel, "constants": c.constants, "target": c.target,
                       "pointers": c.pointers, "cubin_bytes": c.cubin_bytes,
                       "error": c.error, "fp64": c.fp64, "local": c.local,

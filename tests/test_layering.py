@@ -8,6 +8,7 @@ paid later. A new room, or a new import between rooms, is a decision: make it he
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,12 +121,75 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_back():
     """Through any import, a deferred one or one for type checking too, inside rooms as
     well: a circle broken only by deferring an import is still a circle. A package's
-    ``__init__`` re-exporting its own modules is its face, not a circle."""
+    ``__init__`` re-exporting its own modules is its face, and no module imports its face
+    back (:func:`test_no_module_imports_its_own_package`), so every edge counts here."""
     known = modules()
-    graph = {m: {t for t in imports(p, known)
-                 if t != m and not (p.name != "__init__.py" and m.startswith(f"{t}."))}
-             for m, p in known.items()}
+    graph = {m: {t for t in imports(p, known) if t != m} for m, p in known.items()}
     assert not circles(graph)
+
+
+def arrows_back_up(known: dict[str, Path]) -> list[str]:
+    """Each import by a module of a package that holds it (``fp4rl.kernels.dispatch`` ->
+    ``fp4rl.kernels``): the package's face re-exports the module, so the import runs in a
+    circle that only the order of execution breaks."""
+    return sorted(f"{m} -> {t}" for m, p in known.items() for t in imports(p, known)
+                  if p.name != "__init__.py" and m.startswith(f"{t}."))
+
+
+def test_no_module_imports_its_own_package():
+    """A module inside a package takes what it needs from the sibling module that holds
+    it (``from fp4rl.kernels.base import KernelFormat``), never from the package's face."""
+    back = arrows_back_up(modules())
+    assert not back, f"{len(back)} arrows back up into a package's face:\n" + "\n".join(back)
+
+
+def _face_statement(node: ast.stmt) -> bool:
+    """Whether a top-level statement belongs on a face: the docstring, an import, or
+    ``__all__`` (assigned or extended)."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return True
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    targets = (node.targets if isinstance(node, ast.Assign)
+               else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+    return bool(targets) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+
+
+def not_a_face(path: Path) -> list[str]:
+    """What a package's ``__init__`` holds beyond a face: functions, classes, constants,
+    logic. A package with modules of its own keeps them there, so the face says what the
+    package offers and each name has one home a reader (and a patch) can find."""
+    return [f"line {n.lineno}: {type(n).__name__} "
+            f"{getattr(n, 'name', '') or ast.unparse(n).splitlines()[0][:60]}"
+            for n in ast.parse(path.read_text()).body if not _face_statement(n)]
+
+
+def test_package_faces_are_faces():
+    """Every ``__init__.py`` of a package with modules of its own only imports and
+    re-exports (a package that is one module, such as ``presets`` beside its YAML files,
+    is that module)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("__init__.py")):
+        if any(p != path for p in path.parent.glob("*.py")):
+            bad += [f"{path.relative_to(PACKAGE)} {what}" for what in not_a_face(path)]
+    assert not bad, "package faces holding more than a face:\n" + "\n".join(bad)
+
+
+def test_the_face_rules_catch_a_package_holding_its_dispatch(tmp_path, monkeypatch):
+    """The shape these rules were written against: a package face holding dispatch code
+    whose modules import shared types back from it."""
+    package = tmp_path / "fp4rl" / "kernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        '"""doc"""\nimport os\nOPS = ("rows",)\n\n'
+        "def backend(op):\n    from fp4rl.kernels import triton_ops\n"
+        '    return triton_ops\n__all__ = ["backend"]\n')
+    (package / "triton_ops.py").write_text("from fp4rl.kernels import OPS\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "fp4rl")
+    assert [w.split(":")[0] for w in not_a_face(package / "__init__.py")] == ["line 3", "line 5"]
+    known = {"fp4rl.kernels": package / "__init__.py",
+             "fp4rl.kernels.triton_ops": package / "triton_ops.py"}
+    assert arrows_back_up(known) == ["fp4rl.kernels.triton_ops -> fp4rl.kernels"]
 
 
 @pytest.mark.parametrize("graph, expected", [

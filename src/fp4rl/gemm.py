@@ -30,9 +30,10 @@ from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
 from fp4rl.kernels import (
-    FUSED_MAX_ROWS,
     has_packed_mm,
+    has_qmm,
     packed_mm,
+    qmm,
     quantize_both,
     quantize_matrix_values,
     quantize_rows_bf16,
@@ -75,11 +76,10 @@ def operand_format(fmt: str | OperandFormat) -> OperandFormat:
     return get_format(fmt)
 
 
-def has_tensor_scale(fmt: str | OperandFormat) -> bool:
+def has_tensor_scale(fmt: OperandFormat) -> bool:
     """Whether operands in ``fmt`` carry a float32 scale outside their values (NVFP4's),
     which an unquantized operand never does."""
-    f = operand_format(fmt)
-    return isinstance(f, NumberFormat) and f.has_tensor_scale
+    return isinstance(fmt, NumberFormat) and fmt.has_tensor_scale
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,59 @@ def quantize_operand_pair(x: torch.Tensor, fmt: str | OperandFormat,
             return Operand(both[0], scale), Operand(both[1], scale)
     return (quantize_operand(x, f, -1, out_dtype=out_dtype),
             quantize_operand(x, f, 0, out_dtype=out_dtype))
+
+
+@dataclass(frozen=True)
+class OnLoad:
+    """A GEMM operand that the GEMM quantizes as it loads it (:func:`mm_on_load`): the
+    high-precision ``source`` laid out as the GEMM reads it (``(rows, K)`` on the left,
+    ``(K, cols)`` on the right; a transposed view is read in place), its ``fmt`` blocked
+    along K, and the per-tensor or per-vector ``scale`` the source is divided by first and
+    the product multiplied by after, as an :class:`Operand` keeps it. No quantized copy of
+    it is ever in memory."""
+
+    source: torch.Tensor
+    fmt: NumberFormat
+    scale: torch.Tensor | None = None
+
+    def t(self) -> OnLoad:
+        return OnLoad(self.source.t(), self.fmt, None if self.scale is None else self.scale.t())
+
+
+def on_load(x: torch.Tensor, fmt: NumberFormat, dim: int = -1,
+            tensor_scale: torch.Tensor | None = None) -> OnLoad:
+    """``x`` as an operand quantized along ``dim`` on load: the same scale
+    :func:`quantize_operand` computes (``tensor_scale`` when given), so that
+    :func:`mm_on_load` multiplies what ``quantize_operand(x, fmt, dim)`` holds."""
+    return OnLoad(x, fmt, fmt.tensor_scale(x, dim) if tensor_scale is None else tensor_scale)
+
+
+def quantizes_on_load(fmt: OperandFormat, x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`mm_on_load` takes operands of ``x``'s device and type in ``fmt`` in a
+    ``dtype`` GEMM: a format with the kernel (:func:`fp4rl.kernels.has_qmm`), a bf16 GEMM,
+    a float32 or bf16 source, outside a batch-invariant forward (the kernel's reduction
+    order is its own)."""
+    return (isinstance(fmt, NumberFormat) and dtype == torch.bfloat16 and
+            x.dtype in (torch.float32, torch.bfloat16) and has_qmm(fmt, x.device) and
+            not _fixed_order())
+
+
+def mm_on_load(a: OnLoad, b: Operand | OnLoad, dtype: torch.dtype,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``mm(quantize(a), quantize(b), dtype, bias)`` in one kernel that quantizes each tile
+    of ``a`` (and of ``b`` where it is an :class:`OnLoad`) in registers as it loads it
+    (:mod:`fp4rl.kernels.triton_qmm`), with :func:`mm`'s epilogue; the result stored in
+    ``out_dtype`` (default ``dtype``; a float32 gradient's bf16 value exactly, without a
+    cast pass). For callers that checked :func:`quantizes_on_load` for every on-load
+    operand."""
+    b_source, b_fmt = (b.source, b.fmt) if isinstance(b, OnLoad) else (b.values.to(dtype), None)
+    if bias is not None and a.scale is None and b.scale is None:
+        bias = bias.to(dtype)  # as mm's one unscaled product (nn.Linear under autocast)
+    y = qmm(a.source, a.fmt, a.scale, b_source, b_fmt, b.scale, bias, out_dtype or dtype)
+    if y is None:
+        raise RuntimeError("mm_on_load without the kernel: check quantizes_on_load first")
+    return y
 
 
 @dataclass(frozen=True)
@@ -335,18 +388,22 @@ def fuses_packed(a: Operand | list[Operand], w: PackedOperand, dtype: torch.dtyp
 def packed_fusion(fmt: NumberFormat, tokens: int, device: torch.device, dtype: torch.dtype,
                   terms: int = 1) -> bool:
     """Whether ``tokens`` rows (``terms`` activation terms) times a weight packed in
-    ``fmt`` run as one fused kernel: bf16, one or two terms (ResQ's), at most
-    :data:`~fp4rl.kernels.FUSED_MAX_ROWS` tokens, a format and device with the kernel
-    (Triton on a GPU), outside a batch-invariant forward."""
-    return (dtype == torch.bfloat16 and terms <= 2 and tokens <= FUSED_MAX_ROWS and
-            has_packed_mm(fmt, device) and not _fixed_order())
+    ``fmt`` run as one fused kernel: bf16, one or two terms (ResQ's), a format and device
+    with the kernel (Triton on a GPU), outside a batch-invariant forward. At any token
+    count (``tokens`` does not limit it): the kernel decodes each weight tile in registers
+    for a decode step and a prefill alike, and picks its tile height and its split of K by
+    the token count (:func:`~fp4rl.kernels.triton_packed_mm.k_split`), which is why a
+    batch-invariant forward does without it."""
+    return (dtype == torch.bfloat16 and terms <= 2 and has_packed_mm(fmt, device) and
+            not _fixed_order())
 
 
 def _fixed_order() -> bool:
     """Whether a dispatch mode that fixes every GEMM's reduction order is active
     (``fixed_reduction_order`` on the mode: fp4rl's batch-invariant forward): it replaces
-    ``aten.mm``, which the fused kernel (a tile height chosen by token count) would
-    bypass."""
+    ``aten.mm``, which the fused kernel would bypass; and the fused kernel's reduction order
+    depends on the token count (its tile height, and the split of K it takes at a few
+    tokens), so it steps aside there rather than keep it."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return any(getattr(m, "fixed_reduction_order", False)
@@ -391,8 +448,8 @@ class PackedCall:
 def packed_gemm(terms: list[Operand], w: PackedCall, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``terms`` (one or two, bf16) times ``w`` through the ``fp4rl::packed_mm`` operator,
-    which takes the fused kernel at up to :data:`~fp4rl.kernels.FUSED_MAX_ROWS` tokens;
-    for a caller that has checked :func:`packed_fusion` but for the token count."""
+    which takes the fused kernel at any token count where the device has it; for a caller
+    that has checked :func:`packed_fusion`."""
     _check_scales(terms)
     if bias is not None and len(terms) == 1 and terms[0].scale is None and w.scale is None:
         bias = bias.to(dtype)  # as mm's one unscaled product (nn.Linear under autocast)
@@ -409,17 +466,16 @@ def _packed_mm(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str
                ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """``terms`` bf16 activation terms stacked along the rows (scales ``s0``, ``s1``) times
     the packed ``(rows, cols)`` weight (row fields ``names``, comma-separated, in order;
-    scale ``ws``), in bf16: the fused kernel up to :data:`~fp4rl.kernels.FUSED_MAX_ROWS`
-    token rows, else (or where there is no kernel for ``a``'s device) the decode and
-    :func:`mm`. The choice by token count is made here, when the operator runs, so that a
-    compiled forward traced with a symbolic batch size holds no branch on it."""
+    scale ``ws``), in bf16: the fused kernel (its tile height and split of K chosen by the
+    token count inside, when the operator runs, so that a compiled forward traced with a
+    symbolic batch size holds no branch on it), or where there is no kernel for ``a``'s
+    device the decode and :func:`mm`."""
     by_name = dict(zip(names.split(","), fields, strict=True))
     f = get_format(fmt)
     scales = [s0, s1][:terms]
-    if a.shape[0] // terms <= FUSED_MAX_ROWS:
-        y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
-        if y is not None:
-            return y
+    y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
+    if y is not None:
+        return y
     w = PackedOperand.from_row_fields(f, (rows, cols), by_name, ws).decode(a.dtype)
     m = a.shape[0] // terms
     ops = [Operand(a[i * m:(i + 1) * m], s) for i, s in enumerate(scales)]
@@ -488,7 +544,7 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "NotQuantized", "Operand", "OperandFormat", "PackedCall",
-           "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_packed",
-           "operand_format", "pack_operand", "packed_fusion", "packed_gemm", "quantize_operand",
-           "quantize_operand_pair", "stack_rows"]
+__all__ = ["UNQUANTIZED", "NotQuantized", "OnLoad", "Operand", "OperandFormat", "PackedCall",
+           "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_on_load",
+           "mm_packed", "on_load", "operand_format", "pack_operand", "packed_fusion", "packed_gemm",
+           "quantize_operand", "quantize_operand_pair", "quantizes_on_load", "stack_rows"]

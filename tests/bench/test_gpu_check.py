@@ -50,13 +50,23 @@ def test_the_speed_stage_computes_in_the_dtype_each_row_says(tmp_path):
     assert set(speed) == {"status", "device", "size", "clone", "quantizers", "linear",
                           "decode", "profile", "refused", "seconds"}
     assert speed["status"] == "ok" and speed["refused"] == []
-    assert set(speed["linear"]) == {"micro_batches=1", "micro_batches=8"}
+    one, eight = "tokens=16 micro_batches=1", "tokens=16 micro_batches=8"
+    assert set(speed["linear"]) == {one, eight}
     for row in speed["linear"].values():
-        assert set(row) == {"compute", "bf16", "hif4", "ratio", "bytes_ratio"}
-        assert row["compute"] == row["bf16"]["dtype"] == row["hif4"]["dtype"] == "bfloat16"
-        assert row["ratio"] == pytest.approx(row["hif4"]["seconds"] / row["bf16"]["seconds"])
-    assert speed["linear"]["micro_batches=8"]["bytes_ratio"] < \
-        speed["linear"]["micro_batches=1"]["bytes_ratio"]
+        assert set(row) == {"compute", "bf16", "hif4", "nvfp4", "ratio", "bytes_ratio",
+                            "on load / quantize first", "not_run"}
+        assert row["compute"] == row["bf16"]["dtype"] == row["hif4"]["dtype"] == \
+            row["nvfp4"]["dtype"] == "bfloat16"
+        for name in ("hif4", "nvfp4"):
+            assert row["ratio"][name] == pytest.approx(row[name]["seconds"] /
+                                                       row["bf16"]["seconds"])
+        # no Triton on a CPU: the on-load sides are not run, and the row says why
+        assert row["not_run"] == {"hif4 on load": "no quantize-on-load kernel on cpu",
+                                  "nvfp4 on load": "no quantize-on-load kernel on cpu"}
+        assert row["on load / quantize first"] == {}
+        assert row["bytes_ratio"]["hif4 on load"] < row["bytes_ratio"]["hif4"]
+    assert speed["linear"][eight]["bytes_ratio"]["hif4"] < \
+        speed["linear"][one]["bytes_ratio"]["hif4"]
     assert set(speed["decode"]) == {"1", "16"}
     for row in speed["decode"].values():
         variants = {"bf16", "dequantized", "packed then GEMM", "packed store"}
@@ -71,9 +81,9 @@ def test_the_speed_stage_computes_in_the_dtype_each_row_says(tmp_path):
     lines = _json_lines(done.stdout)
     assert lines and all({"stage", "keys"} <= set(line) for line in lines)
     by_keys = {(line["stage"], tuple(line["keys"])): line for line in lines}
-    assert by_keys["speed", ("linear", "micro_batches=1", "hif4")]["dtype"] == "bfloat16"
-    assert by_keys["speed", ("linear", "micro_batches=8")]["ratio"] == \
-        speed["linear"]["micro_batches=8"]["ratio"]
+    assert by_keys["speed", ("linear", one, "hif4")]["dtype"] == "bfloat16"
+    assert by_keys["speed", ("linear", eight, "ratio")]["hif4"] == \
+        speed["linear"][eight]["ratio"]["hif4"]
     assert by_keys["summary", ("stages", "speed")]["status"] == "ok"
     for folder in (out, lent / "gpu-check"):
         assert _json_lines((folder / "figures.jsonl").read_text()) == lines
@@ -114,12 +124,14 @@ def test_the_speed_stage_refuses_its_ratios_when_autocast_stays_off(tmp_path, mo
     monkeypatch.setattr(gc, "autocast", autocast_off)
     record = gc.run_stage("speed", lambda: gc.stage_speed("cpu", True), gc.Figures([tmp_path]))
     assert record["status"] == "error" and "traceback" not in record
-    assert [row["ratio"] for row in record["linear"].values()] == [None, None]
+    assert [row["ratio"] for row in record["linear"].values()] == \
+        [{"hif4": None, "nvfp4": None}] * 2
     assert [line.split(":")[0] for line in record["refused"]] == \
-        ["speed linear micro_batches=1", "speed linear micro_batches=8"]
-    assert record["error"] == ("speed linear micro_batches=1: no hif4/bf16 ratio: hif4 computed "
-                               "in float32 and bf16 computed in float32, while the row says "
-                               "bfloat16 (and 1 more in speed.json)")
+        ["speed linear tokens=16 micro_batches=1"] * 2 + \
+        ["speed linear tokens=16 micro_batches=8"] * 2
+    assert record["error"] == ("speed linear tokens=16 micro_batches=1: no hif4/bf16 ratio: "
+                               "hif4 computed in float32 and bf16 computed in float32, while "
+                               "the row says bfloat16 (and 3 more in speed.json)")
     assert all(r is not None for row in record["decode"].values()
                for r in row["ratio to bf16"].values())
     printed = [line for line in capsys.readouterr().out.splitlines()

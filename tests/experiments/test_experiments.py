@@ -23,6 +23,7 @@ from fp4rl.experiments import (
     runner,
 )
 from fp4rl.experiments.report import mismatch_table, precision_table, recovery_table
+from fp4rl.recovery.sparsity import Block
 from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import ConfigError
 from fp4rl.rl.rundir import METRICS, read_metrics
@@ -55,7 +56,7 @@ def test_grids_have_the_paper_rows_and_share_cells():
     assert reuse.recipe().train.backward_operands == "reuse_forward"
     assert {c.recipe().train.backward_operands for c in precision[:-2]} == {"requantize"}
     rec = {c.name: c.recipe() for c in recovery}
-    assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.config.sparsity == "block:32x64:0.5"
+    assert rec["hif4+resq-block:32x64:0.5"].rollout.recovery.config.sparsity == Block(32, 64, 0.5)
     assert rec["mxfp4+smoothquant"].rollout.recovery.method == "smoothquant"
     assert len({c.slug for c in recovery}) == len(recovery)
     with pytest.raises(ValueError, match="hif4, mxfp4, nvfp4"):

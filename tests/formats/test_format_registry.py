@@ -142,6 +142,10 @@ def test_no_kernel_for_a_plugin_format(monkeypatch):
 def test_a_format_declares_only_operations_that_exist():
     with pytest.raises(ValueError, match=r"unknown kernel operations \['rows_fp8'\]"):
         kernels.FormatKernels(FormatCode.HIF4, c=frozenset({"rows", "rows_fp8"}))
+    named = kernels.FormatKernels(FormatCode.HIF4, c=frozenset({"rows"}),
+                                  triton=frozenset({"cols", "decode"}))
+    assert named.c == {kernels.Operation.ROWS}  # a format declared outside: read into members
+    assert all(isinstance(op, kernels.Operation) for op in named.c | named.triton)
 
 
 @pytest.mark.skipif(cpu.load_library() is None, reason="the C kernel did not build")

@@ -99,8 +99,8 @@ def test_a_format_says_its_scale_and_the_rules_it_takes():
     assert scale_rules(get_format("nvfp4")) == list(ScaleRule)
     assert scale_rules(get_format("nvfp4_per_token")) == [ScaleRule.DYNAMIC, ScaleRule.POW2]
     assert scale_rules(get_format("hif4")) == [] and get_format("hif4").scale_rule is None
-    assert with_scale_rule(get_format("nvfp4_pow2"), "static") is get_format("nvfp4_static")
-    assert with_scale_rule(get_format("nvfp4_static"), "dynamic") is get_format("nvfp4")
+    assert with_scale_rule(get_format("nvfp4_pow2"), ScaleRule.STATIC) is get_format("nvfp4_static")
+    assert with_scale_rule(get_format("nvfp4_static"), ScaleRule.DYNAMIC) is get_format("nvfp4")
     assert with_scale_rule(get_format("nvfp4_per_token"), ScaleRule.STATIC) is None
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp4rl.nn.recipe import get_recipe
 from fp4rl.rollout.vllm.host import RECIPE_ENV, encode_recipe
 
 PREAMBLE = r"""
@@ -34,7 +35,7 @@ def run_one_rank(script: str, port: int, cwd: Path) -> dict[str, Any]:
     set it in each worker; return the child's ``RESULT`` mapping; the child's stderr where
     it fails."""
     env = {**os.environ, "VERL_ENGINE_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "",
-           RECIPE_ENV: encode_recipe("hif4+resq-2:4")}
+           RECIPE_ENV: encode_recipe(get_recipe("hif4+resq-2:4"))}
     run = subprocess.run([sys.executable, "-c", PREAMBLE + script,
                           str(Path(__file__).parent), str(port)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=cwd)

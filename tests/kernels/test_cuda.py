@@ -178,8 +178,9 @@ def test_grpo_step_on_cuda_matches_cpu(tmp_path, precision):
 def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
     """The packed GEMM compiled and run: on exact sums (quarter-integer weights, small
     integer activations) its outputs are the decode-then-GEMM's bit for bit at every
-    tile height, one and two terms, with scales and a bias; a CUDA graph captured at a
-    size never run eagerly replays it."""
+    tile height (a prefill's 128 rows too), one and two terms, with scales and a bias, K
+    split at one token (two parts of 320, their sums added by the reduction); a CUDA graph
+    captured at a size never run eagerly replays it."""
     from fp4rl.gemm import Operand, fuses_packed, mm, mm_packed, pack_operand
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -187,7 +188,10 @@ def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
     w = torch.randint(-12, 13, (200, 320), generator=g).float() * 0.25
     p = pack_operand(w.cuda(), fmt)
     bias = torch.randn(200, generator=g).bfloat16().cuda()
-    for m in (1, 5, 16, 17, 64):
+    from fp4rl.kernels.triton_packed_mm import k_split
+
+    assert k_split(1, 200, 320, 1) < 320  # the split path runs at one token
+    for m in (1, 5, 16, 17, 64, 65, 130, 300):
         a = torch.randint(-8, 9, (2 * m, 320), generator=g).bfloat16().cuda()
         s = torch.rand(m, 1, generator=g).cuda() + 0.5
         for ops in ([Operand(a[:m])], [Operand(a[:m], s), Operand(a[m:])]):

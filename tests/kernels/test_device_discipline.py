@@ -58,11 +58,11 @@ def test_the_triton_path_around_its_launches_stays_on_the_device(fmt, monkeypatc
     arguments) on device tensors, as a CUDA tensor selects it; the launches are recorded,
     not run (a meta tensor has no kernel)."""
     pytest.importorskip("triton")
-    import fp4rl.kernels
+    import fp4rl.kernels.dispatch
     from fp4rl.kernels import triton_quant
 
     launched: list[torch.Tensor] = []
-    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(fp4rl.kernels.dispatch, "triton_for", lambda device: triton_quant)
     monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
         a for a in args if isinstance(a, torch.Tensor)))
     f = get_format(fmt)
@@ -96,12 +96,12 @@ def test_the_packed_gemm_stays_on_the_device(fmt, monkeypatch):
     around its kernel: the stand-in 1.0 of an absent scale, the output, the arguments), on
     device tensors; the launch is recorded, not run."""
     pytest.importorskip("triton")
-    import fp4rl.kernels
+    import fp4rl.kernels.dispatch
     from fp4rl.gemm import Operand, mm_packed
     from fp4rl.kernels import triton_packed_mm, triton_quant
 
     launched: list[torch.Tensor] = []
-    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(fp4rl.kernels.dispatch, "triton_for", lambda device: triton_quant)
     monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
         a for a in args if isinstance(a, torch.Tensor)))
     p = pack_operand(torch.empty(32, 192, device=META), fmt)
@@ -119,12 +119,12 @@ def test_both_axes_from_one_read_stay_on_the_device(fmt, monkeypatch):
     """The two-axis quantizer as a GPU selects it (NVFP4's tensor scale computed on the
     device and read by the kernel there), launch recorded, not run."""
     pytest.importorskip("triton")
-    import fp4rl.kernels
+    import fp4rl.kernels.dispatch
     from fp4rl.gemm import quantize_operand_pair
     from fp4rl.kernels import triton_quant
 
     launched: list[torch.Tensor] = []
-    monkeypatch.setattr(fp4rl.kernels, "_triton_for", lambda device: triton_quant)
+    monkeypatch.setattr(fp4rl.kernels.dispatch, "triton_for", lambda device: triton_quant)
     monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
         a for a in args if isinstance(a, torch.Tensor)))
     rows, cols = quantize_operand_pair(torch.empty(32, 192, device=META), fmt, torch.bfloat16)

@@ -33,7 +33,12 @@ def compiled() -> dict:
 def test_every_variant_compiles_for_hopper_and_blackwell(compiled):
     variants = aot.variants(get_format(n) for n in list_formats())
     assert compiled["variants"] == len(variants) > 0
-    assert len(compiled["compiled"]) == len(variants) * len(aot.TARGETS)
+    # every variant but the quantize-on-load GEMM's pointer-type siblings (all of them
+    # under FP4RL_AOT_ALL=1: make test-long)
+    assert compiled["chosen"] <= len(variants)
+    assert len(variants) - compiled["chosen"] < sum(
+        v.kernel.__name__ == "_qmm_kernel" for v in variants)
+    assert len(compiled["compiled"]) == compiled["chosen"] * len(aot.TARGETS)
     failed = [(c["kernel"], c["constants"], c["pointers"], c["target"], c["error"][:300])
               for c in compiled["compiled"] if c["error"]]
     assert not failed, failed

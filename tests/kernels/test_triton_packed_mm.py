@@ -14,8 +14,8 @@ from fp4rl.gemm import Operand, PackedOperand, fuses_packed, mm, mm_packed, pack
 
 pytest.importorskip("triton")
 
-from fp4rl.kernels import FUSED_MAX_ROWS
-from fp4rl.kernels.triton_packed_mm import packed_mm_2d
+from fp4rl.kernels import triton_packed_mm
+from fp4rl.kernels.triton_packed_mm import BK, PARTIAL_SHARE, SPLIT_PROGRAMS, k_split, packed_mm_2d
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered")
 FORMATS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token"]
@@ -66,7 +66,7 @@ def test_the_weight_it_multiplies_is_the_decoders(fmt, cols):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("terms", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 def test_outputs_are_mm_bit_for_bit_where_sums_are_exact(fmt, m, terms, bias):
@@ -95,20 +95,18 @@ def test_a_nan_block_spoils_its_outputs_as_in_the_decode():
 
 
 @pytest.mark.parametrize("fmt", ["hif4", "nvfp4"])
-def test_mm_packed_takes_the_kernel_up_to_its_token_count(triton_path, fmt, monkeypatch):
-    """``mm_packed`` (what the packed store runs) goes through the fused operator at up to
-    FUSED_MAX_ROWS tokens of bf16, and decodes then multiplies past it or in fp32; both
-    give ``mm``'s bits on exact sums."""
-    from fp4rl.kernels import triton_packed_mm
-
+def test_mm_packed_takes_the_kernel_at_every_token_count(triton_path, fmt, monkeypatch):
+    """``mm_packed`` (what the packed store runs) goes through the fused operator at every
+    token count of bf16 (a decode step, a large batch, a prefill's 128-row tiles), and
+    decodes then multiplies in fp32; both give ``mm``'s bits on exact sums."""
     g = torch.Generator().manual_seed(4)
     p = pack_operand(_grid_weight(48, 128, g), fmt)
     launched: list[int] = []
     real = triton_packed_mm.packed_mm_2d
     monkeypatch.setattr(triton_packed_mm, "packed_mm_2d",
                         lambda *args: launched.append(args[1].shape[0]) or real(*args))
-    for m, dtype, fused in ((1, BF16, True), (FUSED_MAX_ROWS, BF16, True),
-                            (FUSED_MAX_ROWS + 1, BF16, False), (4, torch.float32, False)):
+    for m, dtype, fused in ((1, BF16, True), (64, BF16, True), (65, BF16, True),
+                            (200, BF16, True), (4, torch.float32, False)):
         a = Operand(torch.randint(-8, 9, (m, 128), generator=g).to(dtype))
         assert fuses_packed(a, p, dtype) == fused
         launched.clear()
@@ -180,13 +178,12 @@ def test_a_bias_of_any_type_joins_the_accumulator_as_in_mm(bias_dtype):
 
 
 @pytest.mark.parametrize("recipe", ["hif4", "nvfp4", "hif4+resq-2:4"])
-def test_the_fp4_layer_decodes_in_the_fused_kernel_at_decode_sizes(triton_path, monkeypatch,
+def test_the_fp4_layer_decodes_in_the_fused_kernel_at_every_size(triton_path, monkeypatch,
                                                                    recipe):
     """fp4rl's own engine: an FP4 layer in rollout mode multiplies a few bf16 tokens by its
     rollout Q(W) kept as packed codes, in the fused kernel (the same bits as its dense
-    Q(W) where sums are exact); past the kernel's token count, in fp32 and under the
+    Q(W) where sums are exact), at a prefill's token count too; in fp32 and under the
     batch-invariant forward it keeps its dense Q(W)."""
-    from fp4rl.kernels import triton_packed_mm
     from fp4rl.nn import FP4Linear, batch_invariant, get_recipe, rollout_mode
 
     g = torch.Generator().manual_seed(9)
@@ -212,8 +209,8 @@ def test_the_fp4_layer_decodes_in_the_fused_kernel_at_decode_sizes(triton_path, 
     assert not launched
     monkeypatch.delenv("FP4RL_DISABLE_KERNELS")
     assert fused.shape == (2, 3, 48) and _same(fused, dense)
-    run(torch.zeros(FUSED_MAX_ROWS + 1, 128, dtype=BF16))
-    assert not launched
+    run(torch.zeros(130, 128, dtype=BF16))
+    assert launched == [130 * (2 if "resq" in recipe else 1)]
     run(x.float())
     assert not launched
     with batch_invariant():
@@ -240,3 +237,69 @@ def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, m
         y = stores.PackedStore.of([part], BF16).apply(acts, BF16, None)
         assert bool(launched) == fused
         assert _same(y, mm(acts, part.decode(BF16).t(), BF16))
+
+
+def _split_case(fmt: str, m: int, cols: int, terms: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows = 70
+    p = pack_operand(_grid_weight(rows, cols, g), fmt)
+    a = torch.randint(-8, 9, (terms * m, cols), generator=g).to(BF16)
+    scales = [torch.rand(m, 1, generator=g) + 0.5, torch.rand((), generator=g) + 0.5][:terms]
+    b = torch.randn(rows, generator=g).to(BF16)
+    return p, a, scales, b, rows
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("m", "cols", "k_part"), [(1, 200, 32), (3, 1000, 96),
+                                                    (5, 517, 160), (17, 300, 64)])
+@pytest.mark.parametrize("terms", [1, 2])
+def test_a_split_of_k_gives_the_unsplit_bits(fmt, m, cols, k_part, terms, monkeypatch):
+    """K cut into parts of ``k_part`` columns (the last one short, a part ending inside a
+    HiF4 block of 64), each part's fp32 sums written and added in part order by the
+    reduction: on exact sums, the unsplit kernel's bits and ``mm``'s, epilogue included."""
+    p, a, scales, b, rows = _split_case(fmt, m, cols, terms, m * 100 + cols)
+    whole = packed_mm_2d(get_format(fmt), a, terms, _fields(p), rows, cols, scales, p.scale, b)
+    monkeypatch.setattr(triton_packed_mm, "k_split", lambda *args: k_part)
+    launched: list[str] = []
+    real = triton_packed_mm.Variant.launch
+    monkeypatch.setattr(triton_packed_mm.Variant, "launch", lambda self, *args: (
+        launched.append(self.kernel.__name__), real(self, *args))[1])
+    split = packed_mm_2d(get_format(fmt), a, terms, _fields(p), rows, cols, scales, p.scale, b)
+    assert launched == ["_packed_mm_kernel", "_packed_reduce_kernel"]
+    ops = [Operand(a[i * m:(i + 1) * m], s) for i, s in enumerate(scales)]
+    assert _same(split, whole) and _same(split, mm(ops, p.decode(BF16).t(), BF16, b))
+
+
+def test_a_nan_block_spoils_its_outputs_through_a_split(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    w = _grid_weight(40, 256, g)
+    w[7, 200] = float("nan")
+    p = pack_operand(w, "hif4")
+    a = torch.randint(-8, 9, (3, 256), generator=g).to(BF16)
+    monkeypatch.setattr(triton_packed_mm, "k_split", lambda *args: 64)
+    y = packed_mm_2d(get_format("hif4"), a, 1, _fields(p), 40, 256, [None], None, None)
+    assert y[:, 7].isnan().all() and _same(y, mm(Operand(a), p.decode(BF16).t(), BF16))
+
+
+@pytest.mark.parametrize(("m", "n", "k", "terms"), [(1, 2048, 11008, 1), (4, 2048, 11008, 2),
+                                                    (1, 2048, 2048, 1), (3, 4096, 5000, 1)])
+def test_a_small_launch_splits_k_to_fill_the_gpu(m, n, k, terms):
+    """2048 outputs at a decode step are 32 programs: K is split into parts of whole BK
+    steps so that the launch has about SPLIT_PROGRAMS programs, unless the partial sums'
+    bytes would pass their share of the weight's; the same shape always splits alike."""
+    part = k_split(m, n, k, terms)
+    assert part % BK == 0 and BK <= part < k
+    splits = -(-k // part)
+    tiles = -(-m // triton_packed_mm.height(m, terms)) * -(-n // 64)
+    cap = k // (4 * PARTIAL_SHARE * terms * m)  # the partials' share of the weight's bytes
+    assert splits * tiles >= min(SPLIT_PROGRAMS, tiles * cap) or splits == cap
+    assert (splits - 1) * tiles < SPLIT_PROGRAMS
+    assert 8 * splits * terms * m * n <= 2 * n * k // PARTIAL_SHARE
+    assert k_split(m, n, k, terms) == part
+
+
+@pytest.mark.parametrize(("m", "n", "k", "terms"), [(64, 2048, 11008, 1), (1, 11008, 2048, 1),
+                                                    (16, 2048, 2048, 2), (1, 64, 64, 1),
+                                                    (0, 2048, 2048, 1)])
+def test_no_split_where_the_gpu_is_full_or_partials_would_cost(m, n, k, terms):
+    assert k_split(m, n, k, terms) == k

@@ -321,3 +321,22 @@ def test_kept_counts_for_fraction_patterns(
     # Magnitudes grow with position so the biggest tiles/channels are the full ones.
     x = torch.arange(1, shape[0] * shape[1] + 1, dtype=torch.float32).reshape(shape).flip(0, 1)
     assert keep_mask(x, pattern).sum().item() == expected_kept
+
+
+def test_resq_reads_its_pattern_once_at_the_config_and_writes_it_back_as_text():
+    """The config holds the parsed pattern (no caller parses it again) and writes the
+    string it reads; what a split across ranks asks of it is the pattern's own answer."""
+    from fp4rl.errors import RecipeError
+    from fp4rl.recovery.resq import ResQConfig
+    from fp4rl.recovery.resqw import ResQWConfig
+
+    config = ResQConfig(sparsity=" Block:32x64:0.5 ")
+    assert config.sparsity == Block(32, 64, 0.5) and config.patterns == (Block(32, 64, 0.5),)
+    assert config.model_dump() == {"sparsity": "block:32x64:0.5"}
+    assert ResQConfig.model_validate(config.model_dump()) == config
+    assert ResQConfig().sparsity == NM(2, 4) and ResQConfig.from_text("").sparsity == Dense()
+    assert ResQWConfig.from_text("1:4").patterns == (NM(1, 4), NM(1, 4))
+    assert [p.local for p in (Dense(), NM(2, 4), Channel(0.5), Block(2, 2, 0.5))] == \
+        [True, True, False, False]
+    with pytest.raises(RecipeError, match="invalid sparsity pattern '3:2'"):
+        ResQConfig(sparsity="3:2")

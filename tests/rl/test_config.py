@@ -56,5 +56,5 @@ def test_overrides_read_yaml_as_users_mean_it():
     for pattern in ("2:4", "3:4", "1:2"):  # YAML 1.1 reads 2:4 as the base-60 integer 124
         cfg = load_config(None, ["rollout.recovery.method=resq",
                                  f"rollout.recovery.sparsity={pattern}"])
-        assert cfg.recipe().rollout.recovery.config.sparsity == pattern
+        assert str(cfg.recipe().rollout.recovery.config.sparsity) == pattern
     assert load_config(None, ["run.seed=010"]).run.seed == 10  # not octal

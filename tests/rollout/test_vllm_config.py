@@ -278,3 +278,32 @@ def test_an_engine_recipe_other_than_the_actors_is_refused_in_one_line(monkeypat
         assert "\n" not in str(err.value) and RECIPE_ENV in str(err.value)
     monkeypatch.delenv(RECIPE_ENV)
     assert recipe_from_config(quantization_config("hif4")).rollout == get_recipe("hif4").rollout
+
+
+def test_a_refusal_inside_vllms_config_validation_is_raised_as_one_line():
+    """vLLM 0.32 validates its config as pydantic dataclasses: an fp4rl refusal raised
+    there (a recipe the engine cannot run) arrives inside a many-line ValidationError,
+    possibly as the cause of another error; engine construction raises it as itself."""
+    from pydantic import ValidationError
+    from pydantic.dataclasses import dataclass
+
+    from fp4rl.integrations.vllm import one_line_refusals
+
+    @dataclass
+    class ModelConfig:  # vLLM's shape: the quantization config is read in __post_init__
+        quantization: str
+
+        def __post_init__(self) -> None:
+            raise VLLMError("rollout recovery 'resqw' cannot run inside vLLM")
+
+    with pytest.raises(ValidationError) as wrapped:
+        ModelConfig(quantization="fp4rl")
+    assert len(str(wrapped.value).splitlines()) > 1  # what the user saw
+    for raised in (wrapped.value, RuntimeError("engine core failed")):
+        with pytest.raises(VLLMError) as refused, one_line_refusals():
+            if isinstance(raised, RuntimeError):
+                raise raised from wrapped.value
+            raise raised
+        assert str(refused.value) == "rollout recovery 'resqw' cannot run inside vLLM"
+    with pytest.raises(ValueError, match="not fp4rl's"), one_line_refusals():
+        raise ValueError("not fp4rl's")  # anything else passes through as it is

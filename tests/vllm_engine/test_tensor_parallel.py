@@ -167,7 +167,7 @@ def test_vllms_loader_and_an_exports_fields_give_the_same_shares(monkeypatch, as
 @pytest.mark.parametrize(("recipe", "ffn", "match"), [
     ("hif4", 192, r"splits .* across hif4's blocks of 64"),  # 96 inputs a rank
     ("nvfp4", FFN, r"nvfp4 activations scale by the whole input's amax"),
-    ("hif4+resq-channel:0.5", FFN, r"ranks channels across the whole input"),
+    ("hif4+resq-channel:0.5", FFN, r"channel:0.5 sparsity ranks values across the whole input"),
 ])
 def test_splits_a_rank_cannot_serve_are_refused_when_the_engine_is_built(
         as_tp_rank, recipe, ffn, match):

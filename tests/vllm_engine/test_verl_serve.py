@@ -132,7 +132,7 @@ def test_vllms_parser_gives_the_engine_arguments_of_the_keyword_path(model):
 
 
 def test_the_engine_config_runs_the_recipe_and_checks_the_actors(model, monkeypatch):
-    monkeypatch.setenv(RECIPE_ENV, encode_recipe(RECIPE))  # verl's workers have it
+    monkeypatch.setenv(RECIPE_ENV, encode_recipe(get_recipe(RECIPE)))  # verl's workers have it
     served = serve_engine_args(model, {**verl_settings(), **verl.engine_kwargs(RECIPE)})
     config = served.create_engine_config()
     assert config.model_config.quantization == "fp4rl"
@@ -147,3 +147,17 @@ def test_the_engine_config_runs_the_recipe_and_checks_the_actors(model, monkeypa
                        match=rf"but the actor's {RECIPE_ENV} rolls out .*python -m "
                        r"fp4rl\.integrations\.verl --recipe R"):
         other.create_engine_config()
+
+
+def test_a_refusal_inside_vllms_config_reaches_fp4rls_engine_caller_as_one_line(
+        model, monkeypatch):
+    """vLLM 0.32 reads the quantization config while it validates its pydantic config:
+    fp4rl's refusal there (an engine recipe other than the actor's) would reach the user
+    inside a many-line ValidationError; where fp4rl builds the engine it is its one line."""
+    from fp4rl.integrations.vllm import EngineSpec, make_llm
+
+    monkeypatch.setenv(RECIPE_ENV, encode_recipe(get_recipe(RECIPE)))
+    with pytest.raises(VLLMError) as refused:
+        make_llm(EngineSpec(model, "hif4", max_model_len=128))
+    assert len(str(refused.value).splitlines()) == 1
+    assert f"but the actor's {RECIPE_ENV} rolls out" in str(refused.value)

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fp4rl.errors import UserError
-from fp4rl.recovery.sparsity import SparsityPattern, density, parse_pattern
+from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def cost_table(
     m: int,
     d: int,
     n: int,
-    sparsities: Iterable[str | SparsityPattern] = ("dense", "2:4"),
+    sparsities: Iterable[SparsityPattern] = (Dense(), NM(2, 4)),
     fp4_speedup: float = 4.0,
 ) -> list[CostRow]:
     """Rows for ``bf16``, ``fp4`` and ``resq-<pattern>`` per residual sparsity pattern.
@@ -45,7 +45,8 @@ def cost_table(
     Speedups are formed directly as ``fp4_speedup / (1 + density)`` rather
     than as a ratio of FLOP counts, so they are independent of ``m, d, n`` and
     correctly rounded (the 2:4 row is exactly ``8 / 3`` as a float). Each
-    pattern's nominal density is used (see ``fp4rl.recovery.sparsity.density``).
+    pattern's nominal density is used (see ``fp4rl.recovery.sparsity.density``); the
+    patterns come parsed (:func:`~fp4rl.recovery.sparsity.parse_pattern`, at the CLI).
     """
     if min(m, d, n) < 1:
         raise UserError(f"GEMM dimensions must be positive, got m={m}, d={d}, n={n}")
@@ -53,8 +54,7 @@ def cost_table(
         raise UserError(f"fp4_speedup must be positive, got {fp4_speedup}")
     rows = [_row("bf16", m * d * n, 1.0, 1.0), _row("fp4", m * d * n, 1.0, fp4_speedup)]
     for pattern in sparsities:
-        name = f"resq-{parse_pattern(pattern)}"
-        rows.append(_row(name, m * d * n, 1.0 + density(pattern), fp4_speedup))
+        rows.append(_row(f"resq-{pattern}", m * d * n, 1.0 + pattern.density, fp4_speedup))
     return rows
 
 

@@ -24,8 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.analysis.cost import cost_table, format_cost_table
+    from fp4rl.recovery.sparsity import parse_pattern
 
-    rows = cost_table(args.m, args.d, args.n, sparsities=args.sparsity,
+    rows = cost_table(args.m, args.d, args.n,
+                      sparsities=[parse_pattern(p) for p in args.sparsity],
                       fp4_speedup=args.fp4_speedup)
     console.print(f"linear layer X[{args.m}x{args.d}] W[{args.n}x{args.d}]^T, FP4 throughput "
                   f"{args.fp4_speedup:g}x FP16")

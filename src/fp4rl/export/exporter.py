@@ -17,7 +17,7 @@ from fp4rl.export.directory import (
     write_directory,
 )
 from fp4rl.export.registry import get_export_format, list_export_formats
-from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, check_recipe, vllm_recipe
+from fp4rl.export.vllm import check_recipe, default_vllm_recipe, vllm_recipe
 from fp4rl.nn.recipe import Recipe
 
 #: the built-in export formats' names (:func:`list_export_formats` also lists those
@@ -69,12 +69,13 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
     from fp4rl.rl.sources import load_trained
 
     name = check_format(fmt)
-    check_recipe(name, recipe, run_allowed=True)
+    given = check_recipe(name, recipe, run_allowed=True)
     check_output(Path(output))
     trained = load_trained(checkpoint)
     if name == "vllm":
         recipe = vllm_recipe(trained.recipe if recipe == "run" else
-                             recipe or DEFAULT_VLLM_RECIPE, run_ignore=trained.recipe.ignore)
+                             given or default_vllm_recipe(),
+                             run_ignore=trained.recipe.ignore)
     ignores = trained.recipe.ignores_in(n for n, _ in trained.model.named_modules())
     # a checkpoint's policy is a transformers model (TrainedPolicy types it as a Module)
     return export_model(cast(PreTrainedModel, trained.model), trained.tokenizer, name, output,
@@ -119,7 +120,7 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt
     check_output(directory)
     export = get_export_format(name)
     if export.takes_recipe and rollout is None:
-        rollout = vllm_recipe(DEFAULT_VLLM_RECIPE)
+        rollout = default_vllm_recipe()
     payload = export.payload(model, ignores, rollout)
     write_directory(directory, model, tokenizer, payload)
     return ExportResult(name, directory, weights_bytes(directory), total_bytes(directory),

@@ -18,7 +18,7 @@ from fp4rl.export.compressed import LAYOUTS, compressed_payload, require_compres
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.hif4 import hif4_payload
 from fp4rl.export.targets import ExportError, block_linears, check_blocks
-from fp4rl.export.vllm import DEFAULT_VLLM_RECIPE, vllm_payload, vllm_recipe
+from fp4rl.export.vllm import default_vllm_recipe, vllm_payload
 from fp4rl.formats import get_format
 from fp4rl.registry import Registry
 
@@ -96,7 +96,7 @@ def _hif4(model: PreTrainedModel, ignores: Callable[[str], bool],
 
 def _vllm(model: PreTrainedModel, ignores: Callable[[str], bool],
           recipe: Recipe | None) -> Payload:
-    return vllm_payload(model, recipe or vllm_recipe(DEFAULT_VLLM_RECIPE))
+    return vllm_payload(model, recipe or default_vllm_recipe())
 
 
 register_export_format(ExportFormat("bf16", _bf16))

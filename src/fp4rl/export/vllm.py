@@ -53,16 +53,21 @@ def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = Fals
             raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
                               "names); with --model give a recipe name, e.g. hif4+resq-2:4")
         return None
-    return vllm_recipe(recipe)
+    return vllm_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
 
 
-def vllm_recipe(recipe: str | Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
-    """``recipe`` (a name, read here, or a Recipe) checked for the plug-in, with a run's
-    ``ignore`` patterns added to its own (the layers the run left unquantized stay so when
-    vLLM serves it)."""
-    recipe = rollout_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
+def vllm_recipe(recipe: Recipe, run_ignore: Iterable[str] = ()) -> Recipe:
+    """``recipe`` (read from its name by the export's public functions) checked for the
+    plug-in, with a run's ``ignore`` patterns added to its own (the layers the run left
+    unquantized stay so when vLLM serves it)."""
+    recipe = rollout_recipe(recipe)
     ignore = tuple(dict.fromkeys((*recipe.ignore, *run_ignore)))
     return recipe.replace(ignore=ignore) if ignore != recipe.ignore else recipe
+
+
+def default_vllm_recipe() -> Recipe:
+    """The recipe of :data:`DEFAULT_VLLM_RECIPE`, checked for the plug-in."""
+    return vllm_recipe(get_recipe(DEFAULT_VLLM_RECIPE))
 
 
 def vllm_payload(model: PreTrainedModel, recipe: Recipe) -> Payload:

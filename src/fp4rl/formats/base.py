@@ -151,6 +151,13 @@ class NumberFormat(ABC):
         GEMMs keep it outside the product (see ``fp4rl.gemm``)."""
         return None
 
+    def tensor_scales(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A matrix's scales along its rows and along its columns (``tensor_scale(x, -1)``
+        and ``tensor_scale(x, 0)``), as a GEMM operand and its backward GEMM's need them:
+        one scale serves both where it is one per tensor."""
+        rows = self.tensor_scale(x, -1)
+        return rows, (self.tensor_scale(x, 0) if self.vector_scales else rows)
+
     @abstractmethod
     def quantize_reference(self, x: torch.Tensor, dim: int = -1,
                            **options: Unpack[QuantizeKwargs]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from fp4rl.formats._exact import bf16_round, floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
-from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels, Operation
 from fp4rl.kernels.codes import FormatCode
 
 C = 0.142578125  # bf16(1/7)
@@ -43,8 +43,10 @@ class HiF4(BlockFormat):
     bits_per_value = 4.5
     #: the C kernel runs every block pass; Triton also decodes packed weights
     #: and multiplies by them
-    kernels = FormatKernels(FormatCode.HIF4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm", "both"})
+    kernels = FormatKernels(FormatCode.HIF4, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16},
+                            triton=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16, Operation.DECODE,
+                                                        Operation.PACKED_MM, Operation.BOTH,
+                                                        Operation.QMM})
 
     def fields(self, blocks: torch.Tensor, noise: torch.Tensor | None) -> dict[str, torch.Tensor]:
         a = blocks.abs()

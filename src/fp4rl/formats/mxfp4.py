@@ -13,7 +13,7 @@ from fp4rl.formats._exact import floor_log2, pow2, round_minifloat
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable, signed_table
-from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels, Operation
 from fp4rl.kernels.codes import FormatCode
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -127,8 +127,10 @@ class MXFP4(MXFormat):
     bits_per_value = 4.25
     #: the C kernel runs every block pass; Triton also decodes packed weights
     #: and multiplies by them
-    kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "decode", "packed_mm", "both"})
+    kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16},
+                            triton=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16, Operation.DECODE,
+                                                        Operation.PACKED_MM, Operation.BOTH,
+                                                        Operation.QMM})
     scale_offset = 2  # E2M1's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from fp4rl.formats.mxfp4 import MXFormat
 from fp4rl.formats.nvfp4 import e4m3_bytes, e4m3_round, e4m3_values
-from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels
+from fp4rl.kernels import QUANTIZE_AND_RESQ, FormatKernels, Operation
 from fp4rl.kernels.codes import FormatCode
 
 
@@ -18,8 +18,9 @@ class MXFP8(MXFormat):
     label = "MXFP8"
     bits_per_value = 8.25
     #: no packed decode kernel: MXFP8 weights are not packed for the rollout
-    kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {"rows_bf16"},
-                            triton=QUANTIZE_AND_RESQ | {"rows_bf16", "both"})
+    kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16},
+                            triton=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16, Operation.BOTH,
+                                                        Operation.QMM})
     scale_offset = 8  # E4M3's largest exponent
 
     def round_elements(self, v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:

@@ -54,8 +54,10 @@ from fp4rl.formats.mxfp4 import (
 )
 from fp4rl.formats.packing import PackedTensor, pack_nibbles, unpack_nibbles
 from fp4rl.formats.tables import DeviceTable
-from fp4rl.kernels import QUANTIZE, FormatKernels, has_kernel
+from fp4rl.kernels import QUANTIZE, FormatKernels, Operation, has_kernel
 from fp4rl.kernels import finite_amax as kernel_amax
+from fp4rl.kernels import vector_amax as kernel_vector_amax
+from fp4rl.kernels import vector_amax_both as kernel_amax_both
 from fp4rl.kernels.codes import FormatCode
 
 E4M3_MAX = 448.0
@@ -132,7 +134,8 @@ class NVFP4(BlockFormat):
     #: residual has a scale of its own)
     kernels: ClassVar[FormatKernels | None] = FormatKernels(
         FormatCode.NVFP4, c=QUANTIZE,
-        triton=QUANTIZE | {"rows_bf16", "decode", "packed_mm", "both"})
+        triton=QUANTIZE | {Operation.ROWS_BF16, Operation.DECODE, Operation.PACKED_MM,
+                           Operation.BOTH, Operation.QMM})
     extra_options = ("per_tensor_scale",)
     has_tensor_scale = True
     #: the magnitude the tensor scale maps the largest value to (what the blocks then see)
@@ -214,6 +217,15 @@ class NVFP4PerToken(NVFP4):
         """One scale per row of ``rows``, ``(rows, 1)``."""
         return self._scale_along(rows, rows.dim() - 1, opts)
 
+    def tensor_scales(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each row's scale and each column's, from one read of ``x`` where a GPU kernel
+        finds both maxima (the rows' and the columns' amax of one pass)."""
+        both = kernel_amax_both(x) if x.dim() == 2 else None
+        if both is None:
+            return super().tensor_scales(x)
+        return tuple(_scale_of(a, self.tensor_range, self.scale_rule)  # type: ignore[return-value]
+                     for a in both)
+
     def _scale_along(self, x: torch.Tensor, dim: int,
                      opts: QuantOptions) -> torch.Tensor | None:
         """Each vector's ``amax / (6 * 448)`` over its finite values, the reduced axis
@@ -223,7 +235,9 @@ class NVFP4PerToken(NVFP4):
             return None
         if x.dim() == 0:
             return _scale_of(finite_amax(x), self.tensor_range, self.scale_rule)
-        amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim, keepdim=True)
+        amax = kernel_vector_amax(x, dim) if x.dim() == 2 else None  # a GPU: one pass
+        if amax is None:
+            amax = torch.where(torch.isfinite(x), x.abs(), 0).amax(dim, keepdim=True)
         return _scale_of(amax.float(), self.tensor_range, self.scale_rule)
 
 

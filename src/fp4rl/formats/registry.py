@@ -73,15 +73,16 @@ def get_format(name: str | NumberFormat) -> NumberFormat:
     return _FORMATS.get(name)
 
 
-def with_scale_rule(fmt: NumberFormat, rule: ScaleRule | str) -> NumberFormat | None:
+def with_scale_rule(fmt: NumberFormat, rule: ScaleRule) -> NumberFormat | None:
     """``fmt`` with its FP32 scale on top of the blocks under ``rule`` (a
-    :class:`~fp4rl.formats.nvfp4.ScaleRule` or its spelling): the registered format of that
+    :class:`~fp4rl.formats.nvfp4.ScaleRule`, read from its spelling at the edge: the
+    recipe's ``nvfp4_scale``): the registered format of that
     rule (``nvfp4`` under ``pow2`` is ``nvfp4_pow2``; ``fmt`` itself under its own rule),
     or None where ``fmt`` takes no such rule (it has no such scale, or no variant of it
     under ``rule`` is registered: a per-token scale is never ``static``)."""
     if fmt.scale_rule is None or not isinstance(fmt, NVFP4):
         return None
-    name = scale_rule_name(fmt, ScaleRule(rule))
+    name = scale_rule_name(fmt, rule)
     return _FORMATS.get(name) if name in _FORMATS else None
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from fp4rl.formats import get_format
 from fp4rl.formats.base import BlockFormat
 from fp4rl.formats.packing import PackedTensor
+from fp4rl.formats.registry import get_format
 from fp4rl.kernels import decode_rows as kernel_decode
 
 

@@ -224,7 +224,8 @@ def _engine_with_fp4rl_method(recipe: Recipe, args: GRPOConfig) -> Iterator[None
     build = vllm_generation.LLM
 
     def llm_with_fp4rl(**kwargs: object) -> object:
-        return build(**{**kwargs, **extra})
+        with fp4vllm.one_line_refusals():  # a recipe vLLM refuses: one line, not pydantic's
+            return build(**{**kwargs, **extra})
 
     vllm_generation.LLM = llm_with_fp4rl
     try:

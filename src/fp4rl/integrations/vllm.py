@@ -53,7 +53,7 @@ from fp4rl.rollout.vllm.engine import (
     model_dir,
     sharing_the_process,
 )
-from fp4rl.rollout.vllm.errors import VLLMError, require_vllm
+from fp4rl.rollout.vllm.errors import VLLMError, one_line_refusals, require_vllm
 from fp4rl.rollout.vllm.host import RECIPE_ENV, WORKER_EXTENSION, check_actor_recipe
 from fp4rl.rollout.vllm.names import hf_layer_names
 from fp4rl.rollout.vllm.plugin import register
@@ -64,6 +64,6 @@ __all__ = ["CONFIG_KEYS", "QUANT_METHOD", "RECIPE_ENV", "WEIGHT_STORAGES",
            "WORKER_EXTENSION", "EngineSpec", "RefitPayload", "RefitStats", "VLLMEngine",
            "VLLMError", "check_actor_recipe", "check_storage", "default_kv_cache_bytes",
            "engine_model", "hf_layer_names", "make_llm", "method_kwargs", "model_dir",
-           "quantization_config", "recipe_from_config", "refit", "refit_payload", "register",
-           "require_vllm", "rollout_recipe", "sharing_the_process", "storage_from_config",
-           "supported_recovery"]
+           "one_line_refusals", "quantization_config", "recipe_from_config", "refit",
+           "refit_payload", "register", "require_vllm", "rollout_recipe", "sharing_the_process",
+           "storage_from_config", "supported_recovery"]

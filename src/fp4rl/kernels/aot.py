@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fp4rl.kernels import KernelFormat
+    from fp4rl.kernels.base import KernelFormat
     from fp4rl.kernels.triton_quant import Variant
 
 #: (architecture, warp size) of Hopper (H100/H200) and Blackwell (B200)
@@ -56,20 +56,33 @@ def _interpreted() -> bool:
 
 def variants(formats: Iterable[KernelFormat]) -> list[Variant]:
     """Every kernel variant the launchers can produce for ``formats`` (the registered
-    ones, say): quantize, ResQ, the per-tensor amax, the packed decode and the packed
-    GEMM."""
-    from fp4rl.kernels import QUANTIZE
+    ones, say): quantize, ResQ, the per-tensor amax, the packed decode, the packed
+    GEMM (each tile height, and the reduction of its split of K) and the quantize-on-load
+    training GEMM (a linear's three, with its activations and gradients in one format, as
+    every registered recipe that can take it has them)."""
+    from fp4rl.kernels.base import QUANTIZE, Operation
     from fp4rl.kernels.triton_decode import decode_variants
     from fp4rl.kernels.triton_packed_mm import packed_mm_variants
-    from fp4rl.kernels.triton_quant import FLOATS, amax_variant, quantize_variants
+    from fp4rl.kernels.triton_qmm import qmm_variants
+    from fp4rl.kernels.triton_quant import (
+        FLOATS,
+        amax_variant,
+        quantize_variants,
+        vector_amax_variant,
+    )
 
     seen: dict[Variant, None] = {}
     for fmt in formats:
         seen.update(dict.fromkeys(quantize_variants(fmt)))
         seen.update(dict.fromkeys(decode_variants(fmt)))
         seen.update(dict.fromkeys(packed_mm_variants(fmt)))
+        if fmt.kernels is not None and Operation.QMM in fmt.kernels.triton:
+            seen.update(dict.fromkeys(qmm_variants(fmt)))
         if fmt.kernels is not None and fmt.has_tensor_scale and fmt.kernels.triton & QUANTIZE:
             seen.update(dict.fromkeys(amax_variant(dtype) for dtype in FLOATS))
+            if getattr(fmt, "vector_scales", False):  # one scale a token
+                seen.update(dict.fromkeys(vector_amax_variant(dtype, cols)
+                                           for dtype in FLOATS for cols in (False, True)))
     return list(seen)
 
 

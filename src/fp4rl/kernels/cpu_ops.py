@@ -1,5 +1,5 @@
 """The C kernels' quantizers (:mod:`.cpu`) as torch custom operators (``fp4rl::c_...``, each
-with a fake), which is how the kernel dispatch (:func:`fp4rl.kernels._backend`) calls them
+with a fake), which is how the kernel dispatch (:mod:`fp4rl.kernels.dispatch`) calls them
 on a CPU: ``torch.compile`` traces each as one opaque op with its fake's shapes instead of
 breaking its graph at a ``ctypes`` call and a data pointer, as :mod:`.triton_ops` does for
 the Triton launchers. Each is called only once the library is known to be built

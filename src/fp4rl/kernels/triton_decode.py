@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import KernelFormat
+from fp4rl.kernels.base import KernelFormat, Operation
 from fp4rl.kernels.codes import FormatCode
 from fp4rl.kernels.triton_quant import Variant, format_fields, grid_1d, pow2, rows_per_program, tile
 
@@ -145,7 +145,7 @@ def decode_variant(fmt: KernelFormat, dtype: torch.dtype) -> Variant:
 
 def decode_variants(fmt: KernelFormat) -> Iterator[Variant]:
     """What :func:`decode_2d` can launch for ``fmt``."""
-    if fmt.kernels is not None and "decode" in fmt.kernels.triton:
+    if fmt.kernels is not None and Operation.DECODE in fmt.kernels.triton:
         for dtype in DECODED:
             yield decode_variant(fmt, dtype)
 
@@ -157,7 +157,7 @@ def decode_2d(fmt: KernelFormat, fields: dict[str, torch.Tensor], rows: int, len
     does not decode."""
     code, bs = format_fields(fmt)
     assert fmt.kernels is not None
-    if "decode" not in fmt.kernels.triton:
+    if Operation.DECODE not in fmt.kernels.triton:
         return None
     blocks = -(-length // bs)
     flat = {k: v.contiguous() for k, v in fields.items()}

@@ -1,5 +1,5 @@
 """The Triton launchers of :mod:`.triton_quant` as torch custom operators (``fp4rl::...``,
-each with a fake), which is how the kernel dispatch (:func:`fp4rl.kernels._backend`) calls
+each with a fake), which is how the kernel dispatch (:mod:`fp4rl.kernels.dispatch`) calls
 them on a GPU: ``torch.compile`` traces each as one opaque op with its fake's shapes, a
 CUDA graph captures its launch, and a ``TorchDispatchMode`` sees every launch with its
 inputs and outputs (the rollout's operators, the packed decode and the packed GEMM are
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl.kernels import OPERATIONS, FormatKernels, KernelFormat
 from fp4rl.kernels import triton_quant as tq
+from fp4rl.kernels.base import OPERATIONS, FormatKernels, KernelFormat
 from fp4rl.kernels.codes import FormatCode
 
 
@@ -109,6 +109,40 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """:func:`.triton_quant.finite_amax` as the ``fp4rl::finite_amax`` operator."""
     out: torch.Tensor = torch.ops.fp4rl.finite_amax(x)
     return out
+
+
+@torch.library.custom_op("fp4rl::vector_amax", mutates_args=())
+def _vector_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return tq.vector_amax(x, dim)
+
+
+@_vector_amax.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = (1, x.shape[1]) if dim % 2 == 0 else (x.shape[0], 1)
+    return x.new_empty(shape, dtype=torch.float32)
+
+
+def vector_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`.triton_quant.vector_amax` as the ``fp4rl::vector_amax`` operator."""
+    out: torch.Tensor = torch.ops.fp4rl.vector_amax(x, dim)
+    return out
+
+
+@torch.library.custom_op("fp4rl::vector_amax_both", mutates_args=())
+def _vector_amax_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tq.vector_amax_both(x)
+
+
+@_vector_amax_both.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty((x.shape[0], 1), dtype=torch.float32),
+            x.new_empty((1, x.shape[1]), dtype=torch.float32))
+
+
+def vector_amax_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.triton_quant.vector_amax_both` as the ``fp4rl::vector_amax_both`` operator."""
+    rows, cols = torch.ops.fp4rl.vector_amax_both(x)
+    return rows, cols
 
 
 @torch.library.custom_op("fp4rl::fused_resq", mutates_args=())

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels import QUANTIZE, KernelFormat
+from fp4rl.kernels.base import QUANTIZE, KernelFormat, Operation
 from fp4rl.kernels.codes import FormatCode
 
 TILE_ELEMENTS = 2048
@@ -320,7 +320,7 @@ def _nvfp4_4o6_mag(a, amax, noise, HAS_NOISE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
+def quantize_tile(x, noise, FMT: tl.constexpr, ROWS: tl.constexpr, HAS_NOISE: tl.constexpr):
     """Fake-quantize a (ROWS, block) float32 tile; a block holding NaN/Inf becomes NaN."""
     bits = x.to(tl.int32, bitcast=True)
     a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
@@ -380,7 +380,7 @@ def _quantize_kernel(x_ptr, y_ptr, noise_ptr, n_rows, length, sxr, sxc, syr, syc
     if HAS_NOISE:
         noise = tl.load(noise_ptr + rows * snr + cols * snc, mask=rows < n_rows,
                         other=0.0).to(tl.float32)
-    y = _quantize_tile(x, noise, FMT, ROWS, HAS_NOISE)
+    y = quantize_tile(x, noise, FMT, ROWS, HAS_NOISE)
     if HAS_SCALE and RESCALE:
         y = y * g
     if y_ptr.dtype.element_ty == tl.bfloat16:
@@ -401,8 +401,8 @@ def _quantize_both_kernel(x_ptr, y_ptr, z_ptr, n_rows, length, sxr, sxc, g_ptr,
     if HAS_SCALE:  # one g for the tensor: both axes see the same x / g
         g = tl.load(g_ptr)
         x = tl.math.div_rn(x, tl.zeros_like(x) + g)
-    y = _quantize_tile(x, 0.0, FMT, BS, False)
-    z = tl.trans(_quantize_tile(tl.trans(x), 0.0, FMT, BS, False))
+    y = quantize_tile(x, 0.0, FMT, BS, False)
+    z = tl.trans(quantize_tile(tl.trans(x), 0.0, FMT, BS, False))
     if y_ptr.dtype.element_ty == tl.bfloat16:
         y = bf16_rne(y)
         z = bf16_rne(z)
@@ -430,8 +430,8 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
     exact in bf16: a bf16 GEMM's two operands), from x of any float dtype."""
     rows, cols, inside = tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
-    q = _quantize_tile(x, 0.0, FMT, ROWS, False)
-    res = _quantize_tile(x - q, 0.0, FMT, ROWS, False)
+    q = quantize_tile(x, 0.0, FMT, ROWS, False)
+    res = quantize_tile(x - q, 0.0, FMT, ROWS, False)
     if GROUP > 0:
         a = tl.reshape(tl.abs(res), (ROWS, BS // GROUP, GROUP))
         idx = tl.arange(0, GROUP)
@@ -479,6 +479,78 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{flat.numel()} values need {programs} programs; reduce in parts")
     amax_variant(flat.dtype).launch((programs,), flat, out, flat.numel())
     return out.view(torch.float32)
+
+
+@triton.jit(do_not_specialize=TOKEN_SIZES[:2])
+def _vector_amax_kernel(x_ptr, out_ptr, c_out_ptr, n_rows, length, sxr, sxc,
+                        ROWS: tl.constexpr, BS: tl.constexpr, COLS: tl.constexpr):
+    """Each row's largest finite |x| (rows along the strides given: a matrix's rows or its
+    columns), as float32 bits, into ``out`` (int32 zeros, one a row) by atomic maxima, as
+    :func:`_amax_kernel` does for the whole tensor, and where COLS each column's into
+    ``c_out``: one read of x."""
+    tiles = tl.cdiv(length, BS)
+    pid = tl.program_id(0).to(tl.int64)
+    r = (pid // tiles) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = (pid % tiles) * BS + tl.arange(0, BS).to(tl.int64)[None, :]
+    inside = (r[:, None] < n_rows) & (cols < length)
+    x = tl.load(x_ptr + r[:, None] * sxr + cols * sxc, mask=inside, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bits = tl.where(bits < 0x7F800000, bits, 0)
+    tl.atomic_max(out_ptr + r, tl.max(bits, axis=1), mask=r < n_rows)
+    if COLS:
+        c = (pid % tiles) * BS + tl.arange(0, BS).to(tl.int64)
+        tl.atomic_max(c_out_ptr + c, tl.max(bits, axis=0), mask=c < length)
+
+
+#: rows and columns of one program of the per-vector amax kernel
+VECTOR_AMAX_TILE = (16, 256)
+
+
+def vector_amax_variant(dtype: torch.dtype, cols: bool = False) -> Variant:
+    """The per-vector finite-amax kernel reading ``dtype`` (``cols``: the columns' too)."""
+    rows, bs = VECTOR_AMAX_TILE
+    return Variant(_vector_amax_kernel, (dtype, torch.int32, torch.int32),
+                   (("ROWS", rows), ("BS", bs), ("COLS", cols)))
+
+
+def _vector_amax(x: torch.Tensor, along: int, cols: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' amax bits (rows across the reduced axis ``along``) and, where ``cols``,
+    the other axis's, from one launch."""
+    if x.dim() != 2 or x.dtype not in FLOATS:
+        raise ValueError("vector_amax takes a float matrix")
+    n_rows, length = (x.shape[1], x.shape[0]) if along == 0 else x.shape
+    sxr, sxc = (x.stride(1), x.stride(0)) if along == 0 else x.stride()
+    out = torch.zeros(n_rows, dtype=torch.int32, device=x.device)
+    c_out = torch.zeros(length, dtype=torch.int32, device=x.device) if cols else out
+    rows, bs = VECTOR_AMAX_TILE
+    programs = triton.cdiv(n_rows, rows) * triton.cdiv(length, bs)
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"a ({n_rows}, {length}) matrix needs {programs} programs; reduce "
+                         "in parts")
+    if programs:
+        vector_amax_variant(x.dtype, cols).launch((programs,), x, out, c_out, n_rows, length,
+                                                  sxr, sxc)
+    return out, (c_out if cols else None)
+
+
+def vector_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each vector's largest finite magnitude along ``dim`` of a matrix (0 where none), in
+    float32, the reduced axis kept (size 1): ``where(isfinite(x), |x|, 0).amax(dim,
+    keepdim=True)`` in one pass over ``x`` read in place, with no host sync."""
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"vector_amax: dim {dim} of a matrix")
+    along = dim % 2
+    bits, _ = _vector_amax(x, along, False)
+    amax = bits.view(torch.float32)
+    return amax[None, :] if along == 0 else amax[:, None]
+
+
+def vector_amax_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vector_amax(x, -1), vector_amax(x, 0))`` from one read of ``x``."""
+    rows, cols = _vector_amax(x, 1, True)
+    assert cols is not None
+    return rows.view(torch.float32)[:, None], cols.view(torch.float32)[None, :]
 
 
 def rows_per_program(block: int) -> int:
@@ -655,15 +727,15 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
             for out in OPERAND_TYPES:
                 for scale in scales:
                     yield quantize_variant(fmt, dtype, out, False, scale, False)
-    if "rows_bf16" in ops:
+    if Operation.ROWS_BF16 in ops:
         for scale in scales:
             yield quantize_variant(fmt, torch.bfloat16, torch.bfloat16, False, scale, False)
-    for group in resq_groups(fmt) if "resq" in ops else ():
+    for group in resq_groups(fmt) if Operation.RESQ in ops else ():
         yield resq_variant(fmt, torch.float32, group, False)
-    for group in resq_groups(fmt) if "resq_terms" in ops else ():
+    for group in resq_groups(fmt) if Operation.RESQ_TERMS in ops else ():
         for dtype in RESQ_TERMS_INPUTS:
             yield resq_variant(fmt, dtype, group, True)
-    if "both" in ops:
+    if Operation.BOTH in ops:
         for x, y in BOTH_TYPES:
             for scale in scales:
                 yield both_variant(fmt, x, y, scale)

@@ -50,15 +50,18 @@ from fp4rl.formats.nvfp4 import ScaleRule, finite_amax, static_scale
 from fp4rl.formats.registry import with_scale_rule
 from fp4rl.gemm import (
     UNQUANTIZED,
+    OnLoad,
     Operand,
     OperandFormat,
     PackedCall,
     PackedOperand,
     mm,
+    mm_on_load,
     packed_fusion,
     packed_gemm,
     quantize_operand,
     quantize_operand_pair,
+    quantizes_on_load,
 )
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
@@ -153,6 +156,13 @@ class _FP4LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         qw = _train_weight(layer, weight, p, -1, dtype, backward=False,
                            with_backward=ctx.needs_input_grad[0])
+        grads = _gradient_format(p.gradients) if gradients is None else gradients
+        ctx.precision, ctx.dtype, ctx.x_shape, ctx.signs = p, dtype, x.shape, signs
+        ctx.layer, ctx.gradients = layer, grads
+        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+        ctx.on_load = _on_load_path(p, grads, x2, dtype, signs)
+        if ctx.on_load:
+            return _forward_on_load(ctx, x, x2, weight, qw, bias)
         x_axis = backward_axes(p)[1]  # the forward's Q(X) when it is blocked the same way
         saved_x = None
         if ctx.needs_input_grad[1] and signs is None and x_axis == 0:
@@ -170,14 +180,12 @@ class _FP4LinearFn(torch.autograd.Function):
             saved_x = _backward_operand(saved_x, p, dtype)
         ctx.save_for_backward(weight, None if saved_x is None else saved_x.values)
         ctx.x_scale = None if saved_x is None else saved_x.scale
-        ctx.precision, ctx.dtype, ctx.x_shape, ctx.signs = p, dtype, x.shape, signs
-        ctx.layer = layer
-        ctx.gradients = _gradient_format(p.gradients) if gradients is None else gradients
-        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.on_load:
+            return _backward_on_load(ctx, grad_y)
         weight, qx_values = ctx.saved_tensors
         p: TrainPrecision = ctx.precision
         grads: OperandFormat = ctx.gradients
@@ -205,6 +213,69 @@ class _FP4LinearFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.float().sum(dim=0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _on_load_path(p: TrainPrecision, grads: OperandFormat, x2: torch.Tensor,
+                  dtype: torch.dtype, signs: torch.Tensor | None) -> bool:
+    """Whether the three GEMMs quantize ``X`` and ``dY`` as they load them
+    (:func:`fp4rl.gemm.mm_on_load`; ``FP4RL_QUANTIZE_ON_LOAD=1`` on a GPU): ``requantize``
+    backward operands (each GEMM's operands blocked along its own reduction axis, which is
+    the axis the kernel quantizes along), no token rotation of the weight gradient, nearest
+    rounding of ``dY``, and both formats with the kernel."""
+    return (signs is None and p.backward_operands is BackwardOperands.REQUANTIZE and
+            not p.stochastic_gradients and quantizes_on_load(p.activations, x2, dtype) and
+            quantizes_on_load(grads, x2, dtype))
+
+
+def _forward_on_load(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
+                     qw: Operand, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward on the quantize-on-load path: ``X`` quantized along the features inside
+    the GEMM; for the weight gradient ``X`` itself is kept (no quantized copy), with its
+    scale along the tokens computed here, under the forward's scale scope (a static
+    NVFP4 scale), as the quantize-first path computes it."""
+    p: TrainPrecision = ctx.precision
+    act = p.activations
+    assert isinstance(act, NumberFormat)  # _on_load_path checked it
+    # the scales along the features and along the tokens (one per tensor serves both;
+    # one a token and one a feature come from one read of X)
+    rows, cols = act.tensor_scales(x2) if ctx.needs_input_grad[1] else \
+        (act.tensor_scale(x2, -1), None)
+    y = mm_on_load(OnLoad(x2, act, rows), qw.t(), ctx.dtype, bias)
+    ctx.x_scale = cols
+    ctx.save_for_backward(weight, x2 if ctx.needs_input_grad[1] else None)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _backward_on_load(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward on the quantize-on-load path: ``dY`` quantized along the outputs for
+    the input gradient and along the tokens for the weight gradient, ``X`` along the
+    tokens, each inside its GEMM; the gradients written in their parameters' types (the
+    bf16 result, exactly, with no cast pass)."""
+    weight, x2 = ctx.saved_tensors
+    p: TrainPrecision = ctx.precision
+    grads = ctx.gradients
+    dtype: torch.dtype = ctx.dtype
+    g = grad_y.reshape(-1, grad_y.shape[-1])
+    direct = (torch.bfloat16, torch.float32)
+    grad_x = grad_w = grad_b = None
+    act = p.activations
+    assert isinstance(act, NumberFormat) and isinstance(grads, NumberFormat)  # _on_load_path
+    rows, cols = grads.tensor_scales(g) if ctx.needs_input_grad[1] else \
+        (grads.tensor_scale(g, -1), None)
+    g_rows = OnLoad(g, grads, rows)
+    if ctx.needs_input_grad[0]:
+        qw = _train_weight(ctx.layer, weight, p, 0, dtype, backward=True)
+        out = ctx.x_dtype if ctx.x_dtype in direct else dtype
+        grad_x = mm_on_load(g_rows, qw, dtype, out_dtype=out)
+        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        g_cols = OnLoad(g, grads, cols)
+        out = weight.dtype if weight.dtype in direct else dtype
+        grad_w = mm_on_load(g_cols.t(), OnLoad(x2, act, ctx.x_scale), dtype,
+                            out_dtype=out).to(weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g.float().sum(dim=0).to(weight.dtype)
+    return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _KeptWeights:
@@ -542,7 +613,7 @@ class FP4Linear(nn.Linear):
                                ) -> PackedCall | None:
         """The rollout ``Q(W)`` as packed codes (kept for the weight version) where a decode
         step multiplies by them in one fused kernel (:func:`fp4rl.gemm.packed_fusion`: a GPU,
-        bf16, a few dozen tokens): it reads about a quarter of the bytes of the bf16
+        bf16, any token count): it reads about a quarter of the bytes of the bf16
         ``Q(W)``. Only where the recovery's rollout is ``activation(x) @ Q(W).T`` (no
         forward of its own) and ``Q(W)`` is this layer's own; else None."""
         fmt = self.recipe.rollout.weights

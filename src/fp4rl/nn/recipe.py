@@ -103,18 +103,23 @@ def operand_formats() -> list[str]:
 
 
 def _operand_format(value: object, where: str) -> OperandFormat:
-    name = str(value).lower() if isinstance(value, str | NumberFormat | NotQuantized) else value
+    """An operand's format as a recipe holds it: a format object taken as it is (the
+    registered one of its name, as a recipe travels by names), a name read here."""
+    if isinstance(value, NotQuantized):
+        return UNQUANTIZED
+    if isinstance(value, NumberFormat) and value.name in quantized_formats():
+        if get_format(value.name) is not value:
+            raise RecipeError(f"{where}: {value!r} is not the registered {value.name} format "
+                              f"object; register it, or name it ({value.name!r})")
+        return value
+    name = value.lower() if isinstance(value, str) else value
     name = UNQUANTIZED.name if name == READ_AS_UNQUANTIZED else name
-    if name not in operand_formats():
+    if not isinstance(name, str) or name not in operand_formats():
         hint = did_you_mean(value, operand_formats())
         raise RecipeError(f"{where}: {value!r} is not a format{hint}; choose one of "
                           f"{', '.join(operand_formats())} ({READ_AS_UNQUANTIZED} reads as "
                           f"{UNQUANTIZED})")
-    fmt = operand_format(name)
-    if isinstance(value, NumberFormat) and value is not fmt:
-        raise RecipeError(f"{where}: {value!r} is not the registered {name} format object; "
-                          f"register it, or name it ({name!r})")
-    return fmt
+    return operand_format(name)
 
 
 def _weight_format(value: object, where: str) -> OperandFormat:

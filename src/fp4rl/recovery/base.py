@@ -31,6 +31,7 @@ from fp4rl.gemm import (
     pack_operand,
     quantize_operand,
 )
+from fp4rl.recovery.sparsity import SparsityPattern
 from fp4rl.registry import Registry
 from fp4rl.settings import Settings
 
@@ -55,6 +56,12 @@ class RecoveryConfig(Settings):
     def text(self) -> str:
         """The recipe-string argument that :meth:`from_text` reads back ("" for none)."""
         return ""
+
+    @property
+    def patterns(self) -> tuple[SparsityPattern, ...]:
+        """The sparsity patterns the method keeps its residuals with (none here): what a
+        split of the layer across ranks asks of them (:attr:`SparsityPattern.local`)."""
+        return ()
 
 
 class RolloutRecovery(ABC):

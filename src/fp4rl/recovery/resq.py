@@ -9,17 +9,23 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import ClassVar
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from fp4rl.formats import BlockFormat, NumberFormat, get_format, quantize
 from fp4rl.gemm import Operand, has_tensor_scale, quantize_operand
 from fp4rl.kernels import resq_rows, resq_terms
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
-from fp4rl.recovery.sparsity import NM, Dense, SparsityPattern, parse_pattern, sparsify
+from fp4rl.recovery.sparsity import (
+    NM,
+    Dense,
+    Pattern,
+    SparsityPattern,
+    parse_pattern,
+    sparsify,
+)
 
 
 def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
@@ -30,7 +36,8 @@ def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
     to the composed steps below, which every other case uses).
     """
     fmt = get_format(fmt)  # the public functions read names; below them, objects
-    fused = _fused(x, fmt, parse_pattern(pattern))
+    pattern = parse_pattern(pattern)
+    fused = _fused(x, fmt, pattern)
     if fused is not None:
         return fused
     qx = quantize(x, fmt)
@@ -82,23 +89,22 @@ def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str | NumberFormat,
 
 class ResQConfig(RecoveryConfig):
     """sparsity: the pattern ``S`` keeps of the residual: "dense", any "n:m" ("2:4"),
-    "channel:<fraction>" or "block:<rows>x<cols>:<fraction>"."""
+    "channel:<fraction>" or "block:<rows>x<cols>:<fraction>", parsed here, once."""
 
-    sparsity: str = Field("2:4", description="the pattern the residual keeps: dense, n:m "
-                          "(2:4), channel:<fraction> or block:<rows>x<cols>:<fraction>")
-
-    @field_validator("sparsity", "weight_sparsity", check_fields=False)
-    @classmethod
-    def _a_pattern(cls, value: str) -> str:
-        parse_pattern(value)  # raises with the accepted forms
-        return value
+    sparsity: Pattern = Field("2:4", validate_default=True,
+                              description="the pattern the residual keeps: dense, n:m "
+                              "(2:4), channel:<fraction> or block:<rows>x<cols>:<fraction>")
 
     @classmethod
     def from_text(cls, arg: str) -> ResQConfig:
-        return cls(sparsity=arg or "dense")
+        return cls(sparsity=parse_pattern(arg or "dense"))
 
     def text(self) -> str:
-        return self.sparsity
+        return str(self.sparsity)
+
+    @property
+    def patterns(self) -> tuple[SparsityPattern, ...]:
+        return (self.sparsity,)
 
 
 class ResQ(RolloutRecovery):
@@ -109,10 +115,10 @@ class ResQ(RolloutRecovery):
     serves_in_engines = True
     config: ResQConfig
 
-    @cached_property
+    @property
     def pattern(self) -> SparsityPattern:
-        """The parsed sparsity pattern (parsed once, not on every decode step)."""
-        return parse_pattern(self.config.sparsity)
+        """The sparsity pattern (parsed once, by the config)."""
+        return self.config.sparsity
 
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
         if dtype == torch.float32 or not isinstance(self.act_format, NumberFormat):

@@ -18,28 +18,32 @@ besides ``Q(W)``, so the method reads the high-precision weight (``reads_weight`
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 from pydantic import Field
 
 from fp4rl.gemm import Operand, mm, quantize_operand
 from fp4rl.recovery.base import register_recovery
 from fp4rl.recovery.resq import ResQ, ResQConfig
-from fp4rl.recovery.sparsity import SparsityPattern, parse_pattern, sparsify
+from fp4rl.recovery.sparsity import Pattern, SparsityPattern, parse_pattern, sparsify
 
 
 class ResQWConfig(ResQConfig):
     """sparsity: the activation residual's pattern (as ResQ); weight_sparsity: the weight
     residual's pattern, along in_features ("dense", "n:m", ...)."""
 
-    weight_sparsity: str = Field("2:4", description="the weight residual's pattern along "
-                                 "in_features, as sparsity")
+    weight_sparsity: Pattern = Field("2:4", validate_default=True,
+                                     description="the weight residual's pattern along "
+                                     "in_features, as sparsity")
 
     @classmethod
     def from_text(cls, arg: str) -> ResQWConfig:
         """``resqw-2:4``: the same pattern for both residuals."""
-        return cls(sparsity=arg or "dense", weight_sparsity=arg or "dense")
+        pattern = parse_pattern(arg or "dense")
+        return cls(sparsity=pattern, weight_sparsity=pattern)
+
+    @property
+    def patterns(self) -> tuple[SparsityPattern, ...]:
+        return (self.sparsity, self.weight_sparsity)
 
 
 class ResQW(ResQ):
@@ -53,9 +57,9 @@ class ResQW(ResQ):
         #: the residual of one ``Q(W)`` operand (held, so its identity is not reused)
         self._residual: tuple[Operand, torch.dtype, Operand] | None = None
 
-    @cached_property
+    @property
     def weight_pattern(self) -> SparsityPattern:
-        return parse_pattern(self.config.weight_sparsity)
+        return self.config.weight_sparsity
 
     def weight_residual(self, w: torch.Tensor, qw: Operand, dtype: torch.dtype) -> Operand:
         """``S_w(Q(W - Q(W)))`` in ``dtype`` (exact), kept as long as ``qw`` is the operand

@@ -34,11 +34,14 @@ import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Annotated, ClassVar
 
 import torch
+from pydantic import BeforeValidator, PlainSerializer
 from torch import Tensor
 
 from fp4rl.errors import UserError
+from fp4rl.settings import Choices
 
 ACCEPTED_FORMS = (
     '"dense", "n:m" with 1 <= n <= m (e.g. "2:4"), "channel:<fraction>" with '
@@ -59,6 +62,10 @@ _BLOCK_RE = re.compile(rf"block:(\d+)x(\d+):{_NUMBER}")
 class Dense:
     """Keep every entry."""
 
+    #: whether what it keeps of a row depends only on a run of ``m`` values along it (so a
+    #: rank holding a slice of the inputs, cut at whole runs, keeps what the whole would)
+    local: ClassVar[bool] = True
+
     @property
     def density(self) -> float:
         return 1.0
@@ -73,6 +80,7 @@ class NM:
 
     n: int
     m: int
+    local: ClassVar[bool] = True
 
     @property
     def density(self) -> float:
@@ -87,6 +95,7 @@ class Channel:
     """Keep the top ``fraction`` of last-axis channels by L2 norm over tokens."""
 
     fraction: float
+    local: ClassVar[bool] = False  # ranks channels by their norm over the whole input
 
     @property
     def density(self) -> float:
@@ -103,6 +112,7 @@ class Block:
     rows: int
     cols: int
     fraction: float
+    local: ClassVar[bool] = False  # ranks tiles by their norm over the whole matrix
 
     @property
     def density(self) -> float:
@@ -278,3 +288,12 @@ def _block_mask(x: Tensor, rows: int, cols: int, fraction: float) -> Tensor:
     keep_tiles = _top_fraction(norms_sq, fraction).reshape(tile_rows, 1, tile_cols, 1)
     keep = keep_tiles.expand(tile_rows, rows, tile_cols, cols).reshape(padded.shape)
     return keep[:tokens, :d].reshape(x.shape)
+
+
+#: a settings field holding a pattern: read from its string once, at the config's edge
+#: (a malformed one refused there, naming the accepted forms), held as the object, and
+#: written back as its string
+Pattern = Annotated[SparsityPattern, BeforeValidator(parse_pattern),
+                    PlainSerializer(str, return_type=str),
+                    Choices(lambda: ["dense", "n:m", "channel:<fraction>",
+                                     "block:<rows>x<cols>:<fraction>"])]

@@ -26,7 +26,12 @@ from fp4rl.rollout.vllm.config import (
     quantization_config,
     rollout_recipe,
 )
-from fp4rl.rollout.vllm.errors import VLLMError, require_vllm, vllm_installed
+from fp4rl.rollout.vllm.errors import (
+    VLLMError,
+    one_line_refusals,
+    require_vllm,
+    vllm_installed,
+)
 from fp4rl.rollout.vllm.host import WORKER_EXTENSION
 from fp4rl.rollout.vllm.plugin import register
 from fp4rl.rollout.vllm.refit import refit
@@ -162,7 +167,7 @@ def make_llm(spec: EngineSpec) -> LLM:
     actually sampled and fp4rl's worker extension for refits."""
     vllm = require_vllm()
     # vLLM's external launcher runs the engine core in the launched process
-    with sharing_the_process(spec.per_rank or not spec.on_gpu):
+    with sharing_the_process(spec.per_rank or not spec.on_gpu), one_line_refusals():
         launcher = {"distributed_executor_backend": "external_launcher"} if spec.per_rank else {}
         memory = {"gpu_memory_utilization": spec.gpu_memory_utilization} \
             if spec.kv_cache_bytes is None else {"kv_cache_memory_bytes": spec.kv_cache_bytes}

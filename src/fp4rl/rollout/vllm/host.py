@@ -20,11 +20,10 @@ WORKER_EXTENSION = "fp4rl.rollout.vllm.worker.FP4RLWorkerExtension"
 RECIPE_ENV = "FP4RL_RECIPE"
 
 
-def encode_recipe(recipe: Recipe | str) -> str:
+def encode_recipe(recipe: Recipe) -> str:
     """``recipe`` as :data:`RECIPE_ENV` carries it: the JSON of :meth:`Recipe.to_dict`, one
-    line. A name and the recipe it stands for give the same text, and a recipe built in
-    code, which has no name, travels whole."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    line. The recipe, not its name: a recipe built in code, which has no name, travels
+    whole, and a name is read into its recipe at the edge that takes it."""
     return json.dumps(recipe.to_dict(), separators=(",", ":"))
 
 

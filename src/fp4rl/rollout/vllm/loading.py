@@ -46,9 +46,9 @@ from fp4rl.rollout.vllm.stores import Part, WeightStore, release_freed_memory
 
 
 class WeightLayout(Protocol):
-    """How a layer makes and keeps ``Q(W)``: the layer's scheme (:mod:`.method`, one per
+    """How a layer makes and keeps ``Q(W)``: the layer's layout (:mod:`.layouts`, one per
     :class:`~fp4rl.rollout.vllm.config.WeightStorage`) answers, so that nothing here
-    branches on the storage."""
+    branches on the storage; it never calls back into this module."""
 
     def quantize(self, state: LayerState, shard: torch.Tensor,
                  tensor_scale: torch.Tensor | None) -> Part:
@@ -70,7 +70,7 @@ class LayerState:
     in_features: int
     dtype: torch.dtype
     fmt: OperandFormat
-    #: the layer's scheme, as its weight storage asks
+    #: the layer's layout, as its weight storage asks
     layout: WeightLayout
     recovery: RolloutRecovery
     #: the recovery's activation as one traceable operator (:mod:`fp4rl.recovery.ops`)

@@ -1,17 +1,14 @@
 """The vLLM linear method of the ``fp4rl`` quantization method (imported only where vLLM
 is), as vLLM's own quantization methods are built: the config (:mod:`.quant_config`)
 picks a method per layer, and the method hands each of vLLM's three calls
-(``create_weights``, ``process_weights_after_loading``, ``apply``) to one scheme object
-per weight layout, :class:`DequantizedScheme` or :class:`PackedScheme`. What the layouts
-share (the parameters a layer registers, the rollout-mode forward) is the base
-:class:`FP4RLScheme`'s; what differs (how ``Q(W)`` is made from a loaded weight, what a
-refit may send, which store keeps it) is each scheme's own. :mod:`.loading` fills a layer
-through its scheme, :mod:`.stores` keeps ``Q(W)``."""
+(``create_weights``, ``process_weights_after_loading``, ``apply``) to one scheme object,
+:class:`FP4RLScheme`: the parameters a layer registers, the rollout-mode forward. What
+differs between weight storages (how ``Q(W)`` is made from a loaded weight, what a refit
+may send, which store keeps it) is the layer's layout (:mod:`.layouts`). The calls run one
+way: the scheme hands processing to :mod:`.loading`, which asks the layout, and neither
+calls the scheme back; :mod:`.stores` keeps ``Q(W)``."""
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from typing import ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, QKVParallelLinear
@@ -19,13 +16,13 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from fp4rl.formats import NumberFormat
-from fp4rl.gemm import Operand
 from fp4rl.nn.recipe import Recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.recovery.ops import TracedActivation
 from fp4rl.rollout.vllm.compat import WeightLoader
 from fp4rl.rollout.vllm.config import WeightStorage
 from fp4rl.rollout.vllm.errors import VLLMError
+from fp4rl.rollout.vllm.layouts import LAYOUTS
 from fp4rl.rollout.vllm.loading import (
     LayerState,
     engine_is_eager,
@@ -38,22 +35,20 @@ from fp4rl.rollout.vllm.loading import (
     weight_loader_of,
 )
 from fp4rl.rollout.vllm.sharding import Partition, check_partition
-from fp4rl.rollout.vllm.stores import DequantizedStore, Part, WeightStore, keep_packed
 
 
-class FP4RLScheme(ABC):
-    """One weight layout of the fp4rl method for one vLLM linear (merged or not): vLLM's
-    three calls, and the layout's answers to :class:`~.loading.WeightLayout`."""
+class FP4RLScheme:
+    """The fp4rl method for one vLLM linear (merged or not), in one weight storage: vLLM's
+    three calls."""
 
-    #: the ``weight_storage`` this scheme serves
-    storage: ClassVar[WeightStorage]
-
-    def __init__(self, recipe: Recipe, seed: int, hf_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, recipe: Recipe, seed: int, hf_names: tuple[str, ...] = (),
+                 storage: WeightStorage = WeightStorage.DEQUANTIZED) -> None:
         """``hf_names``: the Hugging Face layers the linear stands for, in row order (a
-        refit sends ``Q(W)`` by those names)."""
+        refit sends ``Q(W)`` by those names); ``storage``: how its layers keep ``Q(W)``."""
         self.recipe = recipe
         self.seed = seed
         self.hf_names = hf_names
+        self.layout = LAYOUTS[storage]
 
     # ----- vLLM's calls ----------------------------------------------------------------
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
@@ -72,7 +67,7 @@ class FP4RLScheme(ABC):
                               qkv=isinstance(layer, QKVParallelLinear))
         check_partition(partition, self.recipe)
         state = LayerState(list(output_partition_sizes), input_size_per_partition,
-                           params_dtype, r.weights, self, recovery,
+                           params_dtype, r.weights, self.layout, recovery,
                            TracedActivation(recovery),
                            # a prepacked kernel returns rounded products: one unscaled
                            # activation operand only (not ResQ's two terms in bf16)
@@ -118,64 +113,14 @@ class FP4RLScheme(ABC):
         y = state.store.apply(acts, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    # ----- the layout's own (loading.WeightLayout) ---------------------------------------
-    #: whether ``Q(W)`` made from a loaded weight is kept as the format's codes
-    packs: ClassVar[bool] = False
-
-    def quantize(self, state: LayerState, shard: torch.Tensor,
-                 tensor_scale: torch.Tensor | None) -> Part:
-        return state.recovery.weight_operand(shard, packed=self.packs,
-                                             tensor_scale=tensor_scale)
-
-    def accept(self, state: LayerState, parts: list[Part]) -> None:  # noqa: B027
-        """Either wire's parts: values are kept as they are, codes decoded once (a
-        layout that cannot keep one overrides this)."""
-
-    @abstractmethod
-    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
-        """The store holding ``parts``."""
-
-
-class DequantizedScheme(FP4RLScheme):
-    """``Q(W)``'s values in the compute dtype, multiplied by vLLM's own GEMM (its prepacked
-    oneDNN weight on a CPU): a bf16 engine's memory, a bf16 GEMM's speed."""
-
-    storage: ClassVar[WeightStorage] = WeightStorage.DEQUANTIZED
-
-    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
-        return DequantizedStore.of(parts, state.dtype, state.prepack)
-
-
-class PackedScheme(FP4RLScheme):
-    """``Q(W)`` as the format's 4-bit codes and scales, decoded at each forward (in
-    registers, by the fused packed GEMM, at decode sizes on a GPU)."""
-
-    storage: ClassVar[WeightStorage] = WeightStorage.PACKED
-    packs: ClassVar[bool] = True
-
-    def accept(self, state: LayerState, parts: list[Part]) -> None:
-        if isinstance(state.fmt, NumberFormat) and any(isinstance(p, Operand) for p in parts):
-            raise VLLMError("an engine with weight_storage=packed keeps the 4-bit codes it is "
-                            "sent: refit it with the packed wire (refit(..., packed=True), "
-                            "rollout.vllm.refit_wire=packed)")
-
-    def keep(self, state: LayerState, parts: list[Part]) -> WeightStore:
-        return keep_packed(parts, state.dtype, state.prepack)
-
-
-#: the scheme of each weight layout
-SCHEMES: dict[WeightStorage, type[FP4RLScheme]] = {
-    s.storage: s for s in (DequantizedScheme, PackedScheme)}
-
-
 class FP4RLLinearMethod(LinearMethodBase):
     """fp4rl's rollout-mode linear method: vLLM's calls handed to the scheme of the
-    layer's weight layout (``scheme``)."""
+    layer's weight storage (``scheme``)."""
 
     def __init__(self, recipe: Recipe, seed: int,
                  storage: WeightStorage = WeightStorage.DEQUANTIZED,
                  hf_names: tuple[str, ...] = ()) -> None:
-        self.scheme = SCHEMES[storage](recipe, seed, hf_names)
+        self.scheme = FP4RLScheme(recipe, seed, hf_names, storage)
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
@@ -193,5 +138,4 @@ class FP4RLLinearMethod(LinearMethodBase):
         return self.scheme.apply_weights(layer, x, bias)
 
 
-__all__ = ["SCHEMES", "DequantizedScheme", "FP4RLLinearMethod", "FP4RLScheme",
-           "PackedScheme"]
+__all__ = ["FP4RLLinearMethod", "FP4RLScheme"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
 import torch
 from vllm.model_executor.utils import set_weight_attrs
@@ -24,12 +23,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from fp4rl.formats import NumberFormat
 from fp4rl.gemm import Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
-from fp4rl.recovery.sparsity import NM, Dense, parse_pattern
 from fp4rl.rollout.vllm.compat import WeightLoader
 from fp4rl.rollout.vllm.errors import VLLMError
-
-if TYPE_CHECKING:
-    from fp4rl.recovery.resq import ResQConfig
 
 Part = Operand | PackedOperand
 
@@ -79,12 +74,11 @@ def check_partition(partition: Partition, recipe: Recipe) -> None:
         raise VLLMError(f"{r.activations} activations scale by the whole input's amax, which "
                         f"no rank of the row-parallel {where} sees: use "
                         "tensor_parallel_size=1, or block-scaled activations (hif4, mxfp4)")
-    if r.recovery.method == "resq" and not isinstance(
-            parse_pattern(str(cast("ResQConfig", r.recovery.config).sparsity)), Dense | NM):
-        sparsity = cast("ResQConfig", r.recovery.config).sparsity
-        raise VLLMError(f"ResQ's {sparsity} sparsity ranks channels across "
-                        f"the whole input, which no rank of the row-parallel {where} sees: "
-                        "use dense or n:m sparsity with tensor parallelism")
+    for pattern in r.recovery.config.patterns:
+        if not pattern.local:
+            raise VLLMError(f"{r.recovery.method}'s {pattern} sparsity ranks values across "
+                            f"the whole input, which no rank of the row-parallel {where} "
+                            "sees: use dense or n:m sparsity with tensor parallelism")
 
 
 #: the shard ids of ``QKVParallelLinear``'s parts, in row order
