@@ -229,3 +229,44 @@ def test_the_two_axis_quantizer_on_the_gpu(fmt, monkeypatch):
             for got, axis in ((rows, -1), (cols, 0)):
                 want = quantize_operand(xd, fmt, axis, out_dtype=out)
                 assert _same_or_both_nan(got.values.float().cpu(), want.values.float().cpu())
+
+
+@pytest.mark.parametrize("recipe", ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token"])
+def test_the_quantize_on_load_linear_on_the_gpu(recipe, monkeypatch):
+    """An FP4Linear's output and three gradients under CUDA autocast, FP32 masters, on
+    exact-sum data (small integers times powers of two): the quantize-on-load GEMMs
+    (fp4rl::qmm, compiled) give the quantize-first path's bits, and are the ones run."""
+    from fp4rl.kernels import triton_qmm
+    from fp4rl.nn import FP4Linear, get_recipe
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+
+    def exact(*shape: int) -> torch.Tensor:
+        ints = torch.randint(-7, 8, shape, generator=g).float()
+        return (ints * 2.0 ** torch.randint(-1, 2, shape, generator=g).float()).cuda()
+
+    w, b, x0, gy = exact(90, 200), exact(90), exact(3, 23, 200), exact(3, 23, 90)
+    calls: list[int] = []
+    real = triton_qmm.qmm_2d
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    results = []
+    monkeypatch.setattr(triton_qmm, "qmm_2d", counted)
+    for on in ("0", "1"):
+        monkeypatch.setenv("FP4RL_QUANTIZE_ON_LOAD", on)
+        lin = torch.nn.Linear(200, 90, device="cuda")
+        lin.weight.data, lin.bias.data = w.clone(), b.clone()
+        layer = FP4Linear.from_linear(lin, get_recipe(recipe))
+        x = x0.clone().requires_grad_()
+        calls.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(gy.to(y.dtype))
+        assert len(calls) == (3 if on == "1" else 0)
+        results.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+    for a, c in zip(*results, strict=True):
+        assert _same_or_both_nan(a, c)

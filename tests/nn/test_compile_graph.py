@@ -17,7 +17,7 @@ from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.recipe import get_recipe
 
 RECIPES = ["hif4", "nvfp4", "nvfp4_static", "nvfp4_per_token", "miles-nvfp4", "nemo-rl-nvfp4",
-           "torchao-nvfp4", "mxfp4:fp4-reuse/w4a16"]
+           "torchao-nvfp4", "mxfp4:fp4-reuse/w4a16", "hif4+resq-2:4", "hif4+resqw-2:4"]
 
 
 def _layer(recipe: str, mode: Mode) -> FP4Linear:

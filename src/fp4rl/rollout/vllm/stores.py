@@ -165,10 +165,11 @@ class PackedStore(WeightStore):
               bias: torch.Tensor | None) -> torch.Tensor:
         """Where the store fuses (a GPU), each part's codes go to the ``fp4rl::packed_mm``
         operator, which decodes them in registers at every token count (split along K
-        where few programs would cover the product); elsewhere (and under vLLM's batch-invariant mode, which replaces
-        ``aten.mm``, the op the fused kernel would bypass) they are decoded into a weight of
-        the compute dtype, then multiplied. Nothing here depends on the token count, so a
-        compiled forward traces one graph for every batch size."""
+        where few programs would cover the product); elsewhere (and under vLLM's
+        batch-invariant mode, which replaces ``aten.mm``, the op the fused kernel would
+        bypass) they are decoded into a weight of the compute dtype, then multiplied.
+        Nothing here depends on the token count, so a compiled forward traces one graph for
+        every batch size."""
         if not self.fused or len(acts) > 2:
             return super().apply(acts, dtype, bias)
         return _by_outputs([(call.rows, partial(packed_gemm, acts, call, dtype))
