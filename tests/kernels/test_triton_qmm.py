@@ -164,13 +164,28 @@ def test_the_layer_on_load_gives_the_quantize_first_bits(recipe):
     assert [t.dtype for t in on] == [torch.bfloat16] + [torch.float32] * 3
 
 
-@pytest.mark.parametrize("recipe", ["torchao-nvfp4", "nvfp4_4o6", "nvfp4_2d",
-                                    "nemo-rl-nvfp4", "bf16"])
-def test_recipes_the_kernel_cannot_take_quantize_first(recipe):
-    """Stochastic rounding of dY, Four Over Six (its choice per block spills registers in
-    a GEMM tile), NVFP4's 16 x 16 tiles, dequantized backward operands and an unquantized
-    recipe keep the quantize-first path."""
+@pytest.mark.parametrize(("recipe", "reason"), [
+    ("torchao-nvfp4", "rotated (wgrad_hadamard)"),
+    ("nvfp4_4o6", "no quantize-on-load kernel for nvfp4_4o6 on cpu"),
+    ("nvfp4_2d", "no quantize-on-load kernel for nvfp4_2d on cpu"),
+    ("nemo-rl-nvfp4", "backward_operands dequantized"),
+    ("bf16", None)])
+def test_recipes_the_kernel_cannot_take_quantize_first_and_say_why(recipe, reason):
+    """A rotated weight gradient (torchao's, whose dY also rounds stochastically), Four
+    Over Six (its choice per block spills registers in a GEMM tile), NVFP4's 16 x 16 tiles
+    and dequantized backward operands keep the
+    quantize-first path, and say so once in a warning naming the reason; an unquantized
+    recipe has nothing to quantize and says nothing."""
+    import warnings
+
     from fp4rl.kernels import triton_qmm
 
-    with mock.patch.object(triton_qmm, "qmm_2d", side_effect=AssertionError):
+    with mock.patch.object(triton_qmm, "qmm_2d", side_effect=AssertionError), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _train(recipe, True)
+    said = {str(w.message) for w in caught if "FP4RL_QUANTIZE_ON_LOAD" in str(w.message)}
+    if reason is None:
+        assert said == set()
+    else:
+        assert said and all(reason in m and "quantizes first" in m for m in said), said

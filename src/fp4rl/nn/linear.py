@@ -37,6 +37,7 @@ which reproduces the forward's operand bit for bit) rather than kept as a second
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -63,6 +64,7 @@ from fp4rl.gemm import (
     quantize_operand_pair,
     quantizes_on_load,
 )
+from fp4rl.kernels import quantize_on_load
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
@@ -221,10 +223,34 @@ def _on_load_path(p: TrainPrecision, grads: OperandFormat, x2: torch.Tensor,
     (:func:`fp4rl.gemm.mm_on_load`; ``FP4RL_QUANTIZE_ON_LOAD=1`` on a GPU): ``requantize``
     backward operands (each GEMM's operands blocked along its own reduction axis, which is
     the axis the kernel quantizes along), no token rotation of the weight gradient, nearest
-    rounding of ``dY``, and both formats with the kernel."""
-    return (signs is None and p.backward_operands is BackwardOperands.REQUANTIZE and
-            not p.stochastic_gradients and quantizes_on_load(p.activations, x2, dtype) and
-            quantizes_on_load(grads, x2, dtype))
+    rounding of ``dY``, and both formats with the kernel. Asked for and not taken, it says
+    why, once per reason (a warning), rather than quantizing first in silence."""
+    if not quantize_on_load() or not isinstance(p.activations, NumberFormat):
+        return False  # not asked for, or nothing to quantize (an unquantized recipe)
+    reason = _not_on_load(p, grads, x2, dtype, signs)
+    if reason is not None:
+        warnings.warn(f"FP4RL_QUANTIZE_ON_LOAD=1: this linear quantizes first ({reason})",
+                      RuntimeWarning, stacklevel=4)
+    return reason is None
+
+
+def _not_on_load(p: TrainPrecision, grads: OperandFormat, x2: torch.Tensor,
+                 dtype: torch.dtype, signs: torch.Tensor | None) -> str | None:
+    """Why the quantize-on-load GEMMs do not apply to this linear, or None where they do."""
+    if signs is not None:
+        return "the weight gradient's tokens are rotated (wgrad_hadamard)"
+    if p.backward_operands is not BackwardOperands.REQUANTIZE:
+        return f"backward_operands {p.backward_operands.value} blocks an operand across " \
+            "the GEMM's reduction axis"
+    if p.stochastic_gradients:
+        return "dY is rounded stochastically"
+    if dtype != torch.bfloat16:
+        return f"the GEMMs compute in {str(dtype).removeprefix('torch.')}, the kernel in bf16"
+    for fmt in (p.activations, grads):
+        if not quantizes_on_load(fmt, x2, dtype):
+            return f"no quantize-on-load kernel for {fmt} on {x2.device.type}, or a " \
+                "batch-invariant forward (docs/layers.md lists what the kernel takes)"
+    return None
 
 
 def _forward_on_load(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor,
