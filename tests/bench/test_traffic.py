@@ -117,6 +117,20 @@ def test_the_on_load_path_meets_its_bytes_target_at_every_shape(recipe):
     assert linear_traffic(recipe, (4096, 2048, 11008)).ratio > 1.25
 
 
+def test_a_recipe_the_kernel_cannot_take_says_so_instead_of_a_verdict(capsys):
+    """torchao-nvfp4 (a rotated weight gradient) quantizes first on either setting: its
+    on-load row is the quantize-first path, and the target line says why, not "missed"."""
+    t = linear_traffic("torchao-nvfp4", (M, K, N))
+    assert t.not_on_load is not None and "wgrad_hadamard" in t.not_on_load
+    assert t.as_dict()["not_on_load"] == t.not_on_load
+    assert t.paths["on_load"].total() == t.fp4.total()
+    assert main(["bench", "linear", "--traffic", "--format", "torchao-nvfp4"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "does not apply: this recipe quantizes first (the weight gradient's tokens " \
+        "are rotated (wgrad_hadamard))" in printed
+    assert linear_traffic("hif4", (M, K, N)).not_on_load is None
+
+
 def test_cli_prints_the_target_and_writes_json(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert main(["bench", "linear", "--traffic", "--json", str(out)]) == 0

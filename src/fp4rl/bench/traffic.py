@@ -237,7 +237,11 @@ def recording() -> Iterator[Recorder]:
 
 
 def _fp4_step(recipe: str, m: int, k: int, n: int, micro_batches: int,
-              path: str = "quantize_first") -> Recorder:
+              path: str = "quantize_first") -> tuple[Recorder, str | None]:
+    """The layer's launches along ``path``, and (on the on-load path) why the layer
+    quantized first instead, as its warning says, or None."""
+    import warnings
+
     from fp4rl.nn import FP4Linear, get_recipe
 
     meta = torch.device("meta")
@@ -246,10 +250,13 @@ def _fp4_step(recipe: str, m: int, k: int, n: int, micro_batches: int,
     flag = {"FP4RL_QUANTIZE_ON_LOAD": "1" if path == "on_load" else "0"}
     layer.hold()  # one step's micro-batches, as the trainer holds the weights for a step
     try:
-        with mock.patch.dict(os.environ, flag):
-            return _run(lambda x: layer(x), m, k, micro_batches)
+        with mock.patch.dict(os.environ, flag), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            rec = _run(lambda x: layer(x), m, k, micro_batches)
     finally:
         layer.release()
+    why = [str(w.message) for w in said if "FP4RL_QUANTIZE_ON_LOAD" in str(w.message)]
+    return rec, (why[0].split("quantizes first (", 1)[-1].removesuffix(")") if why else None)
 
 
 def _bf16_step(m: int, k: int, n: int, micro_batches: int) -> Recorder:
@@ -318,6 +325,7 @@ class LinearTraffic(TypedDict):
     ratio: float
     target: float | None
     target_path: str
+    not_on_load: str | None
     passes: dict[str, PassBytes]
     fp4_launches: list[LaunchRecord]
     bf16_launches: list[LaunchRecord]
@@ -341,6 +349,8 @@ class Traffic:
     bf16: Recorder
     #: whether the recipe's formats carry an FP32 scale on top of their blocks
     tensor_scale: bool = False
+    #: why the layer quantizes first on the on-load setting too, or None where it does not
+    not_on_load: str | None = None
 
     @property
     def fp4(self) -> Recorder:
@@ -382,6 +392,7 @@ class Traffic:
                 "path": "quantize_first", "fp4_bytes": first["fp4_bytes"],
                 "bf16_bytes": self.bf16.total(), "ratio": first["ratio"],
                 "target": self.target(), "target_path": "on_load",
+                "not_on_load": self.not_on_load,
                 "passes": first["passes"], "fp4_launches": first["fp4_launches"],
                 "bf16_launches": self.bf16.records(), "roofline": first["roofline"],
                 "paths": paths}
@@ -399,9 +410,9 @@ def linear_traffic(recipe: str = "hif4", shape: tuple[int, int, int] = TARGET_SH
     train = get_recipe(recipe).train
     scaled = any(isinstance(f, NumberFormat) and f.has_tensor_scale
                  for f in (train.activations, train.gradients))
-    return Traffic(shape, recipe, micro_batches,
-                   {p: _fp4_step(recipe, m, k, n, micro_batches, p) for p in PATHS},
-                   _bf16_step(m, k, n, micro_batches), scaled)
+    runs = {p: _fp4_step(recipe, m, k, n, micro_batches, p) for p in PATHS}
+    return Traffic(shape, recipe, micro_batches, {p: rec for p, (rec, _) in runs.items()},
+                   _bf16_step(m, k, n, micro_batches), scaled, runs["on_load"][1])
 
 
 #: the packed rollout linear's bytes against bf16's up to 64 tokens (a decode step, bound
@@ -570,9 +581,11 @@ def render(traffic: Traffic, console: Console) -> None:
                       f" (roofline without that arithmetic: {roofs}){extra}", markup=False)
     target = traffic.target()
     ratio = traffic.path_ratio("on_load")
+    verdict = f"{'met' if ratio <= target else 'missed'} ({ratio:.2f}x)"
+    if traffic.not_on_load is not None:  # the on-load row is the quantize-first path
+        verdict = f"does not apply: this recipe quantizes first ({traffic.not_on_load})"
     console.print(f"target: the on-load path's bytes <= {target}x bf16 at every shape and "
-                  f"micro-batch count: {'met' if ratio <= target else 'missed'} "
-                  f"({ratio:.2f}x)", markup=False)
+                  f"micro-batch count: {verdict}", markup=False)
 
 
 __all__ = ["BASELINE", "GPUS", "PATHS", "ROLLOUT_FP4_STORAGE", "ROLLOUT_LARGE_TARGET",
