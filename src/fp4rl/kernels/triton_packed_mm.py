@@ -60,7 +60,8 @@ BN, BK = 64, 32
 #: (and reads) the weight fewer times: ``ceil(M / BM)`` per launch. ResQ's two fp32
 #: accumulators of 128 rows spilled to local memory on sm_90 and sm_100 (on 8 warps, and
 #: more on 16): two terms stop at 64
-HEIGHTS = {1: (16, 64, 128), 2: (16, 64)}
+# ResQ's two terms at 64 rows spilled registers on sm_100 with Triton 3.6 (torch 2.11's)
+HEIGHTS = {1: (16, 64, 128), 2: (16,)}
 #: the bias types a launch takes (None: no bias); any other is widened to float32
 BIASES = (None, torch.bfloat16, torch.float32)
 #: warps per program by (tile height, terms): ResQ's two fp32 accumulators of a 64-row
