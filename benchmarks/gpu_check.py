@@ -545,14 +545,16 @@ def stage_speed(device: str, quick: bool) -> Record:
     up_proj, 512 and 4096 tokens, one and eight micro-batches (eager, with a profiler
     table of where the time goes), the rollout linear at 1 to 2048 tokens (bf16, the
     dequantized store, the packed store decoded then multiplied, the fused packed kernel,
-    and the packed store as it runs: fused up to its token count), and the bytes each
+    the packed store as it runs, and HiF4 + ResQ-2:4's activation pass and packed GEMM
+    with its residual dense and n:m sparse), and the bytes each
     pass moves, counted (``bench linear --traffic``), to set the times against. Each row
     says its compute dtype and each side records the one it ran in."""
     from fp4rl.bench import traffic
     from fp4rl.formats import get_format
-    from fp4rl.gemm import mm, mm_packed, pack_operand, quantize_operand
+    from fp4rl.gemm import PackedCall, mm, mm_packed, pack_operand, packed_gemm, quantize_operand
     from fp4rl.kernels.triton_packed_mm import packed_mm_2d
     from fp4rl.nn import FP4Linear, get_recipe
+    from fp4rl.recovery import make_recovery
 
     refused: list[str] = []
     place = torch.device(device)
@@ -589,13 +591,17 @@ def stage_speed(device: str, quick: bool) -> Record:
     decode: Record = {}
     w = torch.randn(n, k, device=device)
     wb = w.bfloat16()
-    qw = quantize_operand(w, "hif4").to(torch.bfloat16)
-    packed = pack_operand(w, "hif4")
-    fields = packed.row_fields()
     hif4 = get_format("hif4")
+    qw = quantize_operand(w, hif4).to(torch.bfloat16)
+    packed = pack_operand(w, hif4)
+    fields = packed.row_fields()
+    call = PackedCall.of(packed)
+    rollout = get_recipe("hif4+resq-2:4").rollout
+    resq = make_recovery(rollout.recovery, rollout.activations, k, 0,
+                         weight_format=rollout.weights)
     for rows in ((1, 16) if quick else (1, 16, 64, 256, 2048)):
         a = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-        qa = quantize_operand(a, "hif4")
+        qa = quantize_operand(a, hif4)
         calls: dict[str, Callable[[], object]] = {
             "bf16": partial(torch.mm, a, wb.t()),
             "dequantized": partial(mm, qa, qw.t(), torch.bfloat16),
@@ -606,6 +612,14 @@ def stage_speed(device: str, quick: bool) -> Record:
             # the fused kernel launched directly (no split along K), where Triton runs
             calls["fused packed kernel"] = partial(packed_mm_2d, hif4, qa.values.bfloat16(), 1,
                                                    fields, n, k, [qa.scale], None, None)
+            # ResQ-2:4's activation pass and the packed GEMM: its residual as a dense bf16
+            # term, and n:m sparse (expanded in the GEMM's registers: fewer bytes, more work)
+            calls["resq dense terms"] = partial(
+                lambda x: packed_gemm(resq.activation(x, torch.bfloat16), call, torch.bfloat16),
+                a)
+            calls["resq n:m residual"] = partial(
+                lambda x: packed_gemm(resq.packed_activation(x, torch.bfloat16), call,
+                                      torch.bfloat16), a)
         sides = {name: _seconds(fn, device, repeats) for name, fn in calls.items()}
         decode[str(rows)] = {
             "compute": "bfloat16", **{name: t.row() for name, t in sides.items()},
@@ -664,12 +678,12 @@ def _vllm_recipe(device: str, recipe: str, refused: list[str]) -> Record:
 
     from fp4rl.integrations.vllm import EngineSpec, make_llm, model_dir, refit
     from fp4rl.models import load_model
-    from fp4rl.nn import quantize_model
+    from fp4rl.nn import get_recipe, quantize_model
 
     model = load_model("smollm2-135m", device=device)[0]
-    quantize_model(model, recipe)
+    quantize_model(model, get_recipe(recipe))
     started = time.perf_counter()
-    llm = make_llm(EngineSpec(model_dir("smollm2-135m"), recipe, max_model_len=256,
+    llm = make_llm(EngineSpec(model_dir("smollm2-135m"), get_recipe(recipe), max_model_len=256,
                               kv_cache_bytes=256 << 20 if device == "cpu" else None,
                               gpu_memory_utilization=0.3))
     model_config = llm.llm_engine.vllm_config.model_config

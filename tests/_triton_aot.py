@@ -21,9 +21,9 @@ os.environ["FP4RL_QUANTIZE_ON_LOAD"] = "1"  # the training GEMMs' kernel is laun
 WIDTH = 256
 
 
-OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "decode", "packed_mm",
-       "packed_mm_resq", "both", "both_bf16", "operand_rows", "operand_cols", "qmm_forward",
-       "qmm_input_grad", "qmm_weight_grad")
+OPS = ("rows_bf16", "rows", "cols", "cols_bf16", "resq", "resq_terms", "resq_terms_nm", "decode",
+       "packed_mm", "packed_mm_resq", "packed_mm_resq_nm", "both", "both_bf16", "operand_rows",
+       "operand_cols", "qmm_forward", "qmm_input_grad", "qmm_weight_grad")
 #: the rows of the weight the packed GEMM multiplies
 OUT = 96
 
@@ -34,7 +34,7 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
     from fp4rl.kernels import resq_rows, resq_terms
 
     if op == "rows_bf16":
-        quantize_operand(x.bfloat16(), fmt.name)
+        quantize_operand(x.bfloat16(), fmt)
     elif op in ("rows", "cols", "cols_bf16"):
         triton_quant.quantize_2d(fmt, x if op != "cols_bf16" else x.bfloat16(),
                                  1 if op == "rows" else 0)
@@ -42,6 +42,8 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
         resq_rows(fmt, x, 2, 4)
     elif op == "resq_terms":
         resq_terms(fmt, x.bfloat16(), 2, 4)
+    elif op == "resq_terms_nm":
+        dispatch.resq_terms_nm(fmt, x.bfloat16(), 2, 4)
     elif op.startswith("operand_"):  # a GEMM operand written in bf16 (a weight's)
         quantize_operand(x, fmt, -1 if op == "operand_rows" else 0, out_dtype=torch.bfloat16)
     elif op.startswith("both"):  # an operand and its backward's, as a training step
@@ -54,7 +56,7 @@ def run_op(op: str, fmt, x: torch.Tensor) -> None:
         else:
             quantize_operand_pair(x.bfloat16(), fmt)
     elif op.startswith("packed_mm"):
-        packed_mm(fmt, x, op == "packed_mm_resq")
+        packed_mm(fmt, x, op.removeprefix("packed_mm_"))
     elif op.startswith("qmm_"):
         qmm(op.removeprefix("qmm_"), fmt, x)
     else:
@@ -95,11 +97,12 @@ def decode(fmt, rows: int) -> None:
         triton_decode.decode_2d(fmt, packed.row_fields(), rows, WIDTH, torch.bfloat16)
 
 
-def packed_mm(fmt, x: torch.Tensor, resq: bool) -> None:
+def packed_mm(fmt, x: torch.Tensor, resq: str) -> None:
     """``x``'s rows (bf16, a scale a row), or (``resq``) ResQ's two terms of them with a
-    bias, times a packed weight, through :func:`fp4rl.gemm.mm_packed` (the fused kernel at
+    bias (``resq_nm``: the second n:m sparse, 2:4), times a packed weight, through
+    :func:`fp4rl.gemm.mm_packed` and :func:`fp4rl.gemm.packed_gemm` (the fused kernel at
     every token count; at one token it splits K, and its reduction runs too)."""
-    from fp4rl.gemm import Operand, mm_packed
+    from fp4rl.gemm import NMOperand, Operand, PackedCall, mm_packed, packed_gemm
 
     if fmt.kernels is None or "packed_mm" not in fmt.kernels.triton:
         return
@@ -108,7 +111,13 @@ def packed_mm(fmt, x: torch.Tensor, resq: bool) -> None:
                                     if fmt.has_tensor_scale else {})),
                       torch.tensor(2.0) if fmt.has_tensor_scale else None)
     a = Operand(x.bfloat16(), torch.ones(x.shape[0], 1))
-    if resq:
+    if resq == "resq_nm":
+        groups = -(-WIDTH // 4)
+        nm = NMOperand(x.bfloat16()[:, :groups * 2].contiguous(),
+                       torch.full((x.shape[0], groups), 0b0101, dtype=torch.uint8), 2, 4, WIDTH)
+        packed_gemm([a, nm], PackedCall.of(w), torch.bfloat16,
+                    torch.zeros(OUT, dtype=torch.bfloat16))
+    elif resq:
         mm_packed([a, a], w, torch.bfloat16, torch.zeros(OUT, dtype=torch.bfloat16))
     else:
         mm_packed(a, w, torch.bfloat16)

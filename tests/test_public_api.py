@@ -40,7 +40,8 @@ def test_resq_matmul_is_the_papers_formula():
     q = formats.get_format("hif4").quantize_reference
     qx, qw = q(x), q(w)
     activation = qx + _two_of_four(q(x - qx))
-    assert torch.equal(recovery.resq_activation(x, "hif4", "2:4"), activation)
+    hif4, two_of_four = formats.get_format("hif4"), recovery.parse_pattern("2:4")
+    assert torch.equal(recovery.resq_activation(x, hif4, two_of_four), activation)
     expected = (qx.double() @ qw.double().t()
                 + _two_of_four(q(x - qx)).double() @ qw.double().t())
     for two_gemm in (True, False):

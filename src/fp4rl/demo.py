@@ -49,6 +49,8 @@ from fp4rl.rl.trainer import Trainer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from fp4rl.rl.plan import RunPlan
+
 ZERO_FORMATS = ("bf16", "hif4", "mxfp4")
 MISMATCH = "sampling/sampling_logp_difference/mean"
 #: held-out examples and their token ids
@@ -204,6 +206,8 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
              size: DemoSize | None = None, seed: int = 0, device: str = "auto",
              mixed_precision: str = "auto", config: str = "demo",
              rollout_engine: str | None = None) -> int:
+    """The demo's four stages (zero collapse, accuracy before, GRPO, accuracy after) on
+    one plan; its report and per-prompt scores under ``output``. Returns the exit code."""
     from fp4rl.models import load_model
     from fp4rl.rl.plan import plan_run
 
@@ -240,13 +244,7 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
 
     train = _format_name(cfg.recipe().train.weights)
     console.rule(f"3. GRPO, {size.steps} steps: {train} training GEMMs, {label} rollout")
-    trainer = Trainer(plan, out / "run", net, tok, log=console.print)
-    with progress_bar(console) as bar:
-        task = bar.add_task("GRPO", total=size.steps, info="")
-        trainer.train(progress=lambda s, t, m: bar.update(
-            task, completed=s, info=f"reward {m['reward_mean']:.2f}"))
-    history = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text()
-               .splitlines()]
+    history = _train(console, plan, out / "run", net, tok, size.steps)
 
     console.rule("4. accuracy after training")
     with status(console, "evaluating again"):
@@ -265,6 +263,17 @@ def run_demo(console: Console, model: str | None = None, output: str = "runs/dem
         "after": {k: v.as_dict() for k, v in after.items()}}, indent=1))
     console.print(f"report: {out / 'report.md'} (per-prompt scores: outcome.json)")
     return 0
+
+
+def _train(console: Console, plan: RunPlan, run_dir: Path, net: torch.nn.Module,
+           tok: PreTrainedTokenizerBase, steps: int) -> list[dict]:
+    """GRPO on ``plan`` under a progress bar; the run's metrics, one row a step."""
+    trainer = Trainer(plan, run_dir, net, tok, log=console.print)
+    with progress_bar(console) as bar:
+        task = bar.add_task("GRPO", total=steps, info="")
+        trainer.train(progress=lambda s, t, m: bar.update(
+            task, completed=s, info=f"reward {m['reward_mean']:.2f}"))
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _zero_collapse(net: torch.nn.Module, tok: PreTrainedTokenizerBase

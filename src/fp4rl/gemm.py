@@ -17,7 +17,7 @@ masters; FP32 throughout under ``mixed_precision: no``). It is not the number fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Final, cast
@@ -66,14 +66,13 @@ UNQUANTIZED: Final = NotQuantized()
 OperandFormat = NumberFormat | NotQuantized
 
 
-def operand_format(fmt: str | OperandFormat) -> OperandFormat:
-    """The operand format object ``fmt`` names (``none``: :data:`UNQUANTIZED`; a
-    registered format's name, case-insensitive); an object passes through."""
-    if isinstance(fmt, NotQuantized):
-        return fmt
-    if isinstance(fmt, str) and fmt.lower() == UNQUANTIZED.name:
+def operand_format(name: str) -> OperandFormat:
+    """The operand format object ``name`` names (``none``: :data:`UNQUANTIZED`; a
+    registered format's name, case-insensitive): where a name is read, as a recipe reads
+    its operands; the functions below take the object."""
+    if name.lower() == UNQUANTIZED.name:
         return UNQUANTIZED
-    return get_format(fmt)
+    return get_format(name)
 
 
 def has_tensor_scale(fmt: OperandFormat) -> bool:
@@ -110,11 +109,47 @@ class Operand:
         return Operand(self.values.to(dtype), self.scale)
 
 
-def quantize_operand(x: torch.Tensor, fmt: str | OperandFormat, dim: int = -1,
+
+@dataclass(frozen=True)
+class NMOperand:
+    """A left GEMM operand kept as n:m sparse tensor cores take one: of each ``group``
+    values along a row, the ``keep`` kept ones in order (``values``, bf16,
+    ``(rows, groups * keep)``) and a bit per kept position (``bits``, uint8,
+    ``(rows, groups)``, bit j of a group's byte for its position j); ``cols`` is the dense
+    width. ResQ's residual term takes this form where the packed GEMM expands it in
+    registers (:func:`packed_gemm`), so that the pass before the GEMM writes, and the GEMM
+    reads, 0.625x a dense bf16 term's bytes at 2:4. It has no scale (the ResQ kernels take
+    formats without a per-tensor one)."""
+
+    values: torch.Tensor
+    bits: torch.Tensor
+    keep: int
+    group: int
+    cols: int
+    scale: None = None
+
+    def dense(self) -> torch.Tensor:
+        """The dense operand (``values``' dtype, ``(rows, cols)``): each kept value at its
+        position, +0 elsewhere, bit for bit the dense term the ResQ kernel writes."""
+        rows, groups = self.bits.shape
+        pos = torch.arange(self.group, device=self.bits.device)
+        kept = (self.bits.to(torch.int32)[..., None] >> pos) & 1  # (rows, groups, group)
+        slot = (kept.cumsum(-1) - kept).clamp(max=self.keep - 1)
+        picked = self.values.reshape(rows, groups, self.keep).gather(2, slot.long())
+        out = torch.where(kept.bool(), picked, torch.zeros((), dtype=self.values.dtype,
+                                                           device=self.values.device))
+        return out.reshape(rows, groups * self.group)[:, :self.cols]
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.bits.numel()
+
+
+def quantize_operand(x: torch.Tensor, fmt: OperandFormat, dim: int = -1,
                      stochastic: bool = False, generator: torch.Generator | None = None,
                      tensor_scale: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> Operand:
-    """``x`` quantized along ``dim`` as a GEMM operand (``"none"``: ``x`` itself).
+    """``x`` quantized along ``dim`` as a GEMM operand (:data:`UNQUANTIZED`: ``x`` itself).
 
     ``Operand.dense()`` equals ``fp4rl.quantize(x, fmt, dim)`` bit for bit; ``values``
     holds the block-scaled part, exact in bf16. A format with a per-tensor scale takes
@@ -122,32 +157,31 @@ def quantize_operand(x: torch.Tensor, fmt: str | OperandFormat, dim: int = -1,
     the values in that dtype (``quantize_operand(...).to(out_dtype)``, bit for bit), which
     a GPU kernel writes directly (a matrix, nearest rounding).
     """
-    f = operand_format(fmt)
-    if isinstance(f, NotQuantized):
+    if isinstance(fmt, NotQuantized):
         return Operand(x) if out_dtype is None else Operand(x).to(out_dtype)
-    scale = f.tensor_scale(x, dim) if tensor_scale is None else tensor_scale
+    scale = fmt.tensor_scale(x, dim) if tensor_scale is None else tensor_scale
     if out_dtype is not None and not stochastic and out_dtype in (torch.bfloat16,
                                                                    torch.float32):
-        values = quantize_matrix_values(f, x, dim, scale, out_dtype)
+        values = quantize_matrix_values(fmt, x, dim, scale, out_dtype)
         if values is not None:
             return Operand(values, scale)
     if out_dtype is not None:
-        return quantize_operand(x, f, dim, stochastic, generator, scale).to(out_dtype)
+        return quantize_operand(x, fmt, dim, stochastic, generator, scale).to(out_dtype)
     if not stochastic and x.dim() == 2 and dim in (-1, 1):
         # a bf16 engine's activations: read and written once, in bf16
-        values = quantize_rows_bf16(f, x, scale)
+        values = quantize_rows_bf16(fmt, x, scale)
         if values is not None:
             return Operand(values, scale)
     rounding = "stochastic" if stochastic else "nearest"
     if scale is None:
-        return Operand(f.quantize(x, dim, rounding=rounding, generator=generator))
+        return Operand(fmt.quantize(x, dim, rounding=rounding, generator=generator))
     # The same division the quantizer does internally, so values * scale is its output.
-    unscaled = f.quantize(x.float() / scale, dim, rounding=rounding, generator=generator,
-                          per_tensor_scale=False)
+    unscaled = fmt.quantize(x.float() / scale, dim, rounding=rounding, generator=generator,
+                            per_tensor_scale=False)
     return Operand(unscaled, scale)
 
 
-def quantize_operand_pair(x: torch.Tensor, fmt: str | OperandFormat,
+def quantize_operand_pair(x: torch.Tensor, fmt: OperandFormat,
                           out_dtype: torch.dtype | None = None) -> tuple[Operand, Operand]:
     """``x`` (a matrix) quantized along its rows and along its columns, nearest rounding:
     ``(quantize_operand(x, fmt, -1, out_dtype=...), quantize_operand(x, fmt, 0, ...))``
@@ -156,15 +190,14 @@ def quantize_operand_pair(x: torch.Tensor, fmt: str | OperandFormat,
     axes share) ``x`` is read once for the two, as a GEMM operand and its backward
     GEMM's are needed together (the weight's forward and input-gradient operands, the
     activation's forward and weight-gradient ones, the output gradient's two)."""
-    f = operand_format(fmt)
     dtype = out_dtype or x.dtype
-    if isinstance(f, NumberFormat) and x.dim() == 2 and not f.vector_scales:
-        scale = f.tensor_scale(x, -1)
-        both = quantize_both(f, x, scale, dtype)
+    if isinstance(fmt, NumberFormat) and x.dim() == 2 and not fmt.vector_scales:
+        scale = fmt.tensor_scale(x, -1)
+        both = quantize_both(fmt, x, scale, dtype)
         if both is not None:
             return Operand(both[0], scale), Operand(both[1], scale)
-    return (quantize_operand(x, f, -1, out_dtype=out_dtype),
-            quantize_operand(x, f, 0, out_dtype=out_dtype))
+    return (quantize_operand(x, fmt, -1, out_dtype=out_dtype),
+            quantize_operand(x, fmt, 0, out_dtype=out_dtype))
 
 
 @dataclass(frozen=True)
@@ -255,14 +288,13 @@ class PackedOperand:
         return {k: v.reshape(self.rows, -1) for k, v in self.packed.fields.items()}
 
     @staticmethod
-    def layout(fmt: str | NumberFormat, cols: int) -> PackedTensor:
+    def layout(fmt: NumberFormat, cols: int) -> PackedTensor:
         """One packed row of ``cols`` values: the fields' names and per-row shapes."""
-        f = get_format(fmt)
-        opts: QuantizeKwargs = {"per_tensor_scale": False} if f.has_tensor_scale else {}
-        return f.encode(torch.zeros(1, cols), dim=-1, **opts)
+        opts: QuantizeKwargs = {"per_tensor_scale": False} if fmt.has_tensor_scale else {}
+        return fmt.encode(torch.zeros(1, cols), dim=-1, **opts)
 
     @classmethod
-    def from_row_fields(cls, fmt: str | NumberFormat, shape: tuple[int, int],
+    def from_row_fields(cls, fmt: NumberFormat, shape: tuple[int, int],
                         fields: dict[str, torch.Tensor],
                         scale: torch.Tensor | None = None) -> PackedOperand:
         """The inverse of :meth:`row_fields` for a ``shape`` (rows, in_features) weight."""
@@ -274,14 +306,15 @@ class PackedOperand:
                              f"{sorted(fields)}")
         out = {k: fields[k].reshape(rows * one.shape[0], *one.shape[1:])
                for k, one in layout.fields.items()}
-        packed = PackedTensor(get_format(fmt).name, (rows, cols), 1, torch.float32, out, None,
+        packed = PackedTensor(fmt.name, (rows, cols), 1, torch.float32, out, None,
                               dict(layout.options))
         return cls(packed, scale)
 
 
 @cache
 def _row_options(fmt: str, cols: int) -> tuple[tuple[str, object], ...]:
-    return tuple(PackedOperand.layout(fmt, cols).options.items())
+    # an operator's arguments are names (``fp4rl::decode_rows``): read back here
+    return tuple(PackedOperand.layout(get_format(fmt), cols).options.items())
 
 
 @torch.library.custom_op("fp4rl::decode_rows", mutates_args=())
@@ -301,19 +334,18 @@ def _(fields: list[torch.Tensor], names: str, fmt: str, rows: int, cols: int, di
     return fields[0].new_empty((rows, cols), dtype=dtype)
 
 
-def pack_operand(x: torch.Tensor, fmt: str | NumberFormat, tensor_scale: torch.Tensor | None = None
+def pack_operand(x: torch.Tensor, fmt: NumberFormat, tensor_scale: torch.Tensor | None = None
                  ) -> PackedOperand:
     """``x`` (rows along the last axis) in the format's packed codes and scales: what
     :func:`quantize_operand` computes along the rows, stored in 4 bits. A format with a
     per-tensor scale takes ``tensor_scale`` when given (the whole weight's, for a shard
     of it), else computes it from ``x``."""
-    f = get_format(fmt)
-    scale = f.tensor_scale(x) if tensor_scale is None else tensor_scale
+    scale = fmt.tensor_scale(x) if tensor_scale is None else tensor_scale
     rows = x.float() if scale is None else x.float() / scale
-    packed = encode_rows(f.name, rows) if rows.dim() == 2 else None
+    packed = encode_rows(fmt.name, rows) if rows.dim() == 2 else None
     if packed is None:
         opts: QuantizeKwargs = {} if scale is None else {"per_tensor_scale": False}
-        packed = f.encode(rows, dim=-1, **opts)
+        packed = fmt.encode(rows, dim=-1, **opts)
     return PackedOperand(packed, scale)
 
 
@@ -445,38 +477,51 @@ class PackedCall:
                    w.packed.shape[1], w.scale)
 
 
-def packed_gemm(terms: list[Operand], w: PackedCall, dtype: torch.dtype,
+def packed_gemm(terms: Sequence[Operand | NMOperand], w: PackedCall, dtype: torch.dtype,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``terms`` (one or two, bf16) times ``w`` through the ``fp4rl::packed_mm`` operator,
-    which takes the fused kernel at any token count where the device has it; for a caller
-    that has checked :func:`packed_fusion`."""
-    _check_scales(terms)
-    if bias is not None and len(terms) == 1 and terms[0].scale is None and w.scale is None:
+    """``terms`` (one or two, bf16; ResQ's second may be an :class:`NMOperand`, expanded in
+    registers) times ``w`` through the ``fp4rl::packed_mm`` operator, which takes the fused
+    kernel at any token count where the device has it; for a caller that has checked
+    :func:`packed_fusion`."""
+    dense = [t for t in terms if isinstance(t, Operand)]
+    nm = terms[1] if len(terms) == 2 and isinstance(terms[1], NMOperand) else None
+    _check_scales(dense)
+    if bias is not None and len(terms) == 1 and dense[0].scale is None and w.scale is None:
         bias = bias.to(dtype)  # as mm's one unscaled product (nn.Linear under autocast)
     y: torch.Tensor = torch.ops.fp4rl.packed_mm(
-        stack_rows([t.values.to(dtype) for t in terms]), w.fields, w.names, w.fmt, w.rows,
-        w.cols, len(terms), terms[0].scale, terms[1].scale if len(terms) == 2 else None,
-        w.scale, bias)
+        stack_rows([t.values.to(dtype) for t in dense]), w.fields, w.names, w.fmt, w.rows,
+        w.cols, len(terms), dense[0].scale, dense[1].scale if len(dense) == 2 else None,
+        w.scale, bias, None if nm is None else nm.values, None if nm is None else nm.bits,
+        0 if nm is None else nm.keep, 0 if nm is None else nm.group)
     return y
 
 
 @torch.library.custom_op("fp4rl::packed_mm", mutates_args=())
 def _packed_mm(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str, rows: int,
                cols: int, terms: int, s0: torch.Tensor | None, s1: torch.Tensor | None,
-               ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+               ws: torch.Tensor | None, bias: torch.Tensor | None,
+               r_values: torch.Tensor | None = None, r_bits: torch.Tensor | None = None,
+               keep: int = 0, group: int = 0) -> torch.Tensor:
     """``terms`` bf16 activation terms stacked along the rows (scales ``s0``, ``s1``) times
     the packed ``(rows, cols)`` weight (row fields ``names``, comma-separated, in order;
     scale ``ws``), in bf16: the fused kernel (its tile height and split of K chosen by the
     token count inside, when the operator runs, so that a compiled forward traced with a
     symbolic batch size holds no branch on it), or where there is no kernel for ``a``'s
-    device the decode and :func:`mm`."""
+    device the decode and :func:`mm`. With ``r_values`` the second term is n:m sparse
+    (:class:`NMOperand`: ``r_values``, ``r_bits``, ``keep`` of each ``group``) and ``a``
+    holds the first alone."""
     by_name = dict(zip(names.split(","), fields, strict=True))
     f = get_format(fmt)
     scales = [s0, s1][:terms]
-    y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias)
+    nm = None if r_values is None or r_bits is None else \
+        NMOperand(r_values, r_bits, keep, group, cols)
+    y = packed_mm(f, a, terms, by_name, rows, cols, scales, ws, bias,
+                  None if nm is None else (nm.values, nm.bits, keep, group))
     if y is not None:
         return y
     w = PackedOperand.from_row_fields(f, (rows, cols), by_name, ws).decode(a.dtype)
+    if nm is not None:
+        a = torch.cat([a, nm.dense()])
     m = a.shape[0] // terms
     ops = [Operand(a[i * m:(i + 1) * m], s) for i, s in enumerate(scales)]
     return mm(ops, w.t(), a.dtype, bias)
@@ -485,8 +530,10 @@ def _packed_mm(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str
 @_packed_mm.register_fake
 def _(a: torch.Tensor, fields: list[torch.Tensor], names: str, fmt: str, rows: int,
       cols: int, terms: int, s0: torch.Tensor | None, s1: torch.Tensor | None,
-      ws: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    return a.new_empty((a.shape[0] // terms, rows))
+      ws: torch.Tensor | None, bias: torch.Tensor | None,
+      r_values: torch.Tensor | None = None, r_bits: torch.Tensor | None = None,
+      keep: int = 0, group: int = 0) -> torch.Tensor:
+    return a.new_empty((a.shape[0] // (terms if r_values is None else 1), rows))
 
 
 def _check_scales(terms: list[Operand], b: Operand | None = None) -> None:
@@ -544,7 +591,8 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return a @ b if bias is None else torch.addmm(bias.to(dtype), a, b)
 
 
-__all__ = ["UNQUANTIZED", "NotQuantized", "OnLoad", "Operand", "OperandFormat", "PackedCall",
-           "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32", "mm_on_load",
-           "mm_packed", "on_load", "operand_format", "pack_operand", "packed_fusion", "packed_gemm",
-           "quantize_operand", "quantize_operand_pair", "quantizes_on_load", "stack_rows"]
+__all__ = ["UNQUANTIZED", "NMOperand", "NotQuantized", "OnLoad", "Operand", "OperandFormat",
+           "PackedCall", "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32",
+           "mm_on_load", "mm_packed", "on_load", "operand_format", "pack_operand",
+           "packed_fusion", "packed_gemm", "quantize_operand", "quantize_operand_pair",
+           "quantizes_on_load", "stack_rows"]

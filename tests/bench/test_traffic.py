@@ -169,6 +169,7 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
     import torch
 
     from fp4rl.bench.traffic import rollout_traffic
+    from fp4rl.formats import get_format
     from fp4rl.gemm import pack_operand
 
     m, k, n = 4, 64, 128
@@ -177,7 +178,7 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
     assert got["bf16_bytes"] == gemm
     activation = m * k * BF16 + (m * k * BF16 + m * F32)
     assert got["dequantized_bytes"] == activation + gemm
-    packed = pack_operand(torch.randn(n, k), "hif4").packed
+    packed = pack_operand(torch.randn(n, k), get_format("hif4")).packed
     fields = sum(t.numel() * t.element_size() for t in packed.fields.values())
     assert [x["name"] for x in got["packed_launches"]] == ["rollout_activation", "packed_mm"]
     assert got["packed_bytes"] == activation + m * k * BF16 + fields + m * n * BF16
@@ -187,10 +188,16 @@ def test_the_rollout_report_counts_one_vllm_method_linear():
                                                                   "decode_rows", "mm"]
     assert got["packed_decode_bytes"] == activation + fields + n * k * BF16 + gemm
     assert got["packed_decode_ratio"] > 1
-    # ResQ's two terms share the decoded weight: one read of the codes for both
+    # ResQ's two terms share the decoded weight: one read of the codes for both; the
+    # residual goes n:m sparse (2:4: half the values in bf16, one byte of bits a group)
     two = rollout_traffic("hif4+resq-2:4", m, (k, n)).as_dict()
-    assert [x["name"] for x in two["packed_launches"]] == ["rollout_activation", "packed_mm"]
-    assert two["packed_launches"][1]["read"] == 2 * m * k * BF16 + fields
+    assert [x["name"] for x in two["packed_launches"]] == ["rollout_activation_nm",
+                                                          "packed_mm"]
+    residual = m * (k // 2) * BF16 + m * (k // 4)
+    assert two["packed_launches"][0]["written"] == m * k * BF16 + residual
+    assert two["packed_launches"][1]["read"] == m * k * BF16 + residual + fields
+    assert two["dequantized_launches"][0]["name"] == "rollout_activation"
+    assert two["dequantized_launches"][0]["written"] == 2 * m * k * BF16 + 2 * m * F32
     # at a prefill's token count too: one fused GEMM, each input read once
     big_m = 300
     big = rollout_traffic("hif4", big_m, (k, n)).as_dict()
@@ -206,11 +213,12 @@ def test_the_rollout_report_counts_a_split_of_k():
     import torch
 
     from fp4rl.bench.traffic import rollout_traffic
+    from fp4rl.formats import get_format
     from fp4rl.gemm import pack_operand
 
     m, k, n = 1, 2048, 2048
     got = rollout_traffic("hif4", m, (k, n)).as_dict()
-    packed = pack_operand(torch.randn(n, k), "hif4").packed
+    packed = pack_operand(torch.randn(n, k), get_format("hif4")).packed
     fields = sum(t.numel() * t.element_size() for t in packed.fields.values())
     gemm, reduce = got["packed_launches"][1:]
     assert (gemm["name"], reduce["name"]) == ("packed_mm", "packed_reduce")

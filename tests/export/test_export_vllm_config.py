@@ -13,6 +13,7 @@ from torch import nn
 from fp4rl.cli import main
 from fp4rl.errors import ConfigError
 from fp4rl.export import ExportError, export_model
+from fp4rl.formats import get_format
 from fp4rl.gemm import PackedOperand, quantize_operand
 from fp4rl.integrations.vllm import VLLMError, quantization_config
 from fp4rl.models import load_model, tiny_model
@@ -21,6 +22,8 @@ from fp4rl.rl import checkpoint as ckpt
 from fp4rl.rl.config import load_config
 from fp4rl.rollout.vllm.config import RefitWire, WeightStorage
 from fp4rl.rollout.vllm.settings import VLLMSettings
+
+HIF4 = get_format("hif4")
 
 
 def config_of(directory) -> dict:
@@ -52,8 +55,8 @@ def test_vllm_export_packed_block_linears_and_quantization_config(tmp_path, arch
                   if k.startswith(f"{name}_")}
         assert set(fields) == {"scale", "level2", "level3", "codes"}, name
         assert all(v.dtype == torch.uint8 and v.shape[0] == w.shape[0] for v in fields.values())
-        decoded = PackedOperand.from_row_fields("hif4", tuple(w.shape), fields).decode()
-        assert torch.equal(decoded.values, quantize_operand(w, "hif4").values), name
+        decoded = PackedOperand.from_row_fields(HIF4, tuple(w.shape), fields).decode()
+        assert torch.equal(decoded.values, quantize_operand(w, HIF4).values), name
     for name, t in tensors.items():
         if ".weight_" not in name:
             assert t.dtype == torch.bfloat16, name
@@ -79,7 +82,7 @@ def test_vllm_export_recipe_and_ignore(tmp_path):
     scale = tensors["model.layers.0.mlp.down_proj.weight_tensor_scale"]  # NVFP4's, outside
     w = model.model.layers[0].mlp.down_proj.weight.detach()
     assert scale.dtype == torch.float32
-    assert torch.equal(scale, quantize_operand(w, "nvfp4").scale.reshape(1))
+    assert torch.equal(scale, quantize_operand(w, get_format("nvfp4")).scale.reshape(1))
 
 
 @pytest.mark.parametrize("recipe", ["hif4+smoothquant", "hif4+resqw-2:4", "mxfp4+occ"])
@@ -153,9 +156,9 @@ def test_cli_vllm_export_of_a_run(tmp_path, capsys, tiny_llama_dir):
             assert torch.equal(tensors[name], w.to(torch.bfloat16))
         else:
             codes = PackedOperand.from_row_fields(
-                "hif4", tuple(w.shape), {f: tensors[f"{name}_{f}"] for f in
-                                         ("scale", "level2", "level3", "codes")})
-            assert torch.equal(codes.decode().values, quantize_operand(w, "hif4").values)
+                HIF4, tuple(w.shape), {f: tensors[f"{name}_{f}"] for f in
+                                       ("scale", "level2", "level3", "codes")})
+            assert torch.equal(codes.decode().values, quantize_operand(w, HIF4).values)
 
 
 def test_a_run_that_rolled_out_in_vllm_evaluates_and_exports_in_every_format(

@@ -18,7 +18,7 @@ from fp4rl.formats import FormatError, get_format, list_formats, register_format
 from fp4rl.formats.hif4 import HiF4
 from fp4rl.kernels import cpu
 from fp4rl.kernels.codes import FormatCode
-from fp4rl.recovery import resq_activation, sparsify
+from fp4rl.recovery import parse_pattern, resq_activation, sparsify
 
 BUILTINS = ["hif4", "mxfp4", "nvfp4", "nvfp4_per_token", "nvfp4_4o6", "nvfp4_per_token_4o6",
             "nvfp4_2d", "mxfp8_e4m3", "bf16", "nvfp4_pow2", "nvfp4_static",
@@ -101,7 +101,8 @@ def test_fused_resq_declines_a_plugin_and_the_steps_compose():
     assert kernels.resq_rows(get_format("mxint4_test"), x, 2, 4) is None
     qx = fp4rl.quantize(x, "mxint4_test")
     expected = qx + sparsify(fp4rl.quantize(x - qx, "mxint4_test"), "2:4")
-    assert _bits_equal(resq_activation(x, "mxint4_test", "2:4"), expected)
+    got = resq_activation(x, get_format("mxint4_test"), parse_pattern("2:4"))
+    assert _bits_equal(got, expected)
 
 
 def test_registration_refusals():

@@ -280,8 +280,8 @@ def test_bf16_row_kernel_matches_reference(fmt, x):
     # every value exact (bf16 holds them all); NaN where the reference has NaN (a NaN's
     # payload bits differ between torch's vectorized and scalar casts)
     torch.testing.assert_close(fast.float(), reference, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(quantize_operand(rows, fmt).values, fast, rtol=0, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(quantize_operand(rows, fp4rl.get_format(fmt)).values, fast,
+                               rtol=0, atol=0, equal_nan=True)
 
 
 def test_bf16_row_kernel_leaves_nvfp4_and_fp32_to_the_general_path():

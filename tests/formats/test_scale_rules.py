@@ -14,6 +14,7 @@ from fp4rl.errors import ConfigError, RecipeError
 from fp4rl.formats import get_format
 from fp4rl.formats.nvfp4 import TENSOR_RANGE, ScaleRule
 from fp4rl.nn import FP4Linear, Mode, fp4_layers, get_recipe
+from fp4rl.nn.recipe import scale_rule
 from fp4rl.rl.config import load_config
 
 
@@ -47,15 +48,15 @@ def test_variants_keep_the_base_codes_and_give_weights_the_base():
 
 
 def test_a_recipe_takes_the_rule_for_its_nvfp4_activations_alone():
-    recipe = get_recipe("nemo-rl-nvfp4").with_nvfp4_scale("static")
+    recipe = get_recipe("nemo-rl-nvfp4").with_nvfp4_scale(scale_rule("static"))
     assert recipe.train.activations is get_format("nvfp4_static")
     assert recipe.rollout.activations is get_format("nvfp4_static")
     assert recipe.train.weights is get_format("nvfp4") and recipe.ignore
     miles = get_recipe("miles-nvfp4").with_nvfp4_scale(ScaleRule.POW2)
     assert miles.rollout.activations is get_format("nvfp4_per_token_4o6_pow2")
-    assert miles.with_nvfp4_scale("dynamic").rollout.activations is \
+    assert miles.with_nvfp4_scale(scale_rule("dynamic")).rollout.activations is \
         get_format("nvfp4_per_token_4o6")
-    assert get_recipe("hif4").with_nvfp4_scale("dynamic") == get_recipe("hif4")
+    assert get_recipe("hif4").with_nvfp4_scale(scale_rule("dynamic")) == get_recipe("hif4")
 
 
 @pytest.mark.parametrize(("recipe", "rule", "message"), [
@@ -65,7 +66,7 @@ def test_a_recipe_takes_the_rule_for_its_nvfp4_activations_alone():
 ])
 def test_a_rule_that_does_not_apply_is_one_line(recipe, rule, message):
     with pytest.raises(RecipeError, match=message):
-        get_recipe(recipe).with_nvfp4_scale(rule)
+        get_recipe(recipe).with_nvfp4_scale(scale_rule(rule))
 
 
 def test_static_takes_no_recovery_and_no_weight():
@@ -170,7 +171,7 @@ def test_the_vllm_plugin_refuses_a_static_scale_in_one_line():
     from fp4rl.rollout.vllm.errors import VLLMError
 
     with pytest.raises(VLLMError, match="need the layer's fixed scale"):
-        rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale("static"))
-    assert rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale("pow2"))
+        rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale(scale_rule("static")))
+    assert rollout_recipe(get_recipe("nvfp4").with_nvfp4_scale(scale_rule("pow2")))
     with pytest.raises(ConfigError, match="need the layer's fixed scale"):
         load_config(None, ["recipe=nvfp4", "nvfp4_scale=static", "rollout.engine=vllm"])

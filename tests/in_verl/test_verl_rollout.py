@@ -37,6 +37,7 @@ from fp4rl.integrations.vllm import (  # noqa: E402
     sharing_the_process,
 )
 from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 _cpu_platform.install()  # verl has no CPU platform of its own
 
@@ -95,7 +96,7 @@ def test_verls_receiver_gives_the_engine_fp4rls_refit_gives(smollm_dir, monkeypa
     actor, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(actor, RECIPE)  # what the verl hook makes of verl's actor
     theirs = verl_engine(smollm_dir)
-    ours = make_llm(EngineSpec(smollm_dir, RECIPE, max_model_len=128,
+    ours = make_llm(EngineSpec(smollm_dir, get_recipe(RECIPE), max_model_len=128,
                                kv_cache_bytes=64 << 20))
     layers, reference = fp4_layers(theirs), fp4_layers(ours)
     for step in range(2):  # a second step: the sync after an update

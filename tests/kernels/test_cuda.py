@@ -53,7 +53,7 @@ def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(33, 192, generator=g) * 4).bfloat16()
     f = fp4rl.get_format(fmt)
-    op = quantize_operand(x.cuda(), fmt)
+    op = quantize_operand(x.cuda(), fp4rl.get_format(fmt))
     scale = f.tensor_scale(x)
     opts = {} if scale is None else {"per_tensor_scale": False}
     want = f.quantize_reference(x.float() if scale is None else x.float() / scale, **opts)
@@ -66,8 +66,8 @@ def test_gpu_operands_selected_from_triton_equal_the_reference(fmt, monkeypatch)
                                  sparsify(f.quantize_reference(x.float() - q), "2:4").bfloat16())
     if fmt != "mxfp8_e4m3":
         w = torch.randn(40, 192, generator=g)
-        packed = pack_operand(w.cuda(), fmt)
-        want = f.decode(pack_operand(w, fmt).packed)
+        packed = pack_operand(w.cuda(), fp4rl.get_format(fmt))
+        want = f.decode(pack_operand(w, fp4rl.get_format(fmt)).packed)
         assert _same_or_both_nan(packed.decode(torch.float32).values.cpu(), want)
 
 
@@ -125,7 +125,7 @@ def test_rollout_ops_capture_in_a_cuda_graph_at_sizes_never_run(fmt, monkeypatch
     f = fp4rl.get_format(fmt)
 
     def ops(x):
-        out = [quantize_operand(x, fmt).values]
+        out = [quantize_operand(x, fp4rl.get_format(fmt)).values]
         if fmt != "nvfp4":
             out += list(resq_terms(f, x, 2, 4))
         return out
@@ -186,7 +186,7 @@ def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     g = torch.Generator().manual_seed(11)
     w = torch.randint(-12, 13, (200, 320), generator=g).float() * 0.25
-    p = pack_operand(w.cuda(), fmt)
+    p = pack_operand(w.cuda(), fp4rl.get_format(fmt))
     bias = torch.randn(200, generator=g).bfloat16().cuda()
     from fp4rl.kernels.triton_packed_mm import k_split
 
@@ -212,6 +212,33 @@ def test_the_fused_packed_gemm_on_the_gpu(fmt, monkeypatch):
                                           torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", ["hif4", "mxfp4"])
+def test_resqs_n_m_residual_on_the_gpu(fmt, monkeypatch):
+    """ResQ's residual kept n:m sparse, compiled and run: expanded it is the dense term
+    (outside NaN blocks), and the packed GEMM on it gives the bits of the same GEMM on the
+    dense terms at every tile height and with a split of K."""
+    from fp4rl.gemm import NMOperand, Operand, PackedCall, pack_operand, packed_gemm
+    from fp4rl.kernels import resq_terms, resq_terms_nm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    f = fp4rl.get_format(fmt)
+    g = torch.Generator().manual_seed(12)
+    p = PackedCall.of(pack_operand(torch.randn(200, 320, generator=g).cuda(), f))
+    bias = torch.randn(200, generator=g).bfloat16().cuda()
+    for m in (1, 16, 17, 300):
+        x = torch.randn(m, 320, generator=g).bfloat16().cuda()
+        for keep, group in ((2, 4), (1, 2), (4, 8)):
+            dense = resq_terms(f, x, keep, group)
+            nm = resq_terms_nm(f, x, keep, group)
+            assert dense is not None and nm is not None
+            r = NMOperand(nm[1], nm[2], keep, group, 320)
+            assert torch.equal(nm[0].view(torch.int16), dense[0].view(torch.int16))
+            assert torch.equal(r.dense().view(torch.int16), dense[1].view(torch.int16))
+            got = packed_gemm([Operand(nm[0]), r], p, torch.bfloat16, bias)
+            want = packed_gemm([Operand(dense[0]), Operand(dense[1])], p, torch.bfloat16, bias)
+            assert _same_or_both_nan(got, want), (m, keep, group)
+
+
 @pytest.mark.parametrize("fmt", ["hif4", "mxfp4", "nvfp4", "mxfp8_e4m3"])
 def test_the_two_axis_quantizer_on_the_gpu(fmt, monkeypatch):
     """Both axes from one read, compiled and run: each output bit for bit the single-axis
@@ -225,9 +252,9 @@ def test_the_two_axis_quantizer_on_the_gpu(fmt, monkeypatch):
         for dtype, out in ((torch.float32, None), (torch.float32, torch.bfloat16),
                            (torch.bfloat16, None)):
             xd = x.to(dtype).cuda()
-            rows, cols = quantize_operand_pair(xd, fmt, out)
+            rows, cols = quantize_operand_pair(xd, fp4rl.get_format(fmt), out)
             for got, axis in ((rows, -1), (cols, 0)):
-                want = quantize_operand(xd, fmt, axis, out_dtype=out)
+                want = quantize_operand(xd, fp4rl.get_format(fmt), axis, out_dtype=out)
                 assert _same_or_both_nan(got.values.float().cpu(), want.values.float().cpu())
 
 

@@ -69,7 +69,7 @@ def test_the_activation_operator_passes_opcheck(fmt, spec):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_decode_operator_passes_opcheck(fmt):
-    p = pack_operand(torch.randn(6, 64), fmt).packed
+    p = pack_operand(torch.randn(6, 64), operand_format(fmt)).packed
     names = sorted(p.fields)
     torch.library.opcheck(torch.ops.fp4rl.decode_rows.default,
                           ([p.fields[n] for n in names], ",".join(names), p.format,
@@ -101,9 +101,9 @@ def test_a_rollout_linear_compiles_whole_to_the_eager_bits(fmt, spec, dtype):
     m = method(fmt, spec)
     op = TracedActivation(m)
     w = torch.randn(48, 64)
-    dense = quantize_operand(w, fmt)
+    dense = quantize_operand(w, operand_format(fmt))
     dense = Operand(dense.values.to(dtype), dense.scale)
-    packed = pack_operand(w, fmt)
+    packed = pack_operand(w, operand_format(fmt))
     bias = torch.randn(48).to(dtype)
 
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,10 +83,10 @@ def test_encode_and_decode_on_the_device(fmt):
 @pytest.mark.parametrize("fmt", FOUR_BIT)
 def test_packed_operands_on_the_device(fmt):
     w = torch.empty(32, 192, device=META)
-    p = pack_operand(w, fmt)
+    p = pack_operand(w, get_format(fmt))
     packed_on_meta(p)
     on_meta(decode_rows(p.packed), p.decode(torch.bfloat16).values)
-    again = PackedOperand.from_row_fields(fmt, (32, 192), p.row_fields(), p.scale)
+    again = PackedOperand.from_row_fields(get_format(fmt), (32, 192), p.row_fields(), p.scale)
     packed_on_meta(again)
 
 
@@ -104,7 +104,7 @@ def test_the_packed_gemm_stays_on_the_device(fmt, monkeypatch):
     monkeypatch.setattr(fp4rl.kernels.dispatch, "triton_for", lambda device: triton_quant)
     monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
         a for a in args if isinstance(a, torch.Tensor)))
-    p = pack_operand(torch.empty(32, 192, device=META), fmt)
+    p = pack_operand(torch.empty(32, 192, device=META), get_format(fmt))
     a = Operand(torch.empty(4, 192, device=META, dtype=torch.bfloat16))
     bias = torch.empty(32, device=META)
     on_meta(mm_packed(a, p, torch.bfloat16), mm_packed([a, a], p, torch.bfloat16, bias))
@@ -127,7 +127,8 @@ def test_both_axes_from_one_read_stay_on_the_device(fmt, monkeypatch):
     monkeypatch.setattr(fp4rl.kernels.dispatch, "triton_for", lambda device: triton_quant)
     monkeypatch.setattr(triton_quant.Variant, "launch", lambda self, grid, *args: launched.extend(
         a for a in args if isinstance(a, torch.Tensor)))
-    rows, cols = quantize_operand_pair(torch.empty(32, 192, device=META), fmt, torch.bfloat16)
+    rows, cols = quantize_operand_pair(torch.empty(32, 192, device=META), get_format(fmt),
+                                       torch.bfloat16)
     assert launched and rows.values.dtype == cols.values.dtype == torch.bfloat16
     on_meta(rows.values, cols.values, *launched,
             *(s for s in (rows.scale, cols.scale) if s is not None))
@@ -143,7 +144,7 @@ def test_nvfp4_tensor_scale_stays_on_the_device():
 def test_gemm_operands_on_the_device(fmt):
     x = torch.empty(4, 128, device=META, dtype=torch.bfloat16)
     w = torch.empty(16, 128, device=META)
-    a, b = quantize_operand(x, fmt), quantize_operand(w, fmt)
+    a, b = quantize_operand(x, get_format(fmt)), quantize_operand(w, get_format(fmt))
     on_meta(a.values, a.scale, mm(a, b.t(), torch.bfloat16), mm([a, a], b.t(), torch.float32))
 
 

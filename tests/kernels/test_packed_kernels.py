@@ -40,11 +40,11 @@ def test_table_decode_is_the_reference_bit_for_bit(fmt, cols):
 @pytest.mark.parametrize("fmt", ("hif4", "mxfp4", "nvfp4"))
 def test_every_code_byte_decodes_as_the_reference(fmt):
     """Random bytes in every field: codes no encoder writes still decode alike."""
-    layout = PackedOperand.layout(fmt, 128)
+    layout = PackedOperand.layout(get_format(fmt), 128)
     g = torch.Generator().manual_seed(1)
     fields = {k: torch.randint(0, 256, (32, v.numel()), generator=g, dtype=torch.uint8)
               for k, v in layout.fields.items()}
-    op = PackedOperand.from_row_fields(fmt, (32, 128), fields)
+    op = PackedOperand.from_row_fields(get_format(fmt), (32, 128), fields)
     assert same_bits(decode_rows(op.packed), get_format(fmt).decode(op.packed).float())
 
 
@@ -54,10 +54,11 @@ def test_every_code_byte_decodes_as_the_reference(fmt):
 def test_packed_operand_decodes_to_quantize_operand(fmt, rows, cols, scale, seed):
     """``pack_operand`` then decode is ``quantize_operand`` (per-tensor scale outside)."""
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * scale
-    packed, dense = pack_operand(x, fmt), quantize_operand(x, fmt, -1)
+    packed, dense = pack_operand(x, get_format(fmt)), quantize_operand(x, get_format(fmt), -1)
     assert torch.equal(packed.decode().values, dense.values)
     assert (packed.scale is None) == (dense.scale is None)
-    again = PackedOperand.from_row_fields(fmt, (rows, cols), packed.row_fields(), packed.scale)
+    again = PackedOperand.from_row_fields(get_format(fmt), (rows, cols), packed.row_fields(),
+                                          packed.scale)
     assert torch.equal(again.decode().values, dense.values)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp4rl.formats import get_format
 from fp4rl.gemm import quantize_operand, quantize_operand_pair
 
 pytest.importorskip("triton")
@@ -33,8 +34,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _reference(x: torch.Tensor, fmt: str, out_dtype: torch.dtype | None, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("FP4RL_DISABLE_KERNELS", "1")
-        return (quantize_operand(x, fmt, -1, out_dtype=out_dtype),
-                quantize_operand(x, fmt, 0, out_dtype=out_dtype))
+        return (quantize_operand(x, get_format(fmt), -1, out_dtype=out_dtype),
+                quantize_operand(x, get_format(fmt), 0, out_dtype=out_dtype))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -55,7 +56,7 @@ def test_both_axes_from_one_read_are_each_axis_bit_for_bit(triton_path, monkeypa
     real = triton_quant.quantize_both
     monkeypatch.setattr(triton_quant, "quantize_both",
                         lambda *a: launched.append(a) or real(*a))
-    rows, cols = quantize_operand_pair(x, fmt, out)
+    rows, cols = quantize_operand_pair(x, get_format(fmt), out)
     assert len(launched) == 1  # one kernel for both
     want_rows, want_cols = _reference(x, fmt, out, monkeypatch)
     assert rows.values.dtype == cols.values.dtype == (out or dtype)
@@ -72,7 +73,7 @@ def test_a_scale_per_token_takes_each_axis_on_its_own(triton_path, monkeypatch):
 
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
     monkeypatch.setattr(triton_quant, "quantize_both", lambda *a: pytest.fail("both"))
-    rows, cols = quantize_operand_pair(x, "nvfp4_per_token")
+    rows, cols = quantize_operand_pair(x, get_format("nvfp4_per_token"))
     want_rows, want_cols = _reference(x, "nvfp4_per_token", None, monkeypatch)
     assert _same(rows.dense(), want_rows.dense()) and _same(cols.dense(), want_cols.dense())
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import fp4rl
 from fp4rl.formats import get_format
-from fp4rl.recovery import resq_activation, sparsify
+from fp4rl.recovery import parse_pattern, resq_activation, sparsify
 
 pytest.importorskip("triton")
 # the interpreter evaluates both sides of masked selects (NaN/Inf blocks) with numpy
@@ -92,7 +92,7 @@ def test_fused_resq_matches_composed_reference(triton_path, fmt, pattern):
     q = get_format(fmt).quantize_reference
     qx = q(x)
     assert _bits_equal(fused, qx + sparsify(q(x - qx), pattern))
-    assert _bits_equal(resq_activation(x, fmt, pattern), fused)
+    assert _bits_equal(resq_activation(x, get_format(fmt), parse_pattern(pattern)), fused)
 
 
 def test_fused_resq_declines_what_it_cannot_fuse(triton_path):
@@ -106,7 +106,7 @@ def test_fused_resq_declines_what_it_cannot_fuse(triton_path):
     q = get_format("hif4").quantize_reference
     qx = q(x)
     for pattern in ("2:6", "4:16"):
-        assert _bits_equal(resq_activation(x, "hif4", pattern),
+        assert _bits_equal(resq_activation(x, get_format("hif4"), parse_pattern(pattern)),
                            qx + sparsify(q(x - qx), pattern))
 
 
@@ -176,7 +176,7 @@ def test_packed_decode_kernel_matches_the_reference_decoder(triton_path, fmt, dt
     x = _heavy_tailed((9, cols), seed=10) * 2.0 ** 30
     x[3, 7] = float("nan")  # a NaN block
     x[5] = 0.0
-    packed = pack_operand(x, fmt).packed
+    packed = pack_operand(x, get_format(fmt)).packed
     ref = get_format(fmt).decode(packed)
     fields = {k: v.reshape(9, -1) for k, v in packed.fields.items()}
     got = triton_decode.decode_2d(get_format(fmt), fields, 9, cols, dtype)
@@ -233,7 +233,7 @@ def test_a_model_on_the_triton_path_never_takes_the_reference(triton_path, recip
     assert all(p.grad is not None for p in model.parameters())
     w = model.model.layers[0].mlp.down_proj.weight.detach()
     fmt = recipe.split(":")[0].split("+")[0]
-    assert torch.isfinite(pack_operand(w, fmt).decode(torch.bfloat16).values).all()
+    assert torch.isfinite(pack_operand(w, get_format(fmt)).decode(torch.bfloat16).values).all()
 
 
 @pytest.mark.parametrize("fmt", FIELD_FORMATS)
@@ -281,10 +281,10 @@ def test_operand_values_written_in_the_gemm_dtype_by_the_kernel(triton_path, fmt
     from fp4rl.kernels import quantize_matrix_values
 
     x = _heavy_tailed((48, 96), seed=11)
-    composed = quantize_operand(x, fmt, dim)
+    composed = quantize_operand(x, get_format(fmt), dim)
     f = get_format(fmt)
     assert quantize_matrix_values(f, x, dim, composed.scale, out_dtype) is not None
-    direct = quantize_operand(x, fmt, dim, out_dtype=out_dtype)
+    direct = quantize_operand(x, get_format(fmt), dim, out_dtype=out_dtype)
     assert direct.values.dtype == out_dtype
     assert _bits_equal(direct.values, composed.values.to(out_dtype))
     assert (direct.scale is None) == (composed.scale is None)

@@ -57,7 +57,7 @@ def test_the_weight_it_multiplies_is_the_decoders(fmt, cols):
     rows = 70
     w = torch.randn(rows, cols, generator=g) * torch.exp(2 * torch.randn(rows, cols, generator=g))
     w[5] = 0.0
-    p = pack_operand(w, fmt)
+    p = pack_operand(w, get_format(fmt))
     decoded = p.decode(torch.float32).values
     for first in range(0, cols, 64):
         eye = torch.eye(cols)[first:first + 64].to(BF16)
@@ -72,7 +72,7 @@ def test_the_weight_it_multiplies_is_the_decoders(fmt, cols):
 def test_outputs_are_mm_bit_for_bit_where_sums_are_exact(fmt, m, terms, bias):
     g = torch.Generator().manual_seed(m * 10 + terms)
     rows, cols = 70, 200
-    p = pack_operand(_grid_weight(rows, cols, g), fmt)
+    p = pack_operand(_grid_weight(rows, cols, g), get_format(fmt))
     a = torch.randint(-8, 9, (terms * m, cols), generator=g).to(BF16)
     scales = [torch.rand(m, 1, generator=g) + 0.5, torch.rand((), generator=g) + 0.5][:terms]
     b = torch.randn(rows, generator=g).to(BF16) if bias else None
@@ -87,7 +87,7 @@ def test_a_nan_block_spoils_its_outputs_as_in_the_decode():
     g = torch.Generator().manual_seed(3)
     w = _grid_weight(40, 96, g)
     w[7, 3] = float("nan")
-    p = pack_operand(w, "hif4")
+    p = pack_operand(w, get_format("hif4"))
     a = torch.randint(-8, 9, (3, 96), generator=g).to(BF16)
     y = packed_mm_2d(get_format("hif4"), a, 1, _fields(p), 40, 96, [None], None, None)
     want = mm(Operand(a), p.decode(BF16).t(), BF16)
@@ -100,7 +100,7 @@ def test_mm_packed_takes_the_kernel_at_every_token_count(triton_path, fmt, monke
     token count of bf16 (a decode step, a large batch, a prefill's 128-row tiles), and
     decodes then multiplies in fp32; both give ``mm``'s bits on exact sums."""
     g = torch.Generator().manual_seed(4)
-    p = pack_operand(_grid_weight(48, 128, g), fmt)
+    p = pack_operand(_grid_weight(48, 128, g), get_format(fmt))
     launched: list[int] = []
     real = triton_packed_mm.packed_mm_2d
     monkeypatch.setattr(triton_packed_mm, "packed_mm_2d",
@@ -120,7 +120,7 @@ def test_without_a_kernel_the_operator_decodes_then_multiplies():
     """On a CPU without the Triton path the operator is the decode and ``mm`` (what a
     compiled engine traces runs anywhere)."""
     g = torch.Generator().manual_seed(5)
-    p = pack_operand(_grid_weight(24, 64, g), "mxfp4")
+    p = pack_operand(_grid_weight(24, 64, g), get_format("mxfp4"))
     a = torch.randint(-8, 9, (6, 64), generator=g).to(BF16)
     f = p.row_fields()
     names = sorted(f)
@@ -132,7 +132,7 @@ def test_without_a_kernel_the_operator_decodes_then_multiplies():
 
 def test_the_operator_passes_opcheck(triton_path):
     g = torch.Generator().manual_seed(6)
-    p = pack_operand(_grid_weight(32, 64, g), "nvfp4")
+    p = pack_operand(_grid_weight(32, 64, g), get_format("nvfp4"))
     f = p.row_fields()
     names = sorted(f)
     a = torch.randint(-8, 9, (4, 64), generator=g).to(BF16)
@@ -150,7 +150,7 @@ def test_a_store_of_several_parts_fuses_each(triton_path, monkeypatch):
     from fp4rl.rollout.vllm.stores import DequantizedStore, PackedStore
 
     g = torch.Generator().manual_seed(7)
-    parts = [pack_operand(_grid_weight(40, 96, g) * s, "nvfp4") for s in (1.0, 8.0)]
+    parts = [pack_operand(_grid_weight(40, 96, g) * s, get_format("nvfp4")) for s in (1.0, 8.0)]
     assert not torch.equal(parts[0].scale, parts[1].scale)
     acts = [Operand(torch.randint(-8, 9, (5, 96), generator=g).to(BF16))]
     bias = torch.randn(80, generator=g).to(BF16)
@@ -170,7 +170,7 @@ def test_a_bias_of_any_type_joins_the_accumulator_as_in_mm(bias_dtype):
     """A float32 bias (an FP32 master's) is added unrounded to the scaled sum, a bf16 one
     as it is, another widened: :func:`fp4rl.gemm.mm`'s epilogue."""
     g = torch.Generator().manual_seed(8)
-    p = pack_operand(_grid_weight(40, 64, g), "nvfp4")
+    p = pack_operand(_grid_weight(40, 64, g), get_format("nvfp4"))
     a = torch.randint(-8, 9, (3, 64), generator=g).to(BF16)
     bias = torch.randn(40, generator=g).to(bias_dtype)
     y = packed_mm_2d(get_format("nvfp4"), a, 1, _fields(p), 40, 64, [None], p.scale, bias)
@@ -182,8 +182,9 @@ def test_the_fp4_layer_decodes_in_the_fused_kernel_at_every_size(triton_path, mo
                                                                    recipe):
     """fp4rl's own engine: an FP4 layer in rollout mode multiplies a few bf16 tokens by its
     rollout Q(W) kept as packed codes, in the fused kernel (the same bits as its dense
-    Q(W) where sums are exact), at a prefill's token count too; in fp32 and under the
-    batch-invariant forward it keeps its dense Q(W)."""
+    Q(W) where sums are exact), at a prefill's token count too, ResQ's residual handed
+    over n:m sparse; in fp32 and under the batch-invariant forward it keeps its dense
+    Q(W)."""
     from fp4rl.nn import FP4Linear, batch_invariant, get_recipe, rollout_mode
 
     g = torch.Generator().manual_seed(9)
@@ -202,6 +203,10 @@ def test_the_fp4_layer_decodes_in_the_fused_kernel_at_every_size(triton_path, mo
             return layer(x)
 
     x = torch.randint(-8, 9, (2, 3, 128), generator=g).to(BF16)
+    nm: list[bool] = []
+    monkeypatch.setattr(triton_packed_mm, "packed_mm_2d",
+                        lambda *args: launched.append(args[1].shape[0]) or
+                        nm.append(args[-1] is not None) or real(*args))
     fused = run(x)
     assert launched, "the fused kernel did not run"
     monkeypatch.setenv("FP4RL_DISABLE_KERNELS", "1")
@@ -209,8 +214,9 @@ def test_the_fp4_layer_decodes_in_the_fused_kernel_at_every_size(triton_path, mo
     assert not launched
     monkeypatch.delenv("FP4RL_DISABLE_KERNELS")
     assert fused.shape == (2, 3, 48) and _same(fused, dense)
+    assert set(nm) == {"resq" in recipe}
     run(torch.zeros(130, 128, dtype=BF16))
-    assert launched == [130 * (2 if "resq" in recipe else 1)]
+    assert launched == [130]
     run(x.float())
     assert not launched
     with batch_invariant():
@@ -225,7 +231,7 @@ def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, m
     from fp4rl.rollout.vllm import stores
 
     g = torch.Generator().manual_seed(10)
-    part = pack_operand(_grid_weight(40, 96, g), "hif4")
+    part = pack_operand(_grid_weight(40, 96, g), get_format("hif4"))
     acts = [Operand(torch.randint(-8, 9, (3, 96), generator=g).to(BF16))]
     launched: list[int] = []
     real = triton_packed_mm.packed_mm_2d
@@ -242,7 +248,7 @@ def test_under_vllms_batch_invariant_mode_the_store_decodes_first(triton_path, m
 def _split_case(fmt: str, m: int, cols: int, terms: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     rows = 70
-    p = pack_operand(_grid_weight(rows, cols, g), fmt)
+    p = pack_operand(_grid_weight(rows, cols, g), get_format(fmt))
     a = torch.randint(-8, 9, (terms * m, cols), generator=g).to(BF16)
     scales = [torch.rand(m, 1, generator=g) + 0.5, torch.rand((), generator=g) + 0.5][:terms]
     b = torch.randn(rows, generator=g).to(BF16)
@@ -274,7 +280,7 @@ def test_a_nan_block_spoils_its_outputs_through_a_split(monkeypatch):
     g = torch.Generator().manual_seed(11)
     w = _grid_weight(40, 256, g)
     w[7, 200] = float("nan")
-    p = pack_operand(w, "hif4")
+    p = pack_operand(w, get_format("hif4"))
     a = torch.randint(-8, 9, (3, 256), generator=g).to(BF16)
     monkeypatch.setattr(triton_packed_mm, "k_split", lambda *args: 64)
     y = packed_mm_2d(get_format("hif4"), a, 1, _fields(p), 40, 256, [None], None, None)

@@ -37,7 +37,8 @@ def heavy_tailed(*shape: int, seed: int = 0) -> torch.Tensor:
 def test_operands_are_exact_in_bf16(fmt, dim, rounding):
     x = heavy_tailed(96, 128)
     kw = {"stochastic": rounding == "stochastic"}
-    op = quantize_operand(x, fmt, dim, generator=torch.Generator().manual_seed(1), **kw)
+    op = quantize_operand(x, fp4rl.get_format(fmt), dim,
+                          generator=torch.Generator().manual_seed(1), **kw)
     assert torch.equal(op.values.to(torch.bfloat16).float(), op.values)  # bf16 holds it
     want = fp4rl.quantize(x, fmt, dim=dim, rounding=rounding,
                           generator=torch.Generator().manual_seed(1))
@@ -96,7 +97,8 @@ def test_fused_resq_sum_is_exact_so_its_terms_separate(fmt, sparsity):
     for seed in range(5):
         x = heavy_tailed(64, 576, seed=seed) * torch.rand(64, 1) * 100
         qx = fp4rl.quantize(x, fmt)
-        second = fp4rl.recovery.resq_activation(x, fmt, sparsity) - qx
+        pattern = fp4rl.recovery.parse_pattern(sparsity)
+        second = fp4rl.recovery.resq_activation(x, fp4rl.get_format(fmt), pattern) - qx
         assert torch.equal(second, fp4rl.recovery.sparsify(fp4rl.quantize(x - qx, fmt),
                                                            sparsity))
         assert torch.equal(second.to(torch.bfloat16).float(), second)
@@ -296,8 +298,9 @@ def test_mm_applies_per_tensor_scales_to_the_fp32_accumulator_and_rounds_once():
 
 
 def test_mm_of_scaled_operands_matches_dense_product():
-    a = quantize_operand(heavy_tailed(32, 64, seed=4), "nvfp4")
-    b = quantize_operand(heavy_tailed(48, 64, seed=5), "nvfp4")
+    nvfp4 = fp4rl.get_format("nvfp4")
+    a = quantize_operand(heavy_tailed(32, 64, seed=4), nvfp4)
+    b = quantize_operand(heavy_tailed(48, 64, seed=5), nvfp4)
     want = a.dense().double() @ b.dense().double().t()
     _close_to_bf16_rounding(mm(a, b.t(), torch.bfloat16), want)
     torch.testing.assert_close(mm(a, b.t(), torch.float32).double(), want, rtol=1e-6,

@@ -125,7 +125,7 @@ def test_not_quantized_is_none_and_a_typed_bf16_reads_as_it():
     assert recipe.to_dict()["rollout"]["weights"] == "none"
     x = torch.randn(8, 64, dtype=torch.float32)
     assert quantize_operand(x, UNQUANTIZED).values is x
-    rounded = quantize_operand(x, "bf16").dense()
+    rounded = quantize_operand(x, get_format("bf16")).dense()
     assert torch.equal(rounded, x.bfloat16().float()) and not torch.equal(rounded, x)
     with pytest.raises(RecipeError, match=r"choose one of none, hif4.*\(bf16 reads as none\)"):
         TrainPrecision(gradients="fp16")

@@ -11,7 +11,7 @@ from fp4rl.nn import FP4Linear, Mode, Recipe, RolloutPrecision, get_recipe
 from fp4rl.recovery import Recovery
 from fp4rl.recovery.resq import resq_activation, resq_matmul
 from fp4rl.recovery.rht import hadamard_block
-from fp4rl.recovery.sparsity import sparsify
+from fp4rl.recovery.sparsity import parse_pattern, sparsify
 
 
 def outlier_activations(tokens: int = 64, d: int = 256, seed: int = 0) -> torch.Tensor:
@@ -109,8 +109,8 @@ def test_resq_reduces_activation_error(fmt):
     """Dense ResQ beats 2:4 beats plain FP4 in activation error, on outlier inputs."""
     x = outlier_activations()
     plain = rel_err(quantize(x, fmt), x)
-    sparse = rel_err(resq_activation(x, fmt, "2:4"), x)
-    dense = rel_err(resq_activation(x, fmt, "dense"), x)
+    sparse = rel_err(resq_activation(x, get_format(fmt), parse_pattern("2:4")), x)
+    dense = rel_err(resq_activation(x, get_format(fmt), parse_pattern("dense")), x)
     assert dense < sparse < plain
 
 
@@ -119,8 +119,9 @@ def test_resq_restores_collapsed_zeros():
     an outlier channel can collapse its block a second time)."""
     x = outlier_activations()
     zeros_plain = (quantize(x, "hif4") == 0).float().mean()
-    zeros_24 = (resq_activation(x, "hif4", "2:4") == 0).float().mean()
-    zeros_dense = (resq_activation(x, "hif4", "dense") == 0).float().mean()
+    hif4 = get_format("hif4")
+    zeros_24 = (resq_activation(x, hif4, parse_pattern("2:4")) == 0).float().mean()
+    zeros_dense = (resq_activation(x, hif4, parse_pattern("dense")) == 0).float().mean()
     assert zeros_plain > 0.3
     assert 0.4 * zeros_plain < zeros_24 < 0.6 * zeros_plain
     assert zeros_dense < 0.2 * zeros_plain
@@ -207,7 +208,7 @@ def test_fused_resq_kernel_matches_composed_steps(fmt, pattern, length):
     x[4, :5] = x[4, 5]  # exact ties inside 2:4 groups
     qx = quantize(x, fmt)
     composed = qx + sparsify(quantize(x - qx, fmt), pattern)
-    fused = resq_activation(x, fmt, pattern)
+    fused = resq_activation(x, get_format(fmt), parse_pattern(pattern))
     assert torch.equal(fused.view(torch.int32), composed.view(torch.int32)) or \
         torch.equal(torch.nan_to_num(fused, 7.0), torch.nan_to_num(composed, 7.0))
 
@@ -224,7 +225,7 @@ def test_resqw_repairs_the_weight_as_resq_repairs_the_activation(fmt):
     w = linear.weight.detach()
     qw = quantize(w, fmt)
     w_eff = qw + sparsify(quantize(w - qw, fmt), "2:4")
-    x_eff = resq_activation(x, fmt, "2:4")
+    x_eff = resq_activation(x, get_format(fmt), parse_pattern("2:4"))
     ref = x_eff.double() @ w_eff.double().t() + linear.bias.detach().double()
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16):

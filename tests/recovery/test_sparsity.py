@@ -12,7 +12,6 @@ from fp4rl.recovery.sparsity import (
     Block,
     Channel,
     Dense,
-    density,
     keep_mask,
     kept_count,
     parse_pattern,
@@ -107,7 +106,7 @@ def test_parse_pattern_rejects_non_strings() -> None:
     ],
 )
 def test_density(pattern: str, expected: float) -> None:
-    assert density(pattern) == expected
+    assert parse_pattern(pattern).density == expected
 
 
 @pytest.mark.parametrize(
@@ -133,7 +132,7 @@ def test_kept_count_is_exact_ceil(fraction: float, total: int, expected: int) ->
 def test_dense_returns_input_unchanged() -> None:
     x = torch.randn(3, 5)
     assert sparsify(x, "dense") is x
-    assert keep_mask(x, "dense").all()
+    assert keep_mask(x, parse_pattern("dense")).all()
 
 
 @pytest.mark.parametrize(
@@ -188,7 +187,7 @@ def test_nm_matches_reference_with_many_ties(case: tuple[list[list[float]], int,
     values, n, m = case
     x = torch.tensor(values)
     expected = torch.tensor(reference_nm_mask(values, n, m))
-    assert torch.equal(keep_mask(x, f"{n}:{m}"), expected)
+    assert torch.equal(keep_mask(x, parse_pattern(f"{n}:{m}")), expected)
     assert torch.equal(sparsify(x, f"{n}:{m}"), x * expected)
 
 
@@ -235,7 +234,7 @@ def test_empty_and_scalar_inputs(pattern: str) -> None:
 def test_channel_keeps_top_l2_norm_columns_over_all_tokens() -> None:
     # L2 norms over both batch entries: [4.24, 5, 1, 4.5]; an L1 ranking would pick column 0.
     x = torch.tensor([[[3.0, 5.0, 0.0, 4.5]], [[3.0, 0.0, -1.0, 0.0]]])
-    kept = keep_mask(x, "channel:0.5")
+    kept = keep_mask(x, parse_pattern("channel:0.5"))
     expected_columns = torch.tensor([False, True, False, True])
     assert torch.equal(kept, expected_columns.expand(2, 1, 4))
 
@@ -244,9 +243,10 @@ def test_wide_ties_keep_the_lowest_indices() -> None:
     """Long tied runs: an unstable sort would pick arbitrary positions."""
     row = torch.ones(1, 4096)
     first_half = torch.arange(4096) < 2048
-    assert torch.equal(keep_mask(row, "channel:0.5")[0], first_half)
-    assert torch.equal(keep_mask(row.reshape(64, 64), "block:1x1:0.5").flatten(), first_half)
-    assert torch.equal(keep_mask(row, "4:256")[0, :256], torch.arange(256) < 4)
+    assert torch.equal(keep_mask(row, parse_pattern("channel:0.5"))[0], first_half)
+    tiles = keep_mask(row.reshape(64, 64), parse_pattern("block:1x1:0.5"))
+    assert torch.equal(tiles.flatten(), first_half)
+    assert torch.equal(keep_mask(row, parse_pattern("4:256"))[0, :256], torch.arange(256) < 4)
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_wide_ties_keep_the_lowest_indices() -> None:
 )
 def test_channel_ties_and_rounding(fraction: str, expected_columns: list[bool]) -> None:
     x = torch.tensor([[1.0, -1.0, 1.0, -1.0], [2.0, 2.0, -2.0, 2.0]])
-    kept = keep_mask(x, f"channel:{fraction}")
+    kept = keep_mask(x, parse_pattern(f"channel:{fraction}"))
     assert torch.equal(kept, torch.tensor(expected_columns).expand(2, 4))
 
 
@@ -280,7 +280,7 @@ def test_block_partial_edge_tiles_and_ties() -> None:
     # 3x3 in 2x2 tiles: (0,0) is 2x2, (0,1) 2x1, (1,0) 1x2, (1,1) 1x1.
     x = torch.ones(3, 3)
     x[2, 2] = 10.0
-    kept = keep_mask(x, "block:2x2:0.5")
+    kept = keep_mask(x, parse_pattern("block:2x2:0.5"))
     expected = torch.tensor(
         [
             [True, True, False],
@@ -300,7 +300,7 @@ def test_block_partial_edge_tiles_and_ties() -> None:
 def test_block_flattens_leading_dims_into_rows() -> None:
     x = torch.zeros(2, 2, 4)
     x[1, 1, 3] = 5.0  # flattened row 3, column 3: tile (1, 1) of a 4x4 matrix
-    kept = keep_mask(x, "block:2x2:0.25")
+    kept = keep_mask(x, parse_pattern("block:2x2:0.25"))
     expected = torch.zeros(4, 4, dtype=torch.bool)
     expected[2:4, 2:4] = True
     assert torch.equal(kept, expected.reshape(2, 2, 4))
@@ -320,7 +320,7 @@ def test_kept_counts_for_fraction_patterns(
 ) -> None:
     # Magnitudes grow with position so the biggest tiles/channels are the full ones.
     x = torch.arange(1, shape[0] * shape[1] + 1, dtype=torch.float32).reshape(shape).flip(0, 1)
-    assert keep_mask(x, pattern).sum().item() == expected_kept
+    assert keep_mask(x, parse_pattern(pattern)).sum().item() == expected_kept
 
 
 def test_resq_reads_its_pattern_once_at_the_config_and_writes_it_back_as_text():

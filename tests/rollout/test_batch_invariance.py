@@ -72,7 +72,7 @@ def test_the_engines_activation_operator_is_row_wise(fmt, spec, dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 64, generator=g)
     stale = torch.randn(27, 64, generator=g) * 1e4
-    w = quantize_operand(torch.randn(32, 64, generator=g), "hif4").to(dtype)
+    w = quantize_operand(torch.randn(32, 64, generator=g), operand_format("hif4")).to(dtype)
     alone = mm(op(x.to(dtype), dtype), w.t(), dtype)
     padded = mm(op(torch.cat([x, stale]).to(dtype), dtype), w.t(), dtype)[:5]
     if fmt not in POW2_SCALED:

@@ -19,6 +19,7 @@ from fp4rl.kernels.cpu import bi_gemm, bi_softmax, load_library
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, get_recipe, quantize_model
 from fp4rl.nn.invariant import is_batch_invariant, tokens_fed
+from fp4rl.nn.recipe import scale_rule
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig
 from fp4rl.rollout.kv_cache import generate
@@ -37,7 +38,7 @@ EOS = [2, 7, 9]
 def _model(recipe: str, scale: str, invariant: bool, layers: int = 2) -> torch.nn.Module:
     """A tiny random Llama (8 blocks where a recipe leaves boundary blocks in BF16)."""
     model = tiny_model("llama", num_hidden_layers=layers)[0].eval()
-    return quantize_model(model, get_recipe(recipe).with_nvfp4_scale(scale),
+    return quantize_model(model, get_recipe(recipe).with_nvfp4_scale(scale_rule(scale)),
                           batch_invariant=invariant)
 
 
@@ -135,7 +136,7 @@ def test_the_embedded_model_scores_the_engines_tokens_with_its_bits(recipe, scal
     from fp4rl.models import load_model
 
     model, tok = load_model("smollm2-135m")
-    quantize_model(model.eval(), get_recipe(recipe).with_nvfp4_scale(scale),
+    quantize_model(model.eval(), get_recipe(recipe).with_nvfp4_scale(scale_rule(scale)),
                    batch_invariant=True)
     prompts = [p.reshape(-1).tolist() for p in encode_prompts(tok, BUILTIN_PROMPTS[:4])]
     batch = _rollout(model, dtype, [p for p in prompts for _ in range(3)], tok.pad_token_id,
@@ -167,7 +168,7 @@ def test_the_gemms_a_gpu_runs_are_the_ops_vllms_batch_invariant_mode_replaces():
     bias = torch.randn(32, generator=g)
     for fmt in ("hif4", "nvfp4", "nvfp4_per_token"):
         for dtype in (torch.bfloat16, torch.float32):
-            qx = quantize_operand(x, fmt).to(dtype)
+            qx = quantize_operand(x, fp4rl.get_format(fmt)).to(dtype)
             qw = quantize_operand(w, get_recipe(fmt).rollout.weights).to(dtype)
             with Ops() as ops:
                 mm([qx, qx], qw.t(), dtype, bias.to(dtype))  # ResQ's two terms

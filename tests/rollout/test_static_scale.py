@@ -14,6 +14,7 @@ import torch
 from fp4rl.kernels.cpu import load_library
 from fp4rl.models import tiny_model
 from fp4rl.nn import begin_step, fp4_layers, get_recipe, quantize_model
+from fp4rl.nn.recipe import scale_rule
 from fp4rl.rl.logprobs import response_logprobs
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, concat_batches
 from fp4rl.rollout.kv_cache import KVCacheEngine
@@ -25,7 +26,7 @@ PAD, EOS = 3, [2, 7, 9]
 
 def _model() -> torch.nn.Module:
     model = tiny_model("llama", num_hidden_layers=2)[0].eval()
-    return quantize_model(model, get_recipe("torchao-nvfp4").with_nvfp4_scale("static"),
+    return quantize_model(model, get_recipe("torchao-nvfp4").with_nvfp4_scale(scale_rule("static")),
                           batch_invariant=True)
 
 

@@ -133,11 +133,11 @@ def test_the_plan_settles_the_engine_settings_for_its_device(monkeypatch):
     gpu_settled = VLLMEngine.settle(VLLMSettings(kv_cache_bytes=4096), torch.device("cuda"))
     assert gpu_settled == VLLMSettings(enforce_eager=False, kv_cache_bytes=4096)
     assert VLLMEngine.settle(gpu_settled, torch.device("cpu")) == gpu_settled  # settled once
-    spec = EngineSpec("model", "hif4", device=torch.device("cpu"))
+    spec = EngineSpec("model", get_recipe("hif4"), device=torch.device("cpu"))
     assert spec.gpu_memory_utilization == DEFAULTS.gpu_memory_utilization
     assert spec.weight_storage is DEFAULTS.weight_storage
     assert spec.kv_cache_bytes == 1 << 30 and spec.eager
-    gpu = EngineSpec("model", "hif4", device=torch.device("cuda"))
+    gpu = EngineSpec("model", get_recipe("hif4"), device=torch.device("cuda"))
     assert gpu.kv_cache_bytes is None and not gpu.eager
 
 
@@ -179,7 +179,7 @@ def test_engines_compile_on_gpus_for_every_format(monkeypatch):
     from fp4rl.rollout.vllm.engine import EngineSpec
 
     def spec(recipe, eager="auto"):
-        return EngineSpec("model", recipe, enforce_eager=eager)
+        return EngineSpec("model", recipe and get_recipe(recipe), enforce_eager=eager)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert spec("hif4+resq-2:4").eager and spec(None).eager
@@ -199,7 +199,7 @@ def test_cpu_engines_take_whole_prompts_within_a_small_budget(monkeypatch):
     from fp4rl.rollout.vllm.engine import EngineSpec
 
     def spec(max_model_len, budget=None):
-        return EngineSpec("model", "hif4", max_model_len=max_model_len,
+        return EngineSpec("model", get_recipe("hif4"), max_model_len=max_model_len,
                           max_num_batched_tokens=budget)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -21,6 +21,7 @@ from _engines import fp4_layers  # noqa: E402
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 KINDS = ("self_attn.qkv_proj", "mlp.down_proj")
 
@@ -30,7 +31,7 @@ KINDS = ("self_attn.qkv_proj", "mlp.down_proj")
 def test_each_layer_compiles_whole_to_the_eager_bits(smollm_dir, recipe, storage):
     model, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(model, recipe)
-    llm = make_llm(EngineSpec(smollm_dir, recipe, max_model_len=128,
+    llm = make_llm(EngineSpec(smollm_dir, get_recipe(recipe), max_model_len=128,
                               kv_cache_bytes=64 << 20, weight_storage=storage))
     refit(llm, model, packed=True)
     layers = fp4_layers(llm)
@@ -61,7 +62,7 @@ def test_a_compiled_engine_is_refit_in_place():
     recipe = "hif4+resq-2:4"
     model, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(model, recipe)
-    spec = EngineSpec(model_dir("smollm2-135m"), recipe, max_model_len=128,
+    spec = EngineSpec(model_dir("smollm2-135m"), get_recipe(recipe), max_model_len=128,
                       kv_cache_bytes=64 << 20, enforce_eager=False)
     llm = make_llm(spec)
     refit(llm, model, packed=True)
@@ -86,7 +87,7 @@ def test_a_compiled_engine_is_refit_in_place():
     assert {n: [t.data_ptr() for t in m.fp4rl.store.tensors()]
             for n, m in layers.items()} == addresses
     assert generate(llm) != before
-    eager = make_llm(EngineSpec(spec.model_dir, recipe, max_model_len=128,
+    eager = make_llm(EngineSpec(spec.model_dir, get_recipe(recipe), max_model_len=128,
                                 kv_cache_bytes=64 << 20, enforce_eager=True))
     refit(eager, model, packed=True)
     reference = fp4_layers(eager)

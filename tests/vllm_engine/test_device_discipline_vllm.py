@@ -17,6 +17,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vllm` runs "
                            "these tests in an environment of its own")
 
+from fp4rl.formats import get_format  # noqa: E402
 from fp4rl.gemm import Operand, PackedOperand, pack_operand  # noqa: E402
 from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.rollout.vllm.errors import VLLMError  # noqa: E402
@@ -150,7 +151,7 @@ def test_nvfp4_refit_scale_keeps_the_stores_shape():
     NVFP4 engine takes its refits in place."""
     from fp4rl.rollout.vllm.refit import RefitPayload
 
-    p = pack_operand(torch.randn(16, IN), "nvfp4")
+    p = pack_operand(torch.randn(16, IN), get_format("nvfp4"))
     back = RefitPayload.from_wire(RefitPayload({"x": p}, []).to_wire(as_bytes=True))
     got = back.grids["x"]
     assert isinstance(got, PackedOperand) and got.scale.shape == p.scale.shape == ()

@@ -30,6 +30,7 @@ from _distribution import (  # noqa: E402
 
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, VLLMEngine, make_llm  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 from fp4rl.rollout import SamplingConfig  # noqa: E402
 
 DRAWS = 300
@@ -43,7 +44,7 @@ def drawn(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    llm = make_llm(EngineSpec(str(path), RECIPE, dtype=torch.float32, max_model_len=64,
+    llm = make_llm(EngineSpec(str(path), get_recipe(RECIPE), dtype=torch.float32, max_model_len=64,
                               kv_cache_bytes=64 << 20))
     engine = VLLMEngine(llm, tok.pad_token_id, [tok.eos_token_id])
     rows = [p for p in prompts for _ in range(DRAWS)]

@@ -41,7 +41,7 @@ def hf():
 def engine(smollm_dir: str, recipe: str, dtype: torch.dtype, model=None):
     """An engine for ``recipe``; given fp4rl's patched ``model``, refit from it (as the
     trainer does before every rollout), so that it holds the Q(W) of the FP32 masters."""
-    llm = make_llm(EngineSpec(smollm_dir, recipe, dtype=dtype, max_model_len=256,
+    llm = make_llm(EngineSpec(smollm_dir, get_recipe(recipe), dtype=dtype, max_model_len=256,
                               kv_cache_bytes=256 << 20))
     if model is not None:
         refit(llm, model)

@@ -16,6 +16,7 @@ from fp4rl.cli import main  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 from fp4rl.nn import quantize_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["What is 45 - 18?", "Tom has 12 apples and buys 7 more. How many apples",
@@ -57,7 +58,7 @@ def test_llm_serves_the_export_as_a_refit_engine_runs_it(exported, smollm_dir):
     out = greedy(served)
     assert all(len(ids) == 24 for ids in out)
     quantize_model(model, RECIPE)
-    reference = make_llm(EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, seed=0,
+    reference = make_llm(EngineSpec(smollm_dir, get_recipe(RECIPE), dtype=torch.bfloat16, seed=0,
                                     max_model_len=512))
     refit(reference, model)
     assert greedy(reference) == out

@@ -18,6 +18,7 @@ from fp4rl.cli import main  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit, refit_payload  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
 from fp4rl.nn import fp4_layers, quantize_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
@@ -66,7 +67,7 @@ def test_the_payload_is_the_rollout_q_w_bit_for_bit_and_at_most_bf16_bytes():
 
 def test_refit_equals_a_fresh_engine_on_the_export_of_the_new_weights(smollm_dir, tmp_path):
     model, tok = updated_model()
-    spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+    spec = EngineSpec(smollm_dir, get_recipe(RECIPE), dtype=torch.bfloat16, max_model_len=256,
                       kv_cache_bytes=256 << 20)
     llm = make_llm(spec)
     before = prompt_logprobs(llm, tok)
@@ -85,8 +86,9 @@ def test_refit_equals_a_fresh_engine_on_the_export_of_the_new_weights(smollm_dir
     tok.save_pretrained(tmp_path / "new")
     assert main(["export", "--model", str(tmp_path / "new"), "--format", "vllm", "--recipe",
                  RECIPE, "--output", str(tmp_path / "served")]) == 0
-    fresh = make_llm(EngineSpec(str(tmp_path / "served"), RECIPE, dtype=torch.bfloat16,
-                                max_model_len=256, kv_cache_bytes=256 << 20))
+    fresh = make_llm(EngineSpec(str(tmp_path / "served"), get_recipe(RECIPE),
+                                dtype=torch.bfloat16, max_model_len=256,
+                                kv_cache_bytes=256 << 20))
     assert prompt_logprobs(fresh, tok) == after
     del fresh
     gc.collect()
@@ -98,10 +100,11 @@ sys.path.insert(0, {tests!r})
 from test_refit import RECIPE, prompt_logprobs, updated_model
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit
 from fp4rl.integrations.vllm import engine_model
+from fp4rl.nn.recipe import get_recipe
 if __name__ == "__main__":
     model, tok = updated_model()
-    llm = make_llm(EngineSpec({model_dir!r}, RECIPE, dtype=torch.bfloat16, max_model_len=256,
-                              kv_cache_bytes=256 << 20))
+    llm = make_llm(EngineSpec({model_dir!r}, get_recipe(RECIPE), dtype=torch.bfloat16,
+                              max_model_len=256, kv_cache_bytes=256 << 20))
     stats = refit(llm, model, packed=True, max_bytes={max_bytes})
     print("RESULT", json.dumps({{"bytes": stats.bytes, "tensors": stats.tensors,
                                 "logprobs": prompt_logprobs(llm, tok)}}))
@@ -140,7 +143,7 @@ def test_plain_weights_through_vllms_own_load_and_processing_every_step(smollm_d
 
     from fp4rl.integrations.vllm import engine_model
 
-    spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+    spec = EngineSpec(smollm_dir, get_recipe(RECIPE), dtype=torch.bfloat16, max_model_len=256,
                       kv_cache_bytes=256 << 20)
     plain, refitted = make_llm(spec), make_llm(spec)
     for seed in (0, 1):  # two steps
@@ -168,10 +171,9 @@ def test_an_engine_started_on_dummy_weights_takes_its_first_refit(smollm_dir):
     from vllm import LLM
 
     from fp4rl.integrations.vllm import method_kwargs
-    from fp4rl.nn.recipe import get_recipe
 
     model, tok = updated_model()
-    spec = EngineSpec(smollm_dir, RECIPE, dtype=torch.bfloat16, max_model_len=256,
+    spec = EngineSpec(smollm_dir, get_recipe(RECIPE), dtype=torch.bfloat16, max_model_len=256,
                       kv_cache_bytes=256 << 20)
     dummy = LLM(model=smollm_dir, dtype=torch.bfloat16, enforce_eager=True,
                 max_model_len=256, kv_cache_memory_bytes=256 << 20, load_format="dummy",

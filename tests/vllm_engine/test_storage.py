@@ -13,6 +13,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed; `make test-vll
 
 from fp4rl.cli import main  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 RECIPES = ("hif4+resq-2:4", "nvfp4")
 PROMPTS = ["Question: what is 3 + 7? Answer:", "Tom has 4 apples and buys 9 more. How many?"]
@@ -43,8 +44,9 @@ def test_packed_and_dequantized_storage_give_the_same_logits(exported):
     recipe, directory = exported
     out = {}
     for storage in ("dequantized", "packed"):
-        llm = make_llm(EngineSpec(directory, recipe, dtype=torch.bfloat16, max_model_len=256,
-                                  kv_cache_bytes=128 << 20, weight_storage=storage))
+        llm = make_llm(EngineSpec(directory, get_recipe(recipe), dtype=torch.bfloat16,
+                                  max_model_len=256, kv_cache_bytes=128 << 20,
+                                  weight_storage=storage))
         layers = [m for m in engine_model(llm).modules() if hasattr(m, "fp4rl")]
         assert layers and all(m.weight.numel() == 0 for m in layers)  # no weight beside Q(W)
         stores = {m.fp4rl.store.storage for m in layers}
@@ -84,7 +86,8 @@ def test_a_deleted_engine_frees_its_fp4rl_layers(smollm_dir):
     this test suite) would keep every one."""
     import weakref
 
-    llm = make_llm(EngineSpec(smollm_dir, "hif4", max_model_len=64, kv_cache_bytes=32 << 20))
+    llm = make_llm(EngineSpec(smollm_dir, get_recipe("hif4"), max_model_len=64,
+                              kv_cache_bytes=32 << 20))
     state = weakref.ref(next(m.fp4rl for m in engine_model(llm).modules()
                              if hasattr(m, "fp4rl")))
     assert state() is not None
@@ -97,8 +100,9 @@ AVX2_CHILD = """
 import math, sys
 import torch
 from fp4rl.integrations.vllm import EngineSpec, engine_model, make_llm
+from fp4rl.nn.recipe import get_recipe
 if __name__ == "__main__":
-    recipe = None if sys.argv[2] == "none" else sys.argv[2]
+    recipe = None if sys.argv[2] == "none" else get_recipe(sys.argv[2])
     llm = make_llm(EngineSpec(sys.argv[1], recipe, dtype=torch.bfloat16,
                               max_model_len=256, kv_cache_bytes=128 << 20))
     stores = [m.fp4rl.store for m in engine_model(llm).modules() if hasattr(m, "fp4rl")]

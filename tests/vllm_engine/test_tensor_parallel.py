@@ -184,6 +184,7 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_refit import RECIPE, updated_model
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit
+from fp4rl.nn.recipe import get_recipe
 
 
 def held(worker):
@@ -200,8 +201,8 @@ def held(worker):
 
 def main():
     model, tok = updated_model()
-    llm = make_llm(EngineSpec({model_dir!r}, RECIPE, dtype=torch.bfloat16, max_model_len=128,
-                              kv_cache_bytes=64 << 20, weight_storage="packed",
+    llm = make_llm(EngineSpec({model_dir!r}, get_recipe(RECIPE), dtype=torch.bfloat16,
+                              max_model_len=128, kv_cache_bytes=64 << 20, weight_storage="packed",
                               enforce_eager=True, tensor_parallel_size={tp}))
     refit(llm, model, packed=True)
     layers = {{n: la for n, la in __import__("fp4rl").nn.fp4_layers(model).items()

@@ -158,6 +158,6 @@ def test_a_refusal_inside_vllms_config_reaches_fp4rls_engine_caller_as_one_line(
 
     monkeypatch.setenv(RECIPE_ENV, encode_recipe(get_recipe(RECIPE)))
     with pytest.raises(VLLMError) as refused:
-        make_llm(EngineSpec(model, "hif4", max_model_len=128))
+        make_llm(EngineSpec(model, get_recipe("hif4"), max_model_len=128))
     assert len(str(refused.value).splitlines()) == 1
     assert f"but the actor's {RECIPE_ENV} rolls out" in str(refused.value)

@@ -27,6 +27,7 @@ from _engines import assert_layers_equal, fp4_layers, nudge  # noqa: E402
 import fp4rl  # noqa: E402
 from fp4rl.integrations.vllm import EngineSpec, make_llm, refit  # noqa: E402
 from fp4rl.models import load_model  # noqa: E402
+from fp4rl.nn.recipe import get_recipe  # noqa: E402
 
 RECIPE = "hif4+resq-2:4"
 
@@ -34,7 +35,7 @@ RECIPE = "hif4+resq-2:4"
 def test_layerwise_reload_gives_the_engine_fp4rls_refit_gives(smollm_dir):
     actor, _ = load_model("smollm2-135m")
     fp4rl.quantize_model(actor, RECIPE)
-    spec = EngineSpec(smollm_dir, RECIPE, max_model_len=128, kv_cache_bytes=64 << 20)
+    spec = EngineSpec(smollm_dir, get_recipe(RECIPE), max_model_len=128, kv_cache_bytes=64 << 20)
     theirs, ours = make_llm(spec), make_llm(spec)
     layers, reference = fp4_layers(theirs), fp4_layers(ours)
     addresses = {n: [t.data_ptr() for t in m.fp4rl.store.tensors()] for n, m in layers.items()}

@@ -307,16 +307,18 @@ def surrogate_loss(model: nn.Module, batch: GradientBatch) -> torch.Tensor:
 # ----- variants and their comparison -------------------------------------------------------
 def variants(fmt: str) -> dict[str, TrainPrecision]:
     """The training-policy variants diagnosed for ``fmt`` (see the module docstring)."""
-    def precision(w: str | OperandFormat, a: str | OperandFormat, g: str | OperandFormat,
+    f = TrainPrecision(weights=fmt).weights  # the name read once, as a recipe reads it
+
+    def precision(w: OperandFormat, a: OperandFormat, g: OperandFormat,
                   scheme: str = "reuse_forward") -> TrainPrecision:
         return TrainPrecision(weights=w, activations=a, gradients=g, backward_operands=scheme)
 
     return {
-        "fp4_forward": precision(fmt, fmt, UNQUANTIZED),
-        "requantize": precision(fmt, fmt, fmt, "requantize"),
-        "reuse_forward": precision(fmt, fmt, fmt),
-        "weights_only": precision(fmt, UNQUANTIZED, UNQUANTIZED),
-        "activations_only": precision(UNQUANTIZED, fmt, UNQUANTIZED),
+        "fp4_forward": precision(f, f, UNQUANTIZED),
+        "requantize": precision(f, f, f, "requantize"),
+        "reuse_forward": precision(f, f, f),
+        "weights_only": precision(f, UNQUANTIZED, UNQUANTIZED),
+        "activations_only": precision(UNQUANTIZED, f, UNQUANTIZED),
     }
 
 

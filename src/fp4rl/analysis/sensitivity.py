@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fp4rl.nn import get_recipe, quantize_model, rollout_mode
-from fp4rl.nn.recipe import Recipe
+from fp4rl.nn.recipe import Recipe, scale_rule
 
 #: the recipes diagnosed by default: one per activation-scaling kind, and pow2 beside the
 #: dynamic NVFP4 scales
@@ -42,7 +42,7 @@ def parse_recipe(spec: str) -> Recipe:
     (``nvfp4@pow2``)."""
     name, _, rule = spec.partition("@")
     recipe = get_recipe(name)
-    return recipe.with_nvfp4_scale(rule) if rule else recipe
+    return recipe.with_nvfp4_scale(scale_rule(rule)) if rule else recipe
 
 
 @torch.no_grad()

@@ -31,12 +31,16 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
-from typing import TypedDict, cast
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from rich.console import Console
 from rich.table import Table
 
 from fp4rl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm import LLM
 
 #: the engines compared: plain vLLM in bf16, and the fp4rl method in each storage
 ENGINE_KINDS = ("bf16", "dequantized", "packed")
@@ -87,19 +91,17 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
         require_vllm,
     )
     from fp4rl.models import load_model
-    from fp4rl.nn import fp4_layers, quantize_model
+    from fp4rl.nn import get_recipe, quantize_model
     from fp4rl.rollout.vllm.config import WeightStorage
     from fp4rl.rollout.vllm.loading import store_bytes
     from fp4rl.rollout.vllm.stores import release_freed_memory
 
     vllm = require_vllm()
     model, tok = load_model(model_name)
-    recipe = None if engine == "bf16" else RECIPE
+    recipe = None if engine == "bf16" else get_recipe(RECIPE)
     if recipe is not None:
         quantize_model(model, recipe)
-    block_params = sum(m.weight.numel() for m in fp4_layers(model).values()) or sum(
-        p.numel() for n, p in model.named_parameters() if ".layers." in n and
-        n.endswith("proj.weight"))
+    block_params = _block_params(model)
     texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(batch)]
     prompts = [vllm.TokensPrompt(prompt_token_ids=ids[0].tolist())
                for ids in encode_prompts(tok, texts)]
@@ -124,6 +126,29 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
         held = store_bytes(engine_model(llm))
         refits = [refit(llm, model, packed=True) for _ in range(repeats)]
         refit_bytes, refit_seconds = refits[-1].bytes, median(r.seconds for r in refits)
+    return {"engine": engine, "rss_bytes": added, "block_params": block_params,
+            "block_bytes_per_param": held / block_params,
+            "refit_bytes": refit_bytes, "refit_seconds": refit_seconds,
+            "tokens_per_second": batch * new_tokens / _generate_seconds(
+                llm, prompts, new_tokens, repeats)}
+
+
+def _block_params(model: torch.nn.Module) -> int:
+    """The parameters of the transformer blocks' linears: the FP4 layers' where the model
+    is patched, else the block projections' (the bf16 engine's model)."""
+    from fp4rl.nn import fp4_layers
+
+    return sum(m.weight.numel() for m in fp4_layers(model).values()) or sum(
+        p.numel() for n, p in model.named_parameters() if ".layers." in n and
+        n.endswith("proj.weight"))
+
+
+def _generate_seconds(llm: LLM, prompts: list[object], new_tokens: int,
+                      repeats: int) -> float:
+    """The median seconds of ``repeats`` greedy generations of ``new_tokens`` tokens for
+    each prompt, after one warm-up, the prefix cache reset before each."""
+    import vllm
+
     params = vllm.SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
@@ -131,10 +156,7 @@ def measure_engine(engine: str, model_name: str, batch: int, new_tokens: int,
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
-    return {"engine": engine, "rss_bytes": added, "block_params": block_params,
-            "block_bytes_per_param": held / block_params,
-            "refit_bytes": refit_bytes, "refit_seconds": refit_seconds,
-            "tokens_per_second": batch * new_tokens / median(times[1:])}
+    return median(times[1:])
 
 
 def run(model_name: str = "smollm2-135m", batch: int = 8, new_tokens: int = 16,

@@ -6,6 +6,14 @@ weight gradient), as the training policy does. Every layer holds FP32 master wei
 the main row runs both the FP4 layer and the baseline ``nn.Linear`` under bf16 autocast
 (``mixed_precision: bf16``, what a user would otherwise run); a second row compares the
 two in fp32 (``mixed_precision: no``). The four are interleaved inside each repeat.
+
+Each timed step runs as the trainer runs one: ``micro_batches`` forward + backward passes
+(default 1) inside one weight scope (:func:`fp4rl.nn.patch.hold_weights`), opened and
+closed around the step, so the FP4 layer derives ``Q(W)`` once per step (along
+in_features and along out_features in one kernel call) and drops it after, as
+an optimizer step would. One micro-batch is the least the kept ``Q(W)`` saves; the
+trainer's default (64 sequences a step, 16 a micro-batch) runs 4. The bf16 baseline casts
+its weight at every forward, as autocast does.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from torch import nn
 
 from fp4rl.bench.common import Comparison, compare, measure
 from fp4rl.nn import FP4Linear, get_recipe
+from fp4rl.nn.patch import hold_weights
 from fp4rl.precision import autocast
 
 #: (name, tokens, in_features, out_features): projections of the models fp4rl trains
@@ -33,14 +42,18 @@ SHAPES = (
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor,
-          precision: torch.dtype) -> Callable[[], None]:
-    """One forward + backward (input and weight gradients) of ``layer``."""
+          precision: torch.dtype, micro_batches: int = 1) -> Callable[[], None]:
+    """One step of ``layer``: ``micro_batches`` forward + backward passes (input and
+    weight gradients, the latter accumulated) inside one weight scope (a step's; it
+    changes nothing for a plain ``nn.Linear``)."""
     def go() -> None:
         layer.weight.grad = None
-        x.grad = None
-        with autocast(x.device, precision):
-            y = layer(x)
-        y.backward(grad.to(y.dtype))
+        with hold_weights(layer):
+            for _ in range(micro_batches):
+                x.grad = None
+                with autocast(x.device, precision):
+                    y = layer(x)
+                y.backward(grad.to(y.dtype))
     return go
 
 
@@ -52,8 +65,9 @@ def _inputs(m: int, d: int, n: int, device: torch.device, seed: int = 0
 
 
 def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
-        device: str | torch.device = "cpu") -> list[Comparison]:
-    """fp4 / bf16 (both bf16 compute) and fp4 / fp32 (both fp32) ratios per shape."""
+        device: str | torch.device = "cpu", micro_batches: int = 1) -> list[Comparison]:
+    """fp4 / bf16 (both bf16 compute) and fp4 / fp32 (both fp32) ratios per shape, each
+    timing one step of ``micro_batches`` forward + backward passes."""
     results = []
     dev = torch.device(device)
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -61,9 +75,10 @@ def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
         plain = nn.Linear(d, n, bias=False).to(dev)
         fp4 = FP4Linear.from_linear(nn.Linear(d, n, bias=False).to(dev), get_recipe(fmt))
         x, g = _inputs(m, d, n, dev)
-        timings = measure({"bf16": _step(plain, x, g, bf16), fmt: _step(fp4, x, g, bf16),
-                           "fp32": _step(plain, x, g, fp32),
-                           f"{fmt}_fp32": _step(fp4, x, g, fp32)}, repeats)
+        mb = micro_batches
+        timings = measure({"bf16": _step(plain, x, g, bf16, mb),
+                           fmt: _step(fp4, x, g, bf16, mb), "fp32": _step(plain, x, g, fp32, mb),
+                           f"{fmt}_fp32": _step(fp4, x, g, fp32, mb)}, repeats)
         label = f"linear.{name}[{m}x{d}->{n}]"
         results += [compare(f"{label}.{fmt}_vs_bf16", timings, fmt, "bf16",
                             "<= 1.5 where in/out >= 2048"),
@@ -71,9 +86,10 @@ def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
     return results
 
 
-def render(results: list[Comparison], console: Console) -> None:
+def render(results: list[Comparison], console: Console, micro_batches: int = 1) -> None:
+    per_step = f", {micro_batches} micro-batches a step" if micro_batches > 1 else ""
     table = Table(title="FP4 linear, forward + backward, all three GEMMs quantized, FP32 "
-                        "masters (median s)")
+                        f"masters{per_step} (median s)")
     for col in ("shape", "bf16", "fp4 bf16", "fp4 / bf16", "fp32", "fp4 fp32", "fp4 / fp32"):
         table.add_column(col, justify="right")
     for vs16, vs32 in zip(results[::2], results[1::2], strict=True):

@@ -148,13 +148,15 @@ class Recorder:
                 (a.shape[0] if a.dim() == 3 else 1)
         elif func.name() == "fp4rl::packed_mm":  # (terms x tokens, in) x (out, in)
             x, rows, cols, terms = args[0], args[4], args[5], args[6]
-            # the operator's schema: (Tensor a, Tensor[] fields, str, str, int rows, ...)
+            # the operator's schema: (Tensor a, Tensor[] fields, str, str, int rows, ...,
+            # Tensor? r_values, ...): with an n:m second term ``a`` holds the first alone
             assert isinstance(x, torch.Tensor)
             assert isinstance(rows, int) and isinstance(cols, int) and isinstance(terms, int)
-            flops = 2 * x.shape[0] * rows * cols
+            nm = len(args) > 11 and args[11] is not None
+            m = x.shape[0] if nm else x.shape[0] // terms
+            flops = 2 * m * terms * rows * cols
             from fp4rl.kernels.triton_packed_mm import k_split
 
-            m = x.shape[0] // terms
             part = k_split(m, rows, cols, terms)
             if part < cols:  # split K: fp32 partial sums out, added in a second kernel
                 partials = -(-cols // part) * terms * m * rows * 4
@@ -174,7 +176,8 @@ class Recorder:
                 continue
             if not _used(variant.kernel.__name__, name, consts):
                 continue
-            if name in ("y_ptr", "z_ptr", "r_ptr", "out_ptr", "c_ptr"):
+            if name in ("y_ptr", "z_ptr", "out_ptr", "c_ptr", "m_ptr") or \
+                    (name == "r_ptr" and variant.kernel.__name__ != "_packed_mm_kernel"):
                 written += _nbytes(value)
             else:
                 read += _nbytes(value)
@@ -198,8 +201,10 @@ def _used(kernel: str, name: str, consts: dict[str, int | bool]) -> bool:
         return bool(consts.get("HAS_NOISE"))
     if name == "g_ptr":
         return bool(consts.get("HAS_SCALE"))
+    if kernel == "_packed_mm_kernel" and name in ("r_ptr", "bits_ptr"):
+        return bool(consts.get("NM"))  # an n:m second term's values and bits
     if name == "r_ptr":
-        return bool(consts.get("TERMS"))
+        return kernel == "_resq_nm_kernel" or bool(consts.get("TERMS"))
     if name == "bias_ptr":
         return bool(consts.get("HAS_BIAS"))
     if kernel in ("_decode_kernel", "_packed_mm_kernel") and name in ("l2_ptr", "l3_ptr"):
@@ -488,7 +493,7 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
     per tile of its own. Those re-reads mostly hit the L2 cache (the codes of
     2048 x 11008 are 12.7 MB; an H100's L2 holds 50 MB), which this count does not model:
     it is the floor of HBM bytes, not a cache simulation."""
-    from fp4rl.gemm import PackedOperand, mm
+    from fp4rl.gemm import Operand, PackedOperand, mm
     from fp4rl.nn import get_recipe
     from fp4rl.recovery import make_recovery
     from fp4rl.recovery.ops import TracedActivation
@@ -514,12 +519,12 @@ def rollout_traffic(recipe: str = "hif4", tokens: int = 64,
                 if storage is WeightStorage.PACKED else \
                 DequantizedStore.of([part], bf16, prepack=False)
         with recording() as rec:
-            acts = activation(x, bf16)
             if name == "packed_decode":  # the packed weight decoded, then the bf16 GEMM
                 assert isinstance(part, PackedOperand)
-                mm(acts, part.decode(bf16).t(), bf16)
+                mm([a for a in activation(x, bf16) if isinstance(a, Operand)],
+                   part.decode(bf16).t(), bf16)
             else:
-                store.apply(acts, bf16, None)
+                store.apply(activation(x, bf16, packed=store.takes_nm()), bf16, None)
         runs[name] = rec
     return RolloutTraffic(recipe, tokens, (k, n), base, runs)
 

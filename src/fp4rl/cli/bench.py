@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--shape", type=_shape, help="--traffic: tokens,in,out (default "
                        "512,2048,11008, Qwen2.5-3B's up_proj; rollout: 64 tokens)")
     bench.add_argument("--micro-batches", type=positive_int, default=1,
-                       help="linear --traffic: forward + backward passes per optimizer step")
+                       help="linear: forward + backward passes per optimizer step (the "
+                       "FP4 layer derives Q(W) once a step; default 1)")
     bench.set_defaults(func=run)
 
 
@@ -72,16 +73,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from fp4rl.precision import describe_cpu, resolve_device
 
     check_outputs(json=args.json)
-    if (args.shape is not None or args.micro_batches != 1) and not args.traffic:
-        raise UserError("--shape and --micro-batches apply to bench linear/rollout --traffic "
-                        "only")
+    if args.shape is not None and not args.traffic:
+        raise UserError("--shape applies to bench linear/rollout --traffic only")
     if args.traffic and args.what not in ("linear", "rollout"):
         raise UserError("--traffic applies to bench linear and bench rollout only")
     if args.recipe is not None and args.what != "invariant" and not args.traffic:
         raise UserError("--recipe applies to bench invariant and bench linear/rollout "
                         "--traffic only")
     if args.micro_batches != 1 and args.what != "linear":
-        raise UserError("--micro-batches applies to bench linear --traffic only")
+        raise UserError("--micro-batches applies to bench linear only")
     if args.what in ("formats", "linear", "engine") and args.engine != ["hf"]:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
@@ -150,9 +150,11 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     shapes = bench.SHAPES if args.tokens is None else tuple(
         (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
     with status(console, f"benchmarking the {fmt} linear"):
-        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device)
-    bench.render(results, console)
-    return common.report(results, benchmark="linear", size=args.size)
+        results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device,
+                            micro_batches=args.micro_batches)
+    bench.render(results, console, args.micro_batches)
+    return common.report(results, benchmark="linear", size=args.size,
+                         micro_batches=args.micro_batches)
 
 
 def _traffic_recipe(args: argparse.Namespace) -> str:

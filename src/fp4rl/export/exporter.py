@@ -17,7 +17,13 @@ from fp4rl.export.directory import (
     write_directory,
 )
 from fp4rl.export.registry import get_export_format, list_export_formats
-from fp4rl.export.vllm import check_recipe, default_vllm_recipe, vllm_recipe
+from fp4rl.export.vllm import (
+    RUN_RECIPE,
+    check_takes_recipe,
+    default_vllm_recipe,
+    read_recipe,
+    vllm_recipe,
+)
 from fp4rl.nn.recipe import Recipe
 
 #: the built-in export formats' names (:func:`list_export_formats` also lists those
@@ -69,17 +75,20 @@ def export_checkpoint(checkpoint: str | Path, fmt: str, output: str | Path,
     from fp4rl.rl.sources import load_trained
 
     name = check_format(fmt)
-    given = check_recipe(name, recipe, run_allowed=True)
+    from_run = recipe == RUN_RECIPE
+    if from_run:
+        check_takes_recipe(name)
+    given = None if from_run else read_recipe(name, recipe)
     check_output(Path(output))
     trained = load_trained(checkpoint)
+    rollout = None
     if name == "vllm":
-        recipe = vllm_recipe(trained.recipe if recipe == "run" else
-                             given or default_vllm_recipe(),
-                             run_ignore=trained.recipe.ignore)
+        rollout = vllm_recipe(trained.recipe if from_run else given or default_vllm_recipe(),
+                              run_ignore=trained.recipe.ignore)
     ignores = trained.recipe.ignores_in(n for n, _ in trained.model.named_modules())
     # a checkpoint's policy is a transformers model (TrainedPolicy types it as a Module)
-    return export_model(cast(PreTrainedModel, trained.model), trained.tokenizer, name, output,
-                        ignores, recipe=recipe)
+    return _export(cast(PreTrainedModel, trained.model), trained.tokenizer, name, Path(output),
+                   ignores, rollout)
 
 
 def export_pretrained(model: str, fmt: str, output: str | Path,
@@ -90,9 +99,9 @@ def export_pretrained(model: str, fmt: str, output: str | Path,
     from fp4rl.models import load_model
 
     name = check_format(fmt)
-    check_recipe(name, recipe)
+    rollout = read_recipe(name, recipe)
     check_output(Path(output))
-    return export_model(*load_model(model), name, output, recipe=recipe)
+    return _export(*load_model(model), name, Path(output), lambda name: False, rollout)
 
 
 def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt: str,
@@ -115,8 +124,16 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fmt
     them to bf16 first would move values across FP4 rounding boundaries and block scales.
     Everything else is stored in bf16."""
     name = check_format(fmt)
-    rollout = check_recipe(name, recipe)  # the recipe read in once: the payload takes it
-    directory = Path(output)
+    rollout = read_recipe(name, recipe)  # read in once: the payload takes it
+    return _export(model, tokenizer, name, Path(output), ignores, rollout)
+
+
+def _export(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str,
+            directory: Path, ignores: Callable[[str], bool], rollout: Recipe | None
+            ) -> ExportResult:
+    """:func:`export_model` once its arguments are read and checked: ``name`` an export
+    format's, ``rollout`` the checked recipe (None: the default of a format that takes
+    one)."""
     check_output(directory)
     export = get_export_format(name)
     if export.takes_recipe and rollout is None:

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from fp4rl.export.directory import Payload, unquantized_tensors
 from fp4rl.export.targets import ExportError, block_linears
 from fp4rl.gemm import UNQUANTIZED, PackedOperand
-from fp4rl.nn.recipe import Recipe, get_recipe
+from fp4rl.nn.recipe import Recipe, as_recipe, get_recipe
 from fp4rl.recovery import make_recovery
 from fp4rl.rollout.vllm.config import quantization_config, rollout_recipe
 
@@ -37,23 +37,32 @@ MERGED_LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 DEFAULT_VLLM_RECIPE = "hif4+resq-2:4"
 
 
-def check_recipe(fmt: str, recipe: str | Recipe | None, run_allowed: bool = False
-                 ) -> Recipe | None:
-    """Refuse a recipe given with a format other than ``vllm``, ``"run"`` without a run,
-    and a recipe the vLLM plug-in cannot run, before any model is loaded; the recipe read
-    (None for none, or for ``"run"``, which the run's checkpoint resolves)."""
-    if recipe is None:
-        return None
+#: ``--recipe run``: the rollout recipe of the run a checkpoint comes from
+RUN_RECIPE = "run"
+
+
+def check_takes_recipe(fmt: str) -> None:
+    """Refuse a recipe given with an export format other than ``vllm``."""
     if fmt != "vllm":
         raise ExportError(f"--recipe applies to --format vllm only (the rollout recipe vLLM "
                           f"runs); the {fmt} export quantizes what the run trained: drop "
                           "--recipe")
-    if recipe == "run":
-        if not run_allowed:
-            raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
-                              "names); with --model give a recipe name, e.g. hif4+resq-2:4")
+
+
+def read_recipe(fmt: str, recipe: str | Recipe | None) -> Recipe | None:
+    """The recipe an export's caller gave (a name, read here, or a :class:`Recipe`),
+    checked for the vLLM plug-in before any model is loaded (None for none). Refused in
+    one line: a recipe with a format other than ``vllm``, ``"run"`` (only a checkpoint's
+    export has a run to take it from: :func:`fp4rl.export.export_checkpoint` reads it), a
+    recipe the plug-in cannot run. The export's public functions read it once and pass
+    the object down."""
+    if recipe is None:
         return None
-    return vllm_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
+    check_takes_recipe(fmt)
+    if recipe == RUN_RECIPE:
+        raise ExportError("--recipe run needs --checkpoint (the run whose recipe it "
+                          "names); with --model give a recipe name, e.g. hif4+resq-2:4")
+    return vllm_recipe(as_recipe(recipe))
 
 
 def vllm_recipe(recipe: Recipe, run_ignore: Iterable[str] = ()) -> Recipe:

@@ -127,7 +127,8 @@ class MXFP4(MXFormat):
     bits_per_value = 4.25
     #: the C kernel runs every block pass; Triton also decodes packed weights
     #: and multiplies by them
-    kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16},
+    kernels = FormatKernels(FormatCode.MXFP4, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16,
+                                                                   Operation.BOTH},
                             triton=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16, Operation.DECODE,
                                                         Operation.PACKED_MM, Operation.BOTH,
                                                         Operation.QMM})

@@ -18,7 +18,8 @@ class MXFP8(MXFormat):
     label = "MXFP8"
     bits_per_value = 8.25
     #: no packed decode kernel: MXFP8 weights are not packed for the rollout
-    kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16},
+    kernels = FormatKernels(FormatCode.MXFP8, c=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16,
+                                                                   Operation.BOTH},
                             triton=QUANTIZE_AND_RESQ | {Operation.ROWS_BF16, Operation.BOTH,
                                                         Operation.QMM})
     scale_offset = 8  # E4M3's largest exponent

@@ -129,11 +129,12 @@ class NVFP4(BlockFormat):
     name = "nvfp4"
     block_size = 16
     bits_per_value = 4.5
-    #: the C kernel lacks the ResQ and bf16 passes, as the per-tensor scale needs a pass
-    #: over the whole tensor first; ResQ composes quantizer passes on either backend (its
+    #: the C kernel lacks the ResQ and bf16 row passes, as the per-tensor scale needs a
+    #: pass over the whole tensor first (its block values along both axes take the scale
+    #: the caller computed); ResQ composes quantizer passes on either backend (its
     #: residual has a scale of its own)
     kernels: ClassVar[FormatKernels | None] = FormatKernels(
-        FormatCode.NVFP4, c=QUANTIZE,
+        FormatCode.NVFP4, c=QUANTIZE | {Operation.BOTH},
         triton=QUANTIZE | {Operation.ROWS_BF16, Operation.DECODE, Operation.PACKED_MM,
                            Operation.BOTH, Operation.QMM})
     extra_options = ("per_tensor_scale",)

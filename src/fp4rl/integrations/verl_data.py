@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 from fp4rl.data.answers import GSM8K_MARKER
 from fp4rl.data.example import Example
@@ -36,7 +37,17 @@ DATA_SOURCE = "openai/gsm8k"
 COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
 
-def verl_row(example: Example, split: str) -> dict[str, object]:
+class VerlRow(TypedDict):
+    """One row of verl's GSM8K parquet (:data:`COLUMNS`)."""
+
+    data_source: str
+    prompt: list[dict[str, str]]
+    ability: str
+    reward_model: dict[str, str]
+    extra_info: dict[str, str | int]
+
+
+def verl_row(example: Example, split: str) -> VerlRow:
     """One row of verl's GSM8K layout for a GSM8K ``example`` (fp4rl's loader gives its
     answer as ``#### N``; verl's reward compares ``N`` as a string)."""
     if isinstance(example.prompt, tuple):

@@ -25,6 +25,7 @@ from fp4rl.kernels.dispatch import (
     finite_amax,
     has_kernel,
     has_matrix_kernel,
+    has_nm_terms,
     has_packed_mm,
     has_qmm,
     kernel_choice,
@@ -39,13 +40,14 @@ from fp4rl.kernels.dispatch import (
     quantize_rows_bf16,
     resq_rows,
     resq_terms,
+    resq_terms_nm,
     vector_amax,
     vector_amax_both,
 )
 
 __all__ = ["OPERATIONS", "QUANTIZE", "QUANTIZE_AND_RESQ", "RESQ_MAX_GROUP",
            "FormatKernels", "KernelFormat", "Operation", "decode_rows", "finite_amax", "has_kernel",
-           "has_matrix_kernel", "has_packed_mm", "has_qmm", "kernel_choice", "kernel_plan",
-           "packed_mm", "qmm", "quantize_both", "quantize_matrix", "quantize_matrix_values",
-           "quantize_on_load", "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms",
-           "vector_amax", "vector_amax_both"]
+           "has_matrix_kernel", "has_nm_terms", "has_packed_mm", "has_qmm", "kernel_choice",
+           "kernel_plan", "packed_mm", "qmm", "quantize_both", "quantize_matrix",
+           "quantize_matrix_values", "quantize_on_load", "quantize_rows", "quantize_rows_bf16",
+           "resq_rows", "resq_terms", "resq_terms_nm", "vector_amax", "vector_amax_both"]

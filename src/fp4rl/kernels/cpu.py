@@ -106,6 +106,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_quantize_bf16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.fp4rl_quantize_values.restype = ctypes.c_int
+    lib.fp4rl_quantize_values.argtypes = [flag, ptr, flag, i64, i64, ptr, ptr, flag,
+                                          ctypes.c_float, flag]
     lib.fp4rl_bi_gemm.restype = ctypes.c_int
     lib.fp4rl_bi_gemm.argtypes = [i64, i64, i64, i64, ptr, flag, i64, i64, i64,
                                   ptr, flag, i64, i64, i64, ptr, ptr, flag, i64, i64, i64, flag]
@@ -162,6 +165,28 @@ def quantize_bf16_cpu(code: int, rows: torch.Tensor) -> torch.Tensor | None:
     ran = _run("fp4rl_quantize_bf16", code, rows.data_ptr(), out.data_ptr(),
                rows.shape[0], rows.shape[1], _threads(rows))
     return out if ran else None
+
+
+#: the dtypes :func:`quantize_values_cpu` reads and writes, as the C side's bf16 flag
+_VALUE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def quantize_values_cpu(code: int, x: torch.Tensor, rows: bool, cols: bool,
+                        tensor_scale: float | None, out_dtype: torch.dtype
+                        ) -> list[torch.Tensor] | None:
+    """The block values ``Q(x / g)`` of a contiguous float32 or bfloat16 matrix along its
+    rows and/or along its columns (nearest rounding, ``g`` = ``tensor_scale`` left
+    outside), written straight into ``out_dtype`` (float32 or bfloat16) in one call:
+    ``[along rows, along columns]``, whichever were asked for (None if the library is
+    unavailable)."""
+    outs = [torch.empty(x.shape, dtype=out_dtype) for wanted in (rows, cols) if wanted]
+    pointers = iter(out.data_ptr() for out in outs)
+    y_rows = next(pointers) if rows else None
+    y_cols = next(pointers) if cols else None
+    ran = _run("fp4rl_quantize_values", code, x.data_ptr(), _VALUE_DTYPES[x.dtype],
+               x.shape[0], x.shape[1], y_rows, y_cols, _VALUE_DTYPES[out_dtype],
+               tensor_scale or 0.0, _threads(x))
+    return outs if ran else None
 
 
 def quantize_rows_cpu(code: int, rows: torch.Tensor, noise: torch.Tensor | None,

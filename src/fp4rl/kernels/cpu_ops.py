@@ -98,4 +98,31 @@ def quantize_bf16(code: int, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["available", "quantize_bf16", "quantize_rows", "resq_rows", "resq_terms"]
+@torch.library.custom_op("fp4rl::c_quantize_values", mutates_args=())
+def _values(x: torch.Tensor, code: int, rows: bool, cols: bool,
+            tensor_scale: torch.Tensor | None, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    out = cpu.quantize_values_cpu(code, x, rows, cols, _number(tensor_scale), out_dtype)
+    if out is None:  # the dispatch checked available() first
+        raise RuntimeError("the C kernel library is not built")
+    return out
+
+
+@_values.register_fake
+def _(x: torch.Tensor, code: int, rows: bool, cols: bool, tensor_scale: torch.Tensor | None,
+      out_dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.empty_like(x, dtype=out_dtype) for wanted in (rows, cols) if wanted]
+
+
+def quantize_values(code: int, x: torch.Tensor, rows: bool, cols: bool,
+                    tensor_scale: torch.Tensor | None, out_dtype: torch.dtype
+                    ) -> list[torch.Tensor]:
+    """:func:`.cpu.quantize_values_cpu` of a contiguous float32 or bfloat16 matrix with one
+    scale (a tensor of one value, or None), as the ``fp4rl::c_quantize_values``
+    operator."""
+    out: list[torch.Tensor] = torch.ops.fp4rl.c_quantize_values(x, code, rows, cols,
+                                                                tensor_scale, out_dtype)
+    return out
+
+
+__all__ = ["available", "quantize_bf16", "quantize_rows", "quantize_values", "resq_rows",
+           "resq_terms"]

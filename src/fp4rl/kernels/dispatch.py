@@ -236,24 +236,55 @@ def quantize_matrix_values(fmt: KernelFormat, x: torch.Tensor, axis: int,
     written by the kernel straight into ``out_dtype`` (bf16 holds them exactly), with
     ``tensor_scale`` g read and kept outside, as a GEMM operand keeps it: one read of
     ``x`` and one write of the operand, where quantizing into ``x``'s dtype and casting
-    after takes two more passes (and NVFP4 a division before). Triton only; None
-    elsewhere (the caller composes the steps)."""
+    after takes two more passes (and NVFP4 a division before). Triton, or the C kernel
+    where it runs :attr:`Operation.BOTH` for ``fmt`` (float32 or bfloat16 out, one scale
+    per tensor or none); None elsewhere (the caller composes the steps)."""
     if x.dim() != 2 or not has_matrix_kernel(fmt, x):
         return None
     tri = triton_for(x.device)
     if tri is None:
-        return None
+        out = _values_cpu(fmt, x, axis % 2 == 1, axis % 2 == 0, tensor_scale, out_dtype)
+        return None if out is None else out[0]
     return tri.quantize_2d(fmt, x, axis % 2, None, tensor_scale, out_dtype=out_dtype,
                            rescale=False)
+
+
+def _values_cpu(fmt: KernelFormat, x: torch.Tensor, rows: bool, cols: bool,
+                tensor_scale: torch.Tensor | None, out_dtype: torch.dtype
+                ) -> list[torch.Tensor] | None:
+    """The C kernel's block values of a matrix along its rows and/or its columns
+    (``[rows, cols]``, those asked for) in ``out_dtype``, in one call (a pass along each
+    axis asked for: on a CPU two passes beat one read of tiles, see quant.c); None
+    where it does not apply: no such kernel for ``fmt``, an empty matrix, an output dtype
+    other than float32 and bfloat16, or a scale per vector. ``x`` is read in float32 or
+    bfloat16 as it is (other dtypes are widened first), a transposed view without a
+    copy. The one scale is read as a number inside the operator, as the C quantizer's
+    (never 0: a format's scale is 1 where a tensor has no finite non-zero value)."""
+    if x.dim() != 2 or _backend(fmt, x.device, Operation.BOTH) is not cpu or \
+            x.numel() == 0 or out_dtype not in (torch.float32, torch.bfloat16) or \
+            (tensor_scale is not None and tensor_scale.numel() != 1):
+        return None
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    flipped = not x.is_contiguous() and x.t().is_contiguous()  # a transposed view
+    if flipped:
+        x, rows, cols = x.t(), cols, rows
+    out = cpu_ops.quantize_values(_code(fmt), x.contiguous(), rows, cols, tensor_scale,
+                                  out_dtype)
+    return [o.t() for o in reversed(out)] if flipped else out
 
 
 def quantize_both(fmt: KernelFormat, x: torch.Tensor, tensor_scale: torch.Tensor | None,
                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block values ``Q(x / g)`` of a float matrix along its rows and along its columns
-    (nearest rounding), in ``out_dtype``, from one read of ``x`` (a GEMM operand and its
-    backward GEMM's), ``tensor_scale`` g (one value) kept outside. Triton only; None
-    elsewhere (the caller quantizes along each axis)."""
+    (nearest rounding), in ``out_dtype``, in one call (a GEMM operand and its backward
+    GEMM's), ``tensor_scale`` g (one value) kept outside. Triton, from one read of ``x``,
+    or the C kernel, a pass along each axis (see :func:`_values_cpu`); None elsewhere (the
+    caller quantizes along each axis)."""
     tri = _backend(fmt, x.device, Operation.BOTH)
+    if tri is cpu:
+        values = _values_cpu(fmt, x, True, True, tensor_scale, out_dtype)
+        return None if values is None else (values[0], values[1])
     if tri is None or x.numel() == 0:
         return None
     out: tuple[torch.Tensor, torch.Tensor] | None = tri.quantize_both(fmt, x, tensor_scale,
@@ -272,13 +303,48 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor | None:
     return tri.finite_amax(x)
 
 
+def has_nm_terms(fmt: KernelFormat, device: torch.device, group: int) -> bool:
+    """Whether :func:`resq_terms_nm` runs a kernel for ``fmt``'s rows on ``device`` at an
+    n:m ``group``: Triton (a GPU), a format the ResQ kernels take, a group they rank."""
+    if not group or triton_for(device) is None:
+        return False
+    from fp4rl.kernels import triton_quant
+
+    return _backend(fmt, device, Operation.RESQ_TERMS) is not None and \
+        triton_quant.fuses_resq(fmt, group)
+
+
+def resq_terms_nm(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ResQ's two GEMM operands of float32 or bfloat16 rows in one pass, the residual kept
+    n:m sparse (``Q(x)``, the kept values, their bits: :class:`fp4rl.gemm.NMOperand`), for
+    the packed GEMM, which expands it in registers; None where no kernel applies (a CPU,
+    the C kernels: they write the dense terms) or ``group`` is 0."""
+    if not group:
+        return None
+    kernels = _resq_backend(fmt, rows, Operation.RESQ_TERMS, group, (torch.float32, torch.bfloat16))
+    if kernels is None or kernels is cpu:
+        return None
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = \
+        kernels.resq_terms_nm(fmt, rows, keep, group)
+    return out
+
+
+def _amax_backend(x: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels that reduce ``x``'s vectors (a non-empty float matrix on a device
+    they run on), or None (the caller reduces with torch)."""
+    if x.dim() != 2 or x.numel() == 0 or x.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return triton_for(x.device)
+
+
 def vector_amax(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     """Each vector's largest finite ``|x|`` along ``dim`` of a matrix, float32, the reduced
     axis kept, by one Triton pass where the Triton kernels run for ``x``'s device; None
     elsewhere (the caller reduces with torch)."""
-    tri = triton_for(x.device)
-    if tri is None or x.dim() != 2 or x.numel() == 0 or x.dtype not in (
-            torch.float32, torch.bfloat16, torch.float16):
+    tri = _amax_backend(x)
+    if tri is None:
         return None
     out: torch.Tensor = tri.vector_amax(x, dim)
     return out
@@ -287,9 +353,8 @@ def vector_amax(x: torch.Tensor, dim: int) -> torch.Tensor | None:
 def vector_amax_both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(vector_amax(x, -1), vector_amax(x, 0))`` from one Triton pass over ``x``; None
     where :func:`vector_amax` would be."""
-    tri = triton_for(x.device)
-    if tri is None or x.dim() != 2 or x.numel() == 0 or x.dtype not in (
-            torch.float32, torch.bfloat16, torch.float16):
+    tri = _amax_backend(x)
+    if tri is None:
         return None
     out: tuple[torch.Tensor, torch.Tensor] = tri.vector_amax_both(x)
     return out
@@ -314,17 +379,19 @@ def has_packed_mm(fmt: KernelFormat, device: torch.device) -> bool:
 
 def packed_mm(fmt: KernelFormat, a: torch.Tensor, terms: int, fields: dict[str, torch.Tensor],
               rows: int, cols: int, term_scales: list[torch.Tensor | None],
-              weight_scale: torch.Tensor | None, bias: torch.Tensor | None
+              weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
+              residual: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
               ) -> torch.Tensor | None:
     """``sum_t (a_t @ W.T) * s_t * ws + bias`` with ``W`` packed along its rows (fields as
     :meth:`fp4rl.gemm.PackedOperand.row_fields` lays them out), decoded in registers, by a
-    kernel; None where none applies (the caller decodes, then multiplies)."""
+    kernel; None where none applies (the caller decodes, then multiplies). ``residual``:
+    the second term n:m sparse (values, bits, keep, group), ``a`` the first alone."""
     if _backend(fmt, a.device, Operation.PACKED_MM) is None:
         return None
     from fp4rl.kernels import triton_packed_mm
 
     return triton_packed_mm.packed_mm_2d(fmt, a, terms, fields, rows, cols, term_scales,
-                                         weight_scale, bias)
+                                         weight_scale, bias, residual)
 
 
 def quantize_on_load() -> bool:
@@ -362,7 +429,7 @@ def qmm(a: torch.Tensor, a_fmt: KernelFormat | None, a_scale: torch.Tensor | Non
 
 
 __all__ = ["RESQ_MAX_GROUP", "decode_rows", "finite_amax", "has_kernel", "has_matrix_kernel",
-           "has_packed_mm", "has_qmm", "kernel_choice", "kernel_plan", "packed_mm", "qmm",
-           "quantize_both", "quantize_matrix", "quantize_matrix_values", "quantize_on_load",
-           "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms", "triton_for",
-           "vector_amax", "vector_amax_both"]
+           "has_nm_terms", "has_packed_mm", "has_qmm", "kernel_choice", "kernel_plan",
+           "packed_mm", "qmm", "quantize_both", "quantize_matrix", "quantize_matrix_values",
+           "quantize_on_load", "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms",
+           "resq_terms_nm", "triton_for", "vector_amax", "vector_amax_both"]

@@ -19,6 +19,9 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 /* FMT_HIF4, ..., FMT_NVFP4_TILES: given by the compiler's -D flags, from the one
  * declaration of the codes (fp4rl/kernels/codes.py, FormatCode; c_defines() prints them). */
@@ -431,43 +434,52 @@ static void nvfp4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
             mag[i][c] = (float)nvfp4_element((double)fabsf(buf[i][c]), s[c], NULL, 0);
 }
 
-/* One stripe: n (<= bs) rows by w (<= LANES) columns at x, rows `stride` apart. */
-static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, int n, int w,
-                            float g)
+/*
+ * One block of `bs` (the format's block size) rows by LANES lanes, each lane one block:
+ * out = sign(buf) * Q(|buf|) * scale, a lane whose block holds a NaN or an Inf all NaN.
+ * `buf` is already divided by the per-tensor scale where there is one.
+ */
+static void lanes_quantize(int fmt, const lanes_f *buf, lanes_f *out, float scale)
 {
     const int bs = BLOCK[fmt];
-    lanes_f buf[64], mag[64];
     float amax[LANES];
     int bad[LANES];
-    if (n < bs || w < LANES) memset(buf, 0, sizeof(buf));
-    for (int i = 0; i < n; i++) memcpy(buf[i], x + i * stride, (size_t)w * sizeof(float));
-    if (g != 0.0f)
-        for (int i = 0; i < bs; i++)
-            for (int c = 0; c < LANES; c++) buf[i][c] = buf[i][c] / g;
     lanes_amax(buf, bs, amax, bad);
     switch (fmt) {
-    case FMT_HIF4: hif4_lanes(buf, mag, amax); break;
-    case FMT_MXFP4: mx_lanes(buf, mag, amax, 1, 0, 6.0, 2); break;
-    case FMT_NVFP4: nvfp4_lanes(buf, mag, amax); break;
-    default: mx_lanes(buf, mag, amax, 3, -6, 448.0, 8); break;
+    case FMT_HIF4: hif4_lanes(buf, out, amax); break;
+    case FMT_MXFP4: mx_lanes(buf, out, amax, 1, 0, 6.0, 2); break;
+    case FMT_NVFP4: nvfp4_lanes(buf, out, amax); break;
+    default: mx_lanes(buf, out, amax, 3, -6, 448.0, 8); break;
     }
     /* A block holding a NaN or an Inf becomes the quiet NaN, selected by bit masks. */
-    const float scale = g != 0.0f ? g : 1.0f;
     uint32_t keep[LANES], nan_bits[LANES];
     for (int c = 0; c < LANES; c++) {
         keep[c] = bad[c] ? 0u : ~0u;
         nan_bits[c] = bad[c] ? 0x7FC00000u : 0u;
     }
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < bs; i++)
         for (int c = 0; c < LANES; c++) {
-            const float v = copysignf(mag[i][c], buf[i][c]) * scale;
+            const float v = copysignf(out[i][c], buf[i][c]) * scale;
             uint32_t b;
             memcpy(&b, &v, 4);
             b = (b & keep[c]) | nan_bits[c];
-            memcpy(&mag[i][c], &b, 4);
+            memcpy(&out[i][c], &b, 4);
         }
-        memcpy(y + i * stride, mag[i], (size_t)w * sizeof(float));
-    }
+}
+
+/* One stripe: n (<= bs) rows by w (<= LANES) columns at x, rows `stride` apart. */
+static void quantize_stripe(int fmt, const float *x, float *y, int64_t stride, int n, int w,
+                            float g)
+{
+    const int bs = BLOCK[fmt];
+    lanes_f buf[64], out[64];
+    if (n < bs || w < LANES) memset(buf, 0, sizeof(buf));
+    for (int i = 0; i < n; i++) memcpy(buf[i], x + i * stride, (size_t)w * sizeof(float));
+    if (g != 0.0f)
+        for (int i = 0; i < bs; i++)
+            for (int c = 0; c < LANES; c++) buf[i][c] = buf[i][c] / g;
+    lanes_quantize(fmt, buf, out, g != 0.0f ? g : 1.0f);
+    for (int i = 0; i < n; i++) memcpy(y + i * stride, out[i], (size_t)w * sizeof(float));
 }
 
 /*
@@ -684,4 +696,143 @@ int fp4rl_quantize_bf16(int fmt, const uint16_t *x, uint16_t *y, int64_t rows, i
                         int nthreads)
 {
     return row_pass(fmt, NULL, x, rows, len, 0, 0, nthreads, NULL, y, NULL);
+}
+
+/*
+ * A matrix's block values along its rows, along its columns, or both: the GEMM operands
+ * of a linear layer (X or W along the reduction axis of the forward and along that of its
+ * backward GEMM) written straight into the dtype the GEMM reads, with no float32 copy,
+ * float32 output or cast pass between.
+ *
+ * Along the columns the matrix is cut into TILE x TILE tiles, each loaded once (float32,
+ * or bfloat16 widened exactly) and divided by the per-tensor scale g (g == 0: none), its
+ * rows the lanes kernel's blocks as they lie. Along the rows each row is read once and
+ * its blocks go through the per-block functions. Both are the arithmetic every other path
+ * runs; a block that crosses the matrix's edge is zero-padded, as everywhere else. Both
+ * axes are two such passes: the tiles could serve the rows too (a transposed tile, or the
+ * per-block functions on the tile's rows), but measured on AVX-512 and AVX2 either made
+ * the pair slower than two passes, the extra read of the matrix costing less than the
+ * tile's row work. The values are Q(x / g), not multiplied back by g (a GEMM operand keeps
+ * g outside); written as float32, or as bfloat16, which holds every block value exactly
+ * (NaN as the quiet NaN). Nearest rounding, the formats with a lanes kernel only (-1
+ * otherwise: the caller composes other passes).
+ */
+enum { TILE = LANES };
+
+/* w values of a row to y (float32, or bfloat16 bits), a loop the compiler vectorizes */
+static inline void store_row(void *y, int64_t at, const float *v, int64_t w, int out_bf16)
+{
+    if (!out_bf16) {
+        memcpy((float *)y + at, v, (size_t)w * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)y + at;
+    for (int64_t c = 0; c < w; c++) out[c] = f32_to_bf16(v[c]);
+}
+
+/* One tile's blocks along its columns (n rows by w columns at x or xb, rows `cols` apart) */
+static void cols_tile(int fmt, const float *x, const uint16_t *xb, int64_t cols, int n, int w,
+                      float g, void *y, int out_bf16)
+{
+    const int bs = BLOCK[fmt];
+    lanes_f buf[TILE], out[TILE];
+    if (n < TILE || w < TILE) memset(buf, 0, sizeof(buf));
+    for (int i = 0; i < n; i++) {
+        if (xb)
+            for (int c = 0; c < w; c++) buf[i][c] = bf16_to_f32(xb[i * cols + c]);
+        else
+            memcpy(buf[i], x + i * cols, (size_t)w * sizeof(float));
+    }
+    if (g != 0.0f)
+        for (int i = 0; i < TILE; i++)
+            for (int c = 0; c < TILE; c++) buf[i][c] = buf[i][c] / g;
+    for (int r0 = 0; r0 < n; r0 += bs) lanes_quantize(fmt, buf + r0, out + r0, 1.0f);
+    for (int i = 0; i < n; i++) store_row(y, i * cols, out[i], w, out_bf16);
+}
+
+/*
+ * Along the rows alone: row by row, each read once where it lies (float32 without a scale)
+ * or widened and divided into a row buffer, its blocks quantized by the per-block
+ * functions into a second one, written out in the output dtype. Faster than the tiles
+ * (no tile copy), and the same values.
+ */
+static int values_rows(int fmt, const float *x, const uint16_t *xb, int64_t rows,
+                       int64_t cols, float g, void *y, int out_bf16, int nthreads)
+{
+    const int bs = BLOCK[fmt];
+    int status = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = malloc((size_t)cols * 2 * sizeof(float));
+        if (buf == NULL) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            if (buf == NULL) continue;
+            float *out = buf + cols;
+            const float *in = x ? x + row * cols : buf;
+            if (xb)
+                for (int64_t c = 0; c < cols; c++) buf[c] = bf16_to_f32(xb[row * cols + c]);
+            if (g != 0.0f) {
+                for (int64_t c = 0; c < cols; c++) buf[c] = in[c] / g;
+                in = buf;
+            }
+            for (int64_t c0 = 0; c0 < cols; c0 += bs)
+                quantize_block(fmt, in + c0, out + c0, (int)(cols - c0 < bs ? cols - c0 : bs),
+                               NULL, 0.0f);
+            store_row(y, row * cols, out, cols, out_bf16);
+        }
+        free(buf);
+    }
+    return status;
+}
+
+/*
+ * Ask the OS to back a fresh output buffer with huge pages (Linux transparent huge pages,
+ * "madvise" mode, the common default): a weight's operand of tens of MB is otherwise
+ * thousands of 4 KB page faults on its first write, which on a virtual machine take
+ * about as long as a cast pass over it. Only the whole 2 MB pages inside the buffer;
+ * advice only, so it changes no value and a refusal changes nothing.
+ */
+static void advise_huge(void *y, int64_t bytes)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    if (y == NULL || bytes < (int64_t)(4 * huge)) return;
+    const uintptr_t start = ((uintptr_t)y + huge - 1) & ~(huge - 1);
+    const uintptr_t end = ((uintptr_t)y + (uintptr_t)bytes) & ~(huge - 1);
+    if (end > start) (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)y;
+    (void)bytes;
+#endif
+}
+
+int fp4rl_quantize_values(int fmt, const void *x, int x_bf16, int64_t rows, int64_t cols,
+                          void *y_rows, void *y_cols, int out_bf16, float tensor_scale,
+                          int nthreads)
+{
+    if (fmt < 0 || fmt > FMT_MXFP8) return -1;  /* the formats with a lanes kernel */
+    const float *xf = x_bf16 ? NULL : (const float *)x;
+    const uint16_t *xb = x_bf16 ? (const uint16_t *)x : NULL;
+    const size_t size = out_bf16 ? 2 : 4;
+    advise_huge(y_rows, rows * cols * (int64_t)size);
+    advise_huge(y_cols, rows * cols * (int64_t)size);
+    if (y_rows && values_rows(fmt, xf, xb, rows, cols, tensor_scale, y_rows, out_bf16,
+                              nthreads) != 0)
+        return -2;
+    if (y_cols == NULL) return 0;
+    const int64_t down = (rows + TILE - 1) / TILE, across = (cols + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < down * across; t++) {
+        const int64_t row0 = (t / across) * TILE, col0 = (t % across) * TILE;
+        const int n = (int)(rows - row0 < TILE ? rows - row0 : TILE);
+        const int w = (int)(cols - col0 < TILE ? cols - col0 : TILE);
+        const int64_t at = row0 * cols + col0;
+        cols_tile(fmt, xf ? xf + at : NULL, xb ? xb + at : NULL, cols, n, w, tensor_scale,
+                  (char *)y_cols + at * (int64_t)size, out_bf16);
+    }
+    return 0;
 }

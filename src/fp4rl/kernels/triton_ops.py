@@ -191,4 +191,33 @@ def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
     return out
 
 
-__all__ = ["finite_amax", "fused_resq", "quantize_2d", "quantize_both", "resq_terms"]
+@torch.library.custom_op("fp4rl::resq_terms_nm", mutates_args=())
+def _terms_nm(rows: torch.Tensor, code: int, block: int, has_scale: bool, keep: int,
+              group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = tq.resq_terms_nm(_format(code, block, has_scale), rows, keep, group)
+    assert out is not None  # the caller checked fuses_resq, the group and the type
+    return out
+
+
+@_terms_nm.register_fake
+def _(rows: torch.Tensor, code: int, block: int, has_scale: bool, keep: int,
+      group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, length = rows.shape
+    groups = -(-length // group)
+    return (rows.new_empty((n, length), dtype=torch.bfloat16),
+            rows.new_empty((n, groups * keep), dtype=torch.bfloat16),
+            rows.new_empty((n, groups), dtype=torch.uint8))
+
+
+def resq_terms_nm(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`.triton_quant.resq_terms_nm` as the ``fp4rl::resq_terms_nm`` operator."""
+    if not group or not tq.fuses_resq(fmt, group) or rows.dtype not in tq.RESQ_TERMS_INPUTS:
+        return None
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.ops.fp4rl.resq_terms_nm(
+        rows, *_fields(fmt), keep, group)
+    return out
+
+
+__all__ = ["finite_amax", "fused_resq", "quantize_2d", "quantize_both", "resq_terms",
+           "resq_terms_nm"]

@@ -32,6 +32,12 @@ no product fuses with a sum the reference rounds separately. Only the accumulati
 within the GEMM differs from a decode-then-GEMM (as between any two GEMM kernels); where
 every partial sum is exact in fp32, a split or unsplit launch gives the same bits as it.
 
+ResQ's second term may come n:m sparse, as sparse tensor cores take an operand
+(:class:`fp4rl.gemm.NMOperand`: of each group, the kept values in order and a byte of bits
+for their positions; at 2:4, 0.625x a dense bf16 term's bytes, written by the ResQ kernel
+and read here). Each tile is expanded in registers to the dense term's values, +0 where a
+value was not kept, so the products and their order are those of the dense term.
+
 An absent scale is read as a 1.0 (``x * 1.0`` is ``x``, bit for bit), so one binary serves
 scaled and unscaled operands; a bias is a constant of its own (``x + 0.0`` would turn
 ``-0.0`` into ``+0.0``).
@@ -39,7 +45,6 @@ scaled and unscaled operands; a bias is a constant of its own (``x + 0.0`` would
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -49,7 +54,13 @@ import triton.language as tl
 from fp4rl.kernels.base import KernelFormat, Operation
 from fp4rl.kernels.codes import FormatCode
 from fp4rl.kernels.triton_decode import decode_tile
-from fp4rl.kernels.triton_quant import MAX_PROGRAMS, Variant, bf16_rne, format_fields
+from fp4rl.kernels.triton_quant import (
+    MAX_PROGRAMS,
+    Variant,
+    bf16_rne,
+    format_fields,
+    scale_argument,
+)
 
 #: tile of the output (rows of the activations) and of the weight (its rows, and its
 #: columns per step along K); BK covers a whole block of every 4-bit format (16, 32, 64)
@@ -105,12 +116,32 @@ def _epilogue(acc0, acc1, offs_m, offs_n, m, n, s0_ptr, s1_ptr, ws_ptr, bias_ptr
 
 
 # the token count, the scales' strides (0 or 1) and the split: one binary for every batch
-@triton.jit(do_not_specialize=("m", "s0_stride", "s1_stride", "ws_stride", "k_part"))
+@triton.jit
+def _nm_tile(r_ptr, bits_ptr, offs_m, kk, live, groups, keep, size):
+    """The (BM, BK) dense tile of an n:m operand (:class:`fp4rl.gemm.NMOperand`) of groups
+    of ``size`` (at most 8: a byte's bits): a kept position's value from its group's
+    ``keep`` in order (its slot: the kept positions before it, counted from the group's
+    bits), +0 elsewhere."""
+    group = kk // size
+    pos = (kk % size).to(tl.int32)
+    bits = tl.load(bits_ptr + offs_m * groups + group, mask=live, other=0).to(tl.int32)
+    below = bits & ((1 << pos) - 1)
+    slot = tl.zeros_like(below)
+    for t in tl.static_range(8):
+        slot += (below >> t) & 1
+    kept = live & (((bits >> pos) & 1) != 0)
+    return tl.load(r_ptr + offs_m * groups * keep + group * keep + slot.to(tl.int64),
+                   mask=kept, other=0.0)
+
+
+@triton.jit(do_not_specialize=("m", "s0_stride", "s1_stride", "ws_stride", "k_part",
+                               "groups", "keep", "size"))
 def _packed_mm_kernel(a_ptr, codes_ptr, scale_ptr, l2_ptr, l3_ptr, s0_ptr, s1_ptr, ws_ptr,
-                      bias_ptr, y_ptr, part_ptr, m, n, k, blocks, s0_stride, s1_stride,
-                      ws_stride, k_part, FMT: tl.constexpr, BS: tl.constexpr,
-                      TERMS: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+                      bias_ptr, y_ptr, part_ptr, r_ptr, bits_ptr, m, n, k, blocks,
+                      s0_stride, s1_stride, ws_stride, k_part, groups, keep, size,
+                      FMT: tl.constexpr, BS: tl.constexpr, TERMS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, F32_DOT: tl.constexpr, NM: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     n_tiles = tl.cdiv(n, BN)
     tiles = tl.cdiv(m, BM) * n_tiles
@@ -136,8 +167,11 @@ def _packed_mm_kernel(a_ptr, codes_ptr, scale_ptr, l2_ptr, l3_ptr, s0_ptr, s1_pt
             wt = wt.to(tl.float32)
             a0 = a0.to(tl.float32)
         acc0 = tl.dot(a0, wt, acc0, input_precision="ieee" if F32_DOT else None)
-        if TERMS == 2:  # ResQ's residual term, the rows after the first m
-            a1 = tl.load(a_ptr + (offs_m + m) * k + kk, mask=a_live, other=0.0)
+        if TERMS == 2:  # ResQ's residual term: n:m sparse, or the rows after the first m
+            if NM > 0:
+                a1 = _nm_tile(r_ptr, bits_ptr, offs_m, kk, a_live, groups, keep, size)
+            else:
+                a1 = tl.load(a_ptr + (offs_m + m) * k + kk, mask=a_live, other=0.0)
             if F32_DOT:
                 a1 = a1.to(tl.float32)
             acc1 = tl.dot(a1, wt, acc1, input_precision="ieee" if F32_DOT else None)
@@ -208,20 +242,24 @@ def k_split(m: int, n: int, k: int, terms: int) -> int:
 
 
 def packed_mm_variant(fmt: KernelFormat, terms: int, bias: torch.dtype | None, bm: int,
-                      f32_dot: bool = False) -> Variant:
+                      f32_dot: bool = False, nm: bool = False) -> Variant:
     """The packed GEMM for ``fmt`` with ``terms`` activation terms (1, or ResQ's 2), a bias
     of type ``bias`` (bf16 as vLLM's, float32 as an FP32 master's) or none, and tile
     height ``bm``; the scales are float32 (an absent one is a 1.0); a format without
     HiF4's two levels passes its scale in their place.
     ``f32_dot``: the tile products in float32 (the interpreter's ``tl.dot`` on bf16
     multiplies the raw bits; bf16 values and their products are exact in float32, so the
-    products are the same); a GPU multiplies bf16 on its tensor cores."""
+    products are the same); a GPU multiplies bf16 on its tensor cores. ``nm``: the
+    second term kept n:m sparse (:class:`fp4rl.gemm.NMOperand`, any group up to 8, a
+    launch's argument), expanded in registers; else dense, stacked after the first. Its
+    pointers are the bf16 values and the uint8 bits (where absent, the activations and the
+    codes are passed in their place)."""
     code, bs = format_fields(fmt)
     return Variant(_packed_mm_kernel,
                    (DTYPE,) + (torch.uint8,) * 4 + (torch.float32,) * 3 +
-                   (bias or DTYPE, DTYPE, torch.float32),
+                   (bias or DTYPE, DTYPE, torch.float32, DTYPE, torch.uint8),
                    (("FMT", code), ("BS", bs), ("TERMS", terms), ("HAS_BIAS", bias is not None),
-                    ("BM", bm), ("BN", BN), ("BK", BK), ("F32_DOT", f32_dot)),
+                    ("BM", bm), ("BN", BN), ("BK", BK), ("F32_DOT", f32_dot), ("NM", nm)),
                    num_warps=WARPS[bm, terms], num_stages=STAGES.get((bm, terms)))
 
 
@@ -241,48 +279,42 @@ def packed_mm_variants(fmt: KernelFormat) -> list[Variant]:
         return []
     return [packed_mm_variant(fmt, terms, bias, bm)
             for terms in (1, 2) for bias in BIASES for bm in HEIGHTS[terms]] + \
+        [packed_mm_variant(fmt, 2, bias, bm, nm=True) for bias in BIASES for bm in HEIGHTS[2]] + \
         [reduce_variant(terms, bias) for terms in (1, 2) for bias in BIASES]
-
-
-@functools.cache
-def _one(device: torch.device) -> torch.Tensor:
-    """A float32 1.0 on ``device``, made once: an absent scale's stand-in, so that a
-    launch adds no fill kernel of its own (one per linear at every decode step) and a
-    CUDA graph reads a tensor that outlives it (the engine's eager warm-up makes it)."""
-    return torch.ones((), dtype=torch.float32, device=device)
-
-
-def _scale(s: torch.Tensor | None, one: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A scale's float32 values and stride along the rows: 0 for one value for all (a
-    0-dim tensor), 1 for one a row (a column vector, of one row at a decode step of one
-    token: still a row's scale)."""
-    if s is None:
-        return one, 0
-    s = s.to(torch.float32).contiguous()
-    return s, 0 if s.dim() == 0 else 1
 
 
 def packed_mm_2d(fmt: KernelFormat, a: torch.Tensor, terms: int,
                  fields: dict[str, torch.Tensor], rows: int, cols: int,
                  term_scales: list[torch.Tensor | None], weight_scale: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None,
+                 residual: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+                 ) -> torch.Tensor:
     """``sum_t (a_t @ W.T) * s_t * ws + bias`` in bf16, ``a`` the ``terms`` activation
     terms stacked along the rows (``(terms * m, cols)`` bf16), ``W`` the ``(rows, cols)``
     weight packed along its rows (fields as :meth:`fp4rl.gemm.PackedOperand.row_fields`
     lays them out), ``term_scales`` each term's per-tensor or per-row scale (or None),
-    ``weight_scale`` per tensor or per weight row."""
+    ``weight_scale`` per tensor or per weight row. ``residual``: the second term kept n:m
+    sparse (values, bits, keep, group, as :class:`fp4rl.gemm.NMOperand` holds them); ``a``
+    then holds the first term alone."""
     code, bs = format_fields(fmt)
-    if a.dtype != DTYPE or a.shape[1] != cols or a.shape[0] % terms:
+    stacked = terms if residual is None else 1
+    if a.dtype != DTYPE or a.shape[1] != cols or a.shape[0] % stacked or \
+            (residual is not None and terms != 2):
         raise ValueError(f"packed_mm_2d takes {terms} bf16 terms of {cols} columns, got "
                          f"{tuple(a.shape)} {a.dtype}")
-    m = a.shape[0] // terms
+    m = a.shape[0] // stacked
+    r_values, r_bits, keep, group = (a, fields["codes"], 0, 1) if residual is None \
+        else residual
+    if residual is not None and (r_values.dtype != DTYPE or r_bits.dtype != torch.uint8 or
+                                 not 0 < keep < group <= 8 or r_bits.shape[0] != m):
+        raise ValueError("packed_mm_2d takes an n:m term of bf16 values and uint8 bits, "
+                         f"{m} rows, keep < group <= 8")
     flat = {k: v.contiguous() for k, v in fields.items()}
     codes, scale = flat["codes"], flat["scale"]
     l2, l3 = (flat["level2"], flat["level3"]) if code == FormatCode.HIF4 else (scale, scale)
-    one = _one(a.device)
-    s0, st0 = _scale(term_scales[0], one)
-    s1, st1 = _scale(term_scales[-1], one)
-    ws, wst = _scale(weight_scale, one)
+    s0, st0 = scale_argument(term_scales[0], m, a.device)
+    s1, st1 = scale_argument(term_scales[-1], m, a.device)
+    ws, wst = scale_argument(weight_scale, rows, a.device)
     y = torch.empty(m, rows, dtype=DTYPE, device=a.device)
     bm = height(m, terms)
     ks = k_split(m, rows, cols, terms)
@@ -296,11 +328,12 @@ def packed_mm_2d(fmt: KernelFormat, a: torch.Tensor, terms: int,
     b = y if bias is None else bias.contiguous()
     bias_type = None if bias is None else bias.dtype
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    part = one if splits == 1 else \
+    part = s0 if splits == 1 else \
         torch.empty(splits * terms * m * rows, dtype=torch.float32, device=a.device)
-    packed_mm_variant(fmt, terms, bias_type, bm, interpreted).launch(
-        (programs,), a.contiguous(), codes, scale, l2, l3, s0, s1, ws, b, y, part, m, rows,
-        cols, -(-cols // bs), st0, st1, wst, ks)
+    packed_mm_variant(fmt, terms, bias_type, bm, interpreted, residual is not None).launch(
+        (programs,), a.contiguous(), codes, scale, l2, l3, s0, s1, ws, b, y, part,
+        r_values.contiguous(), r_bits.contiguous(), m, rows, cols, -(-cols // bs), st0, st1,
+        wst, ks, -(-cols // group), keep, group)
     if splits > 1:
         reduce_variant(terms, bias_type).launch(
             (triton.cdiv(m, REDUCE_BM) * triton.cdiv(rows, REDUCE_BN),), part, s0, s1, ws, b,

@@ -30,7 +30,6 @@ kernels); where every partial sum is exact in fp32 the two give the same bits.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from fp4rl.kernels.triton_quant import (
     bf16_rne,
     format_fields,
     quantize_tile,
+    scale_argument,
 )
 
 #: the output tile (rows, columns) and the step along K: BK covers a whole block of every
@@ -182,25 +182,6 @@ def qmm_representatives(fmt: KernelFormat) -> list[Variant]:
             qmm_variant(Side.of(fmt, bf16), Side.of(fmt, f32), None, f32)]
 
 
-@functools.cache
-def _one(device: torch.device) -> torch.Tensor:
-    """A float32 1.0 on ``device``, made once: an absent scale's stand-in."""
-    return torch.ones((), dtype=torch.float32, device=device)
-
-
-def _scale(s: torch.Tensor | None, length: int, one: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A scale's float32 values and its stride along the operand's other axis: 0 for one
-    value for all, 1 for one a row (a left operand's) or a column (a right one's)."""
-    if s is None:
-        return one, 0
-    flat = s.to(torch.float32).reshape(-1).contiguous()
-    if flat.numel() == 1:
-        return flat, 0
-    if flat.numel() != length:
-        raise ValueError(f"a scale of {flat.numel()} values for {length} rows or columns")
-    return flat, 1
-
-
 def qmm_2d(a: torch.Tensor, a_side: Side, a_scale: torch.Tensor | None, b: torch.Tensor,
            b_side: Side, b_scale: torch.Tensor | None, bias: torch.Tensor | None,
            out_dtype: torch.dtype) -> torch.Tensor:
@@ -218,9 +199,8 @@ def qmm_2d(a: torch.Tensor, a_side: Side, a_scale: torch.Tensor | None, b: torch
             raise ValueError(f"qmm_2d reads {what} in {allowed}, got {x.dtype}")
     if out_dtype not in OUT_TYPES:
         raise ValueError(f"qmm_2d writes {OUT_TYPES}, got {out_dtype}")
-    one = _one(a.device)
-    sa, sas = _scale(a_scale, m, one)
-    sb, sbs = _scale(b_scale, n, one)
+    sa, sas = scale_argument(a_scale, m, a.device)
+    sb, sbs = scale_argument(b_scale, n, a.device)
     if bias is not None and bias.dtype not in BIASES:
         bias = bias.float()  # exact: a bias joins the float32 accumulator
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)

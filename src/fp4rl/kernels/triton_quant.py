@@ -22,6 +22,7 @@ GPU the same kernels run under ``TRITON_INTERPRET=1`` (how the tests check them)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -421,6 +422,27 @@ def bf16_rne(y):
     return tl.where(finite, rounded.to(tl.float32, bitcast=True), y)
 
 
+@triton.jit
+def _resq_tile(x, keep, FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+               GROUP: tl.constexpr):
+    """``Q(x)`` and ``S(Q(x - Q(x)))`` of a (ROWS, BS) float32 tile, and which positions
+    ``S`` keeps: ``keep`` of every GROUP along the rows, the largest magnitudes, an equal
+    one at a lower index first (0: dense, every one kept)."""
+    q = quantize_tile(x, 0.0, FMT, ROWS, False)
+    res = quantize_tile(x - q, 0.0, FMT, ROWS, False)
+    kept = tl.full((ROWS, BS), 1, tl.int32) != 0
+    if GROUP > 0:
+        a = tl.reshape(tl.abs(res), (ROWS, BS // GROUP, GROUP))
+        idx = tl.arange(0, GROUP)
+        # rank of value i in its group: larger values, plus equal ones at lower index
+        beats = (a[:, :, None, :] > a[:, :, :, None]) | (
+            (a[:, :, None, :] == a[:, :, :, None]) & (idx[None, :] < idx[:, None])[None, None])
+        rank = tl.reshape(tl.sum(beats.to(tl.int32), axis=3), (ROWS, BS))
+        kept = rank < keep
+        res = tl.where(kept, res, 0.0)
+    return q, res, kept
+
+
 @triton.jit(do_not_specialize=(*TOKEN_SIZES[:2], "keep"))
 def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
                  BS: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
@@ -430,21 +452,46 @@ def _resq_kernel(x_ptr, y_ptr, r_ptr, n_rows, length, keep, FMT: tl.constexpr,
     exact in bf16: a bf16 GEMM's two operands), from x of any float dtype."""
     rows, cols, inside = tile(n_rows, length, BS, ROWS)
     x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
-    q = quantize_tile(x, 0.0, FMT, ROWS, False)
-    res = quantize_tile(x - q, 0.0, FMT, ROWS, False)
-    if GROUP > 0:
-        a = tl.reshape(tl.abs(res), (ROWS, BS // GROUP, GROUP))
-        idx = tl.arange(0, GROUP)
-        # rank of value i in its group: larger values, plus equal ones at lower index
-        beats = (a[:, :, None, :] > a[:, :, :, None]) | (
-            (a[:, :, None, :] == a[:, :, :, None]) & (idx[None, :] < idx[:, None])[None, None])
-        rank = tl.reshape(tl.sum(beats.to(tl.int32), axis=3), (ROWS, BS))
-        res = tl.where(rank < keep, res, 0.0)
+    q, res, _ = _resq_tile(x, keep, FMT, BS, ROWS, GROUP)
     if TERMS:
         tl.store(y_ptr + rows * length + cols, q.to(y_ptr.dtype.element_ty), mask=inside)
         tl.store(r_ptr + rows * length + cols, res.to(r_ptr.dtype.element_ty), mask=inside)
     else:
         tl.store(y_ptr + rows * length + cols, q + res, mask=inside)
+
+
+@triton.jit(do_not_specialize=(*TOKEN_SIZES[:2], "keep", "groups"))
+def _resq_nm_kernel(x_ptr, y_ptr, r_ptr, m_ptr, n_rows, length, keep, groups,
+                    FMT: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """ResQ's two terms with the residual kept as n:m sparse hardware keeps it: Q(x) to y
+    (bf16, dense), and of each group of GROUP residual values the ``keep`` kept ones in
+    order to r (bf16, ``groups * keep`` a row) and a bit per kept position to m (uint8,
+    ``groups`` a row). Positions past ``length`` in a row's last group are zeros; where
+    the ranking keeps one, its zero is stored too, so every group holds ``keep`` values.
+    In a block holding NaN or Inf (all NaN) the first ``keep`` of each group are kept."""
+    rows, cols, inside = tile(n_rows, length, BS, ROWS)
+    x = tl.load(x_ptr + rows * length + cols, mask=inside, other=0.0).to(tl.float32)
+    q, res, kept = _resq_tile(x, keep, FMT, BS, ROWS, GROUP)
+    tl.store(y_ptr + rows * length + cols, q.to(tl.bfloat16), mask=inside)
+    k3 = tl.reshape(kept.to(tl.int32), (ROWS, BS // GROUP, GROUP))
+    idx = tl.arange(0, GROUP)
+    # a kept value's slot: the kept positions before it in its group
+    slot = tl.reshape(tl.sum(k3[:, :, None, :] * (idx[None, :] < idx[:, None])[None, None]
+                             .to(tl.int32), axis=3), (ROWS, BS))
+    # a NaN block's ranks are all 0 (NaN compares false), so every value would be kept:
+    # its first `keep` stay, the GEMM's outputs of the row are NaN all the same (so is Q(x))
+    kept = kept & (slot < keep)
+    k3 = tl.reshape(kept.to(tl.int32), (ROWS, BS // GROUP, GROUP))
+    group = cols // GROUP  # (1, BS)
+    real = (rows < n_rows) & (group < groups)
+    tl.store(r_ptr + rows * groups * keep + group * keep + slot.to(tl.int64),
+             res.to(tl.bfloat16), mask=real & kept)
+    bits = tl.sum(k3 << idx[None, None, :], axis=2)  # (ROWS, BS // GROUP)
+    first = (tl.program_id(0).to(tl.int64) % tl.cdiv(length, BS)) * (BS // GROUP)
+    each = first + tl.arange(0, BS // GROUP).to(tl.int64)[None, :]
+    tl.store(m_ptr + rows * groups + each, bits.to(tl.uint8),
+             mask=(rows < n_rows) & (each < groups))
 
 
 @triton.jit(do_not_specialize=("n",))
@@ -638,6 +685,30 @@ class Variant:
         self.kernel[grid](*args, **dict(self.constants), **self.options)
 
 
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def scale_argument(s: torch.Tensor | None, length: int, device: torch.device
+                   ) -> tuple[torch.Tensor, int]:
+    """A GEMM kernel's scale argument: its float32 values and its stride along the
+    operand's vectors, 0 for one value for all (an absent scale reads as a float32 1.0,
+    since ``x * 1.0`` and ``x / 1.0`` are ``x`` bit for bit: one binary serves scaled and
+    unscaled operands), 1 for one value per vector (a row of the left operand, a column
+    of the right one; of ``length`` vectors). The 1.0 is made once per device, so a
+    launch adds no fill kernel of its own and a CUDA graph reads a tensor that outlives
+    it (an engine's eager warm-up makes it)."""
+    if s is None:
+        return _one(device), 0
+    flat = s.to(torch.float32).reshape(-1).contiguous()
+    if flat.numel() == 1:
+        return flat, 0
+    if flat.numel() != length:
+        raise ValueError(f"a scale of {flat.numel()} values for {length} rows or columns")
+    return flat, 1
+
+
 def _quantize_rows(code: int, block: int) -> int:
     """The quantize kernel's rows per program: half for NVFP4 and its 16 x 16 tiles, whose
     per-tensor scale (and a tile's amax across 16 rows) on top of the blocks spilled
@@ -667,6 +738,21 @@ def resq_variant(fmt: KernelFormat, x: torch.dtype, group: int, terms: bool) -> 
                    (("FMT", code), ("BS", bs), ("ROWS", _resq_rows(bs, group)),
                     ("GROUP", group), ("TERMS", terms)),
                    num_warps=RESQ_RANK_WARPS if group else 4)
+
+
+def resq_nm_variant(fmt: KernelFormat, x: torch.dtype, group: int) -> Variant:
+    """The ResQ kernel that keeps the residual as n:m sparse values and bits, for ``fmt``,
+    rows of type ``x`` and an n:m ``group`` (> 0)."""
+    code, bs = format_fields(fmt)
+    return Variant(_resq_nm_kernel, (x, torch.bfloat16, torch.bfloat16, torch.uint8),
+                   (("FMT", code), ("BS", bs), ("ROWS", _resq_nm_rows(bs, group)),
+                    ("GROUP", group)), num_warps=RESQ_RANK_WARPS)
+
+
+def _resq_nm_rows(block: int, group: int) -> int:
+    """The n:m ResQ kernel's rows per program: half the two-term kernel's (its slots and
+    bits on top of the ranking spilled registers on sm_90 for HiF4 at 1:2 from bf16)."""
+    return max(1, _resq_rows(block, group) // 2)
 
 
 def resq_groups(fmt: KernelFormat) -> list[int]:
@@ -735,6 +821,8 @@ def quantize_variants(fmt: KernelFormat) -> Iterator[Variant]:
     for group in resq_groups(fmt) if Operation.RESQ_TERMS in ops else ():
         for dtype in RESQ_TERMS_INPUTS:
             yield resq_variant(fmt, dtype, group, True)
+            if group:
+                yield resq_nm_variant(fmt, dtype, group)
     if Operation.BOTH in ops:
         for x, y in BOTH_TYPES:
             for scale in scales:
@@ -818,3 +906,25 @@ def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
         grid_1d(n, rows.shape[1], fmt.block_size, _resq_rows(fmt.block_size, group)), rows,
         out, out[n:], n, rows.shape[1], keep)
     return out
+
+
+def resq_terms_nm(fmt: KernelFormat, rows: torch.Tensor, keep: int, group: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ResQ's two GEMM operands of float32 or bf16 rows in one pass, the residual kept as n:m
+    sparse hardware keeps it: ``Q(x)`` (bf16, the rows' shape), the residual's kept values
+    (bf16, ``keep`` of each ``group`` along a row, in order: ``(rows, ceil(len / group) *
+    keep)``) and its bits (uint8, bit j of a group's byte set where position j is kept:
+    ``(rows, ceil(len / group))``). At 2:4 the residual's bytes are 0.625x a dense bf16
+    one's. None where :func:`fuses_resq` does not hold or ``group`` is 0 (dense)."""
+    if not group or not fuses_resq(fmt, group) or rows.dtype not in RESQ_TERMS_INPUTS:
+        return None
+    rows = rows.contiguous()
+    n, length = rows.shape
+    groups = -(-length // group)
+    q = torch.empty(n, length, dtype=torch.bfloat16, device=rows.device)
+    kept = torch.empty(n, groups * keep, dtype=torch.bfloat16, device=rows.device)
+    bits = torch.empty(n, groups, dtype=torch.uint8, device=rows.device)
+    resq_nm_variant(fmt, rows.dtype, group).launch(
+        grid_1d(n, length, fmt.block_size, _resq_nm_rows(fmt.block_size, group)), rows, q, kept,
+        bits, n, length, keep, groups)
+    return q, kept, bits

@@ -628,7 +628,7 @@ class FP4Linear(nn.Linear):
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
         packed = self._packed_rollout_weight(x2, dtype)
-        if packed is not None and len(acts := self.recovery.activation(x2, dtype)) <= 2:
+        if packed is not None and len(acts := self.recovery.packed_activation(x2, dtype)) <= 2:
             # the checks are made (packed_fusion): straight to the operator
             y = packed_gemm(acts, packed, dtype, self.bias)
         else:

@@ -10,7 +10,7 @@ from torch import nn
 from fp4rl.errors import UserError
 from fp4rl.nn.invariant import install_forward_hooks, set_batch_invariant
 from fp4rl.nn.linear import FP4Linear, Mode
-from fp4rl.nn.recipe import Recipe, get_recipe
+from fp4rl.nn.recipe import Recipe, as_recipe
 from fp4rl.nn.select import BLOCK_INDEX
 
 
@@ -52,7 +52,7 @@ def quantize_model(model: nn.Module, recipe: Recipe | str,
     ``Q(W)`` operands for a weight version (:attr:`FP4Linear.cache_weights`, on by
     default; None leaves it as it is). Returns ``model``.
     """
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    recipe = as_recipe(recipe)
     keep = filter_fn or in_transformer_block
     ignores = recipe.ignores_in(name for name, _ in model.named_modules())
     targets = [(name, mod) for name, mod in model.named_modules()

@@ -328,18 +328,13 @@ class Recipe(Settings):
         """Load from a YAML file (a full training config's extra keys are ignored there)."""
         return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
 
-    def with_nvfp4_scale(self, rule: ScaleRule | str) -> Recipe:
+    def with_nvfp4_scale(self, rule: ScaleRule) -> Recipe:
         """This recipe with its NVFP4 activations' second-level scale under ``rule``
-        (``dynamic``, ``pow2``, ``static``; :class:`fp4rl.formats.nvfp4.ScaleRule`), in
+        (:class:`fp4rl.formats.nvfp4.ScaleRule`; :func:`scale_rule` reads its name), in
         both policies: weights and gradients keep theirs (a weight's amax does not depend
         on a batch). Refused in one line where there is no NVFP4 activation to change, a
         per-token scale is asked to be static, or ``static`` meets a recovery method (its
         residual would take the activation's scale)."""
-        try:
-            rule = ScaleRule(rule)
-        except ValueError:
-            raise RecipeError(f"nvfp4_scale must be one of {', '.join(ScaleRule)}, got "
-                              f"{rule!r}") from None
         acts = {"train": self.train.activations, "rollout": self.rollout.activations}
         scaled = {k: f for k, f in acts.items()
                   if isinstance(f, NumberFormat) and f.scale_rule is not None}
@@ -371,6 +366,15 @@ class Recipe(Settings):
         if self.ignore:
             data["ignore"] = list(self.ignore)
         return data
+
+
+def scale_rule(name: object) -> ScaleRule:
+    """The NVFP4 second-level scale rule ``name`` names (``dynamic``, ``pow2``,
+    ``static``), read where a name is given (a config, a recipe spec); refused in one line
+    otherwise."""
+    if isinstance(name, str) and name in set(ScaleRule):
+        return ScaleRule(name)
+    raise RecipeError(f"nvfp4_scale must be one of {', '.join(ScaleRule)}, got {name!r}")
 
 
 def _settings(data: object, allowed: set[str], where: str) -> Mapping[str, object]:
@@ -421,6 +425,13 @@ def _field_recipes() -> dict[str, Recipe]:
 def field_recipe_names() -> list[str]:
     """Names of the field's recipes :func:`get_recipe` takes (``nemo-rl-nvfp4``, ...)."""
     return list(_field_recipes())
+
+
+def as_recipe(recipe: Recipe | str) -> Recipe:
+    """The recipe a public function was given: a :class:`Recipe` as it is, a name read
+    (:func:`get_recipe`). The functions that take either read it here, once, and pass the
+    object down."""
+    return get_recipe(recipe) if isinstance(recipe, str) else recipe
 
 
 def get_recipe(name: str) -> Recipe:

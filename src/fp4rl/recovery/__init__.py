@@ -20,10 +20,10 @@ from fp4rl.recovery.base import (
 )
 from fp4rl.recovery.outliers import clamp_outliers, outlier_block_fraction, outlier_blocks
 from fp4rl.recovery.resq import resq_activation, resq_matmul
-from fp4rl.recovery.sparsity import density, keep_mask, parse_pattern, sparsify
+from fp4rl.recovery.sparsity import keep_mask, parse_pattern, sparsify
 from fp4rl.recovery.spec import Recovery, make_recovery
 
-__all__ = ["Recovery", "RecoveryConfig", "RolloutRecovery", "clamp_outliers", "density",
+__all__ = ["Recovery", "RecoveryConfig", "RolloutRecovery", "clamp_outliers",
            "get_recovery", "keep_mask", "list_recoveries", "make_recovery",
            "outlier_block_fraction", "outlier_blocks", "parse_pattern", "recovery_variants",
            "register_recovery", "resq_activation", "resq_matmul", "sparsify",

@@ -23,6 +23,7 @@ from pydantic import ConfigDict
 from fp4rl.errors import RecipeError, did_you_mean
 from fp4rl.formats import NumberFormat
 from fp4rl.gemm import (
+    NMOperand,
     Operand,
     OperandFormat,
     PackedOperand,
@@ -139,6 +140,20 @@ class RolloutRecovery(ABC):
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
         """The activation operands that share the quantized weight in the rollout GEMM
         (one for plain FP4; ResQ's two terms where ``dtype`` cannot hold their sum)."""
+
+    def packed_activation(self, x: torch.Tensor, dtype: torch.dtype
+                          ) -> list[Operand | NMOperand]:
+        """:meth:`activation` for the packed GEMM (:func:`fp4rl.gemm.packed_gemm`), which
+        also takes a second term kept n:m sparse (:class:`~fp4rl.gemm.NMOperand`) and
+        expands it in registers: the same operands, in fewer bytes where a method has
+        such a term. For a caller that has checked :func:`fp4rl.gemm.packed_fusion`."""
+        return list(self.activation(x, dtype))
+
+    def packed_nm(self, device: torch.device) -> tuple[int, int] | None:
+        """``(keep, group)`` where :meth:`packed_activation` gives an n:m second term for
+        rows on ``device`` (a tracer must know the operands' layout without running it),
+        else None."""
+        return None
 
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
         """For each operand :meth:`activation` returns in ``dtype``, whether it carries a

@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from fp4rl.gemm import UNQUANTIZED, Operand, stack_rows
+from fp4rl.gemm import UNQUANTIZED, NMOperand, Operand, stack_rows
 from fp4rl.recovery.base import RolloutRecovery
 from fp4rl.recovery.spec import Recovery
 
@@ -77,6 +77,30 @@ def _(x: torch.Tensor, handle: str, dtype: torch.dtype) -> tuple[torch.Tensor, t
             x.new_empty((terms, x.shape[0]), dtype=torch.float32))
 
 
+@torch.library.custom_op("fp4rl::rollout_activation_nm", mutates_args=())
+def _rollout_activation_nm(x: torch.Tensor, handle: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bf16 activation operands of ``x`` for the packed GEMM where the method keeps its
+    second term n:m sparse (:meth:`~fp4rl.recovery.base.RolloutRecovery.packed_activation`):
+    the first term's values, the second's kept values and bits (no scales)."""
+    terms = _entry(handle).method.packed_activation(x, torch.bfloat16)
+    first, second = terms
+    if not isinstance(second, NMOperand) or first.scale is not None:
+        raise RuntimeError("fp4rl::rollout_activation_nm: the method gave no n:m term")
+    return first.values, second.values, second.bits
+
+
+@_rollout_activation_nm.register_fake
+def _(x: torch.Tensor, handle: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nm = _entry(handle).method.packed_nm(x.device)
+    assert nm is not None  # the caller asked the method
+    keep, group = nm
+    groups = -(-x.shape[1] // group)
+    return (x.new_empty(x.shape, dtype=torch.bfloat16),
+            x.new_empty((x.shape[0], groups * keep), dtype=torch.bfloat16),
+            x.new_empty((x.shape[0], groups), dtype=torch.uint8))
+
+
 class TracedActivation:
     """``method.activation`` through the operator: the same operands, values in the
     compute dtype. What a call reads in Python is fixed by the method, so a trace holds
@@ -92,9 +116,17 @@ class TracedActivation:
         self.handle = handle_of(method)
         _traced.setdefault(self.handle, self)
 
-    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype, packed: bool = False
+                 ) -> list[Operand | NMOperand]:
+        """The operands of ``x`` in ``dtype``; ``packed``: for a store whose GEMM takes an
+        n:m term as it is (:meth:`~fp4rl.rollout.vllm.stores.WeightStore.takes_nm`), the
+        method's packed operands (ResQ's residual kept n:m sparse, in fewer bytes)."""
         if self.method.act_format is UNQUANTIZED:  # plain tensor code: traces as it is
-            return self.method.activation(x, dtype)
+            return list(self.method.activation(x, dtype))
+        nm = self.method.packed_nm(x.device) if packed and dtype == torch.bfloat16 else None
+        if nm is not None:
+            first, kept, bits = torch.ops.fp4rl.rollout_activation_nm(x, self.handle)
+            return [Operand(first), NMOperand(kept, bits, nm[0], nm[1], x.shape[1])]
         values, scales = torch.ops.fp4rl.rollout_activation(x, self.handle, dtype)
         rows = x.shape[0]
         return [Operand(values[i * rows:(i + 1) * rows], scales[i, :, None] if scaled else None)

@@ -9,14 +9,14 @@ Both GEMMs share ``Q(W)``, so simulation folds them into one matmul of
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from pydantic import Field
 
 from fp4rl.formats import BlockFormat, NumberFormat, get_format, quantize
-from fp4rl.gemm import Operand, has_tensor_scale, quantize_operand
-from fp4rl.kernels import resq_rows, resq_terms
+from fp4rl.gemm import NMOperand, Operand, has_tensor_scale, quantize_operand
+from fp4rl.kernels import has_nm_terms, resq_rows, resq_terms, resq_terms_nm
 from fp4rl.recovery.base import RecoveryConfig, RolloutRecovery, register_recovery
 from fp4rl.recovery.sparsity import (
     NM,
@@ -28,15 +28,14 @@ from fp4rl.recovery.sparsity import (
 )
 
 
-def resq_activation(x: torch.Tensor, fmt: str | NumberFormat,
-                    pattern: str | SparsityPattern = "2:4") -> torch.Tensor:
+def resq_activation(x: torch.Tensor, fmt: NumberFormat,
+                    pattern: SparsityPattern) -> torch.Tensor:
     """``Q(x) + S(Q(x - Q(x)))``: the effective rollout activation of ResQ.
 
     Float32 inputs with a dense or n:m pattern take one fused kernel pass (bit-identical
-    to the composed steps below, which every other case uses).
+    to the composed steps below, which every other case uses). The format and pattern are
+    objects (:func:`resq_matmul`, the public form, reads their names).
     """
-    fmt = get_format(fmt)  # the public functions read names; below them, objects
-    pattern = parse_pattern(pattern)
     fused = _fused(x, fmt, pattern)
     if fused is not None:
         return fused
@@ -80,11 +79,12 @@ def resq_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str | NumberFormat,
     defaults to ``fmt``. ``two_gemm=True`` computes the two products separately, as
     hardware would; the default folds them into one matmul (equal up to summation order).
     """
-    qw = quantize(w, weight_format or fmt)
+    f, kept = get_format(fmt), parse_pattern(pattern)  # names read here, once
+    qw = quantize(w, get_format(weight_format) if weight_format is not None else f)
     if not two_gemm:
-        return resq_activation(x, fmt, pattern) @ qw.t()
-    qx = quantize(x, fmt)
-    return qx @ qw.t() + sparsify(quantize(x - qx, fmt), pattern) @ qw.t()
+        return resq_activation(x, f, kept) @ qw.t()
+    qx = quantize(x, f)
+    return qx @ qw.t() + sparsify(quantize(x - qx, f), kept) @ qw.t()
 
 
 class ResQConfig(RecoveryConfig):
@@ -147,6 +147,30 @@ class ResQ(RolloutRecovery):
             return [qx, Operand(fused - qx.values)]
         residual = quantize_operand(xf - qx.dense(), fmt)
         return [qx, Operand(sparsify(residual.values, self.pattern), residual.scale)]
+
+    def packed_nm(self, device: torch.device) -> tuple[int, int] | None:
+        """(keep, group) of the n:m pattern where the ResQ kernel on ``device`` keeps the
+        residual n:m sparse (a block format without a per-tensor scale, a group the kernel
+        ranks, Triton: a GPU)."""
+        args = _kernel_args(self.act_format, self.pattern) \
+            if isinstance(self.act_format, NumberFormat) else None
+        if args is None or not args[2] or not has_nm_terms(args[0], device, args[2]):
+            return None
+        return args[1], args[2]
+
+    def packed_activation(self, x: torch.Tensor, dtype: torch.dtype
+                          ) -> list[Operand | NMOperand]:
+        """In bf16, ``Q(x)`` and the residual kept n:m sparse, as sparse tensor cores take
+        it, from one kernel pass (at 2:4 the pass writes and the packed GEMM reads 0.625x
+        the residual's dense bf16 bytes); else :meth:`activation`'s operands."""
+        nm = self.packed_nm(x.device) if dtype == torch.bfloat16 and x.dim() == 2 else None
+        if nm is not None:
+            rows = x if x.dtype == torch.bfloat16 else x.float()
+            terms = resq_terms_nm(cast(BlockFormat, self.act_format), rows, *nm)
+            if terms is not None:
+                q, kept, bits = terms
+                return [Operand(q), NMOperand(kept, bits, nm[0], nm[1], x.shape[1])]
+        return list(self.activation(x, dtype))
 
 
 register_recovery("resq", ResQ)

@@ -122,6 +122,9 @@ class Block:
         return f"block:{self.rows}x{self.cols}:{self.fraction}"
 
 
+#: a parsed pattern; its ``density`` is the nominal kept fraction (n/m, the fraction, 1 for
+#: dense), the figure a cost model uses (a fraction pattern keeps slightly more where its
+#: kept count rounds up)
 SparsityPattern = Dense | NM | Channel | Block
 
 
@@ -162,15 +165,6 @@ def _parse_text(text: str) -> SparsityPattern | None:
     return None
 
 
-def density(pattern: str | SparsityPattern) -> float:
-    """Nominal kept fraction of a pattern (n/m, the fraction, or 1 for dense).
-
-    This is the figure a cost model should use; the realised density can be
-    slightly higher for fraction patterns because kept counts round up.
-    """
-    return parse_pattern(pattern).density
-
-
 def kept_count(fraction: float, total: int) -> int:
     """Number of candidates a ``fraction`` keeps out of ``total`` (exact ceil)."""
     return min(total, math.ceil(Fraction(repr(fraction)) * total))
@@ -189,21 +183,21 @@ def sparsify(x: Tensor, pattern: str | SparsityPattern) -> Tensor:
     return torch.where(keep_mask(x, parsed), x, x.new_zeros(()))
 
 
-def keep_mask(x: Tensor, pattern: str | SparsityPattern) -> Tensor:
-    """Boolean mask (shape of ``x``) of the entries ``pattern`` keeps.
+def keep_mask(x: Tensor, pattern: SparsityPattern) -> Tensor:
+    """Boolean mask (shape of ``x``) of the entries ``pattern`` (pattern: :func:`sparsify`
+    reads a name) keeps.
 
     Treat it as read-only: for channel patterns it is a broadcast view.
     """
-    parsed = parse_pattern(pattern)
     if x.dim() == 0:
         raise ValueError("sparsity needs a tensor with a last (reduction) axis, got a scalar")
-    if x.numel() == 0 or isinstance(parsed, Dense):
+    if x.numel() == 0 or isinstance(pattern, Dense):
         return torch.ones_like(x, dtype=torch.bool)
-    if isinstance(parsed, NM):
-        return _nm_mask(x, parsed.n, parsed.m)
-    if isinstance(parsed, Channel):
-        return _channel_mask(x, parsed.fraction)
-    return _block_mask(x, parsed.rows, parsed.cols, parsed.fraction)
+    if isinstance(pattern, NM):
+        return _nm_mask(x, pattern.n, pattern.m)
+    if isinstance(pattern, Channel):
+        return _channel_mask(x, pattern.fraction)
+    return _block_mask(x, pattern.rows, pattern.cols, pattern.fraction)
 
 
 def _nm_mask(x: Tensor, n: int, m: int) -> Tensor:

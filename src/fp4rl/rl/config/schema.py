@@ -27,7 +27,7 @@ from pydantic import (
 from fp4rl.data.synthetic import SYNTHETIC_TASKS
 from fp4rl.errors import RecipeError, UserError, did_you_mean
 from fp4rl.formats.nvfp4 import ScaleRule
-from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision
+from fp4rl.nn.recipe import Recipe, RolloutPrecision, TrainPrecision, scale_rule
 from fp4rl.precision import MixedPrecision
 from fp4rl.rl.grpo import LossConfig
 from fp4rl.rollout.registry import (
@@ -380,7 +380,7 @@ def recipe_of(config: Mapping[str, object], strict: bool = True) -> Recipe:
         if isinstance(section, Mapping) else section  # not a mapping: refused below
     recipe = Recipe.from_dict({"train": config.get("train") or {}, "rollout": rollout,
                                "ignore": config.get("ignore")}, strict=strict)
-    return recipe.with_nvfp4_scale(str(config.get("nvfp4_scale") or ScaleRule.DYNAMIC))
+    return recipe.with_nvfp4_scale(scale_rule(config.get("nvfp4_scale") or ScaleRule.DYNAMIC))
 
 
 __all__ = ["DataConfig", "DistributedConfig", "EvalConfig", "GRPOConfig", "OptimizerConfig",

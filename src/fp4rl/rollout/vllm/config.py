@@ -25,7 +25,7 @@ from pydantic import JsonValue
 
 from fp4rl.formats import NumberFormat
 from fp4rl.formats.registry import scale_rules
-from fp4rl.nn.recipe import Recipe, get_recipe
+from fp4rl.nn.recipe import Recipe, as_recipe
 from fp4rl.recovery import get_recovery, list_recoveries
 from fp4rl.rollout.vllm.errors import VLLMError
 from fp4rl.rollout.vllm.host import check_actor_recipe
@@ -97,7 +97,7 @@ def quantization_config(recipe: Recipe | str,
                         ) -> QuantizationEntry:
     """The ``quantization_config`` entry of a config.json that makes vLLM run ``recipe``'s
     rollout policy, keeping ``Q(W)`` as ``weight_storage`` says."""
-    recipe = rollout_recipe(get_recipe(recipe) if isinstance(recipe, str) else recipe)
+    recipe = rollout_recipe(as_recipe(recipe))
     check_storage(weight_storage)
     return QuantizationEntry(quant_method=QUANT_METHOD, rollout=recipe.to_dict()["rollout"],
                               ignore=list(recipe.ignore), weight_storage=str(weight_storage),

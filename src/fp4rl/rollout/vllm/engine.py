@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, NotRequired, TypedDict
 
 import torch
 
@@ -21,6 +21,7 @@ from fp4rl.rollout.base import ProgressFn, RolloutSetup, check_seeds, settings_a
 from fp4rl.rollout.batch import RolloutBatch, SamplingConfig, left_pad
 from fp4rl.rollout.vllm.config import (
     QUANT_METHOD,
+    QuantizationEntry,
     RefitWire,
     WeightStorage,
     quantization_config,
@@ -68,7 +69,7 @@ class EngineSpec:
     reads as the engine is built."""
 
     model_dir: str
-    recipe: Recipe | str | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
+    recipe: Recipe | None  # None: plain vLLM, no fp4rl method (the bf16 baseline)
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     max_model_len: int = 1024
@@ -129,9 +130,18 @@ class EngineSpec:
         return {"max_num_batched_tokens": budget, "enable_chunked_prefill": False}
 
 
-def method_kwargs(recipe: Recipe | str | None,
-                  weight_storage: WeightStorage | str = WeightStorage.DEQUANTIZED
-                  ) -> dict[str, object]:
+class MethodKwargs(TypedDict):
+    """The ``vllm.LLM`` arguments :func:`method_kwargs` gives: the worker extension, and
+    for a recipe the fp4rl method with its ``quantization_config``."""
+
+    worker_extension_cls: str
+    quantization: NotRequired[str]
+    hf_overrides: NotRequired[dict[str, QuantizationEntry]]
+
+
+def method_kwargs(recipe: Recipe | None,
+                  weight_storage: WeightStorage = WeightStorage.DEQUANTIZED
+                  ) -> MethodKwargs:
     """The ``vllm.LLM`` arguments that select the fp4rl method for ``recipe``'s rollout
     policy (none for ``None``: plain vLLM) and the worker extension a refit calls."""
     if recipe is None:

@@ -109,7 +109,8 @@ class FP4RLScheme:
         x2 = x.reshape(-1, x.shape[-1])
         # the plug-in's methods (none, resq) quantize bf16 rows as they are, in one kernel
         # pass (widening to float32 is exact, so the operands are the same)
-        acts = state.activation(x2 if x.dtype == torch.bfloat16 else x2.float(), x.dtype)
+        acts = state.activation(x2 if x.dtype == torch.bfloat16 else x2.float(), x.dtype,
+                                packed=state.store.takes_nm())
         y = state.store.apply(acts, x.dtype, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 

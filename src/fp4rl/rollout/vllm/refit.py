@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 
+from fp4rl.formats import get_format
 from fp4rl.gemm import Operand, PackedOperand
 
 if TYPE_CHECKING:
@@ -115,8 +116,8 @@ class RefitPayload:
             if "format" in g:
                 fields = {k: data[f"g/{name}/{k}"] for k in g["fields"]}
                 rows, cols = g["shape"]  # a weight's: the wire carries it as a list
-                grids[name] = PackedOperand.from_row_fields(g["format"], (rows, cols),
-                                                            fields, scale)
+                grids[name] = PackedOperand.from_row_fields(get_format(g["format"]),
+                                                            (rows, cols), fields, scale)
             else:
                 grids[name] = Operand(data[f"g/{name}/values"], scale)
         return cls(grids, [(n, data[f"t/{n}"]) for n in wire["tensors"]])

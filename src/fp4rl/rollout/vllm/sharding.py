@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.utils import set_weight_attrs
 
-from fp4rl.formats import NumberFormat
+from fp4rl.formats import NumberFormat, get_format
 from fp4rl.gemm import Operand, PackedOperand, has_tensor_scale
 from fp4rl.nn.recipe import Recipe
 from fp4rl.rollout.vllm.compat import WeightLoader
@@ -120,7 +120,8 @@ def rank_part(partition: Partition, index: int, part: Part) -> Part:
     fields = {name: rank_slice(partition, index, value, _width(partition, value))
               for name, value in part.row_fields().items()}
     shape = (partition.rows_per_rank[index], partition.in_per_rank)
-    return PackedOperand.from_row_fields(part.packed.format, shape, fields, part.scale)
+    return PackedOperand.from_row_fields(get_format(part.packed.format), shape, fields,
+                                         part.scale)
 
 
 def rank_field(partition: Partition, index: int, field: torch.Tensor) -> torch.Tensor:

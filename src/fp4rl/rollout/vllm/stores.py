@@ -23,7 +23,15 @@ from typing import ClassVar
 import torch
 
 from fp4rl.formats import get_format
-from fp4rl.gemm import Operand, PackedCall, PackedOperand, mm, packed_fusion, packed_gemm
+from fp4rl.gemm import (
+    NMOperand,
+    Operand,
+    PackedCall,
+    PackedOperand,
+    mm,
+    packed_fusion,
+    packed_gemm,
+)
 from fp4rl.rollout.vllm.config import WeightStorage
 from fp4rl.rollout.vllm.errors import VLLMError
 
@@ -49,12 +57,18 @@ class WeightStore(ABC):
     def gemms(self) -> list[Gemm]:
         """The GEMMs a forward runs, one per logical layer with its own scale."""
 
-    def apply(self, acts: list[Operand], dtype: torch.dtype,
+    def takes_nm(self) -> bool:
+        """Whether :meth:`apply` multiplies an n:m term (:class:`~fp4rl.gemm.NMOperand`) as
+        it is: the recovery then gives its sparse residual in that form (fewer bytes)."""
+        return False
+
+    def apply(self, acts: list[Operand | NMOperand], dtype: torch.dtype,
               bias: torch.Tensor | None) -> torch.Tensor:
         """``acts`` (the recovery's activation terms, token rows) times ``Q(W)`` plus the
         bias, in ``dtype``: one GEMM per logical layer with its own scale (NVFP4's
-        per-shard scales), joined along the outputs."""
-        return _by_outputs([(rows, partial(_gemm, acts, qw, kernel, dtype))
+        per-shard scales), joined along the outputs. An n:m term is expanded first."""
+        dense = [t if isinstance(t, Operand) else Operand(t.dense()) for t in acts]
+        return _by_outputs([(rows, partial(_gemm, dense, qw, kernel, dtype))
                             for rows, qw, kernel in self.gemms()], bias)
 
     @abstractmethod
@@ -161,7 +175,10 @@ class PackedStore(WeightStore):
     def tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in _part_tensors(p)]
 
-    def apply(self, acts: list[Operand], dtype: torch.dtype,
+    def takes_nm(self) -> bool:
+        return self.fused  # the fused kernel expands it in registers
+
+    def apply(self, acts: list[Operand | NMOperand], dtype: torch.dtype,
               bias: torch.Tensor | None) -> torch.Tensor:
         """Where the store fuses (a GPU), each part's codes go to the ``fp4rl::packed_mm``
         operator, which decodes them in registers at every token count (split along K
