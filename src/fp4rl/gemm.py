@@ -30,6 +30,7 @@ from fp4rl.formats.packing import PackedTensor
 from fp4rl.formats.row_decode import decode_rows
 from fp4rl.formats.row_encode import encode_rows
 from fp4rl.kernels import (
+    cpu_ops,
     has_packed_mm,
     has_qmm,
     packed_mm,
@@ -578,10 +579,21 @@ def stack_rows(values: list[torch.Tensor]) -> torch.Tensor:
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of bf16 (or fp16) operands with fp32 accumulation, returned in fp32
     without rounding to the operands' dtype: on a GPU (and on ``meta``, which stands for
-    it) one GEMM with an fp32 output (``torch.mm(..., out_dtype=torch.float32)``); on a
-    CPU, which has no such GEMM, the fp32 product of the widened operands (bf16 values and
-    their products are exact in fp32, so it is the same sum of the same products)."""
-    if a.device.type in ("cuda", "meta") and a.dtype in (torch.bfloat16, torch.float16):
+    it) one GEMM with an fp32 output (``torch.mm(..., out_dtype=torch.float32)``); under a
+    batch-invariant forward the same call, which the mode's fixed-order kernel computes
+    from the bf16 operands as they are. On a CPU, which has no such GEMM in torch, fp4rl's
+    C GEMM (the ``fp4rl::c_mm_fp32`` operator over :func:`fp4rl.kernels.cpu.bi_gemm`: bf16
+    read as it is, the tile unit where the CPU has AMX, the weight packed once per version
+    inside ``hold_weights``; one op to a compiled graph), else the fp32
+    product of widened copies (bf16 values and their products are exact in fp32, so it is
+    the same sum of the same products, in the library's order)."""
+    tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.device.type == "cpu" and \
+            not tracked and cpu_ops.available():
+        # the batch-invariant mode's own kernel for this GEMM: the same bits under it
+        return cpu_ops.mm_fp32(a, b)
+    if a.dtype in (torch.bfloat16, torch.float16) and (
+            a.device.type in ("cuda", "meta") or _fixed_order()):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 

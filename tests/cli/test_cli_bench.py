@@ -126,3 +126,34 @@ def test_kernel_harness_builds_against_the_kernel(tmp_path):
                          text=True).stdout
     lines = [line for line in out.splitlines() if "axis" in line]
     assert len(lines) == 8 and all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
+
+
+def test_bench_invariant_times_the_three_passes_of_a_step(tmp_path, tiny_llama_dir):
+    out = tmp_path / "invariant.json"
+    assert main(["bench", "invariant", "--model", str(tiny_llama_dir), "--repeats", "1",
+                 "--batch", "2", "--tokens", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["results"]]
+    assert names == [f"invariant.{p}.{d}" for p in ("rollout", "score", "update", "step")
+                     for d in ("fp32", "bf16")]
+    rows = {r["name"]: r for r in report["results"]}
+    for dtype in ("fp32", "bf16"):
+        for side in ("candidate_times", "baseline_times"):
+            parts = sum(rows[f"invariant.{p}.{dtype}"][side][0]
+                        for p in ("rollout", "score", "update"))
+            assert rows[f"invariant.step.{dtype}"][side][0] == pytest.approx(parts, abs=1e-6)
+    assert "cpu_bf16_flags" in report["machine"]
+
+
+def test_a_bench_records_the_libraries_held_below_the_cpu(monkeypatch):
+    from fp4rl.bench import common
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("FP4RL_AMX", raising=False)
+    assert "isa_limits" not in common.machine()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    monkeypatch.setenv("FP4RL_AMX", "0")
+    assert common.machine()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                                              "FP4RL_AMX": "0"}

@@ -305,3 +305,31 @@ def test_mm_of_scaled_operands_matches_dense_product():
     _close_to_bf16_rounding(mm(a, b.t(), torch.bfloat16), want)
     torch.testing.assert_close(mm(a, b.t(), torch.float32).double(), want, rtol=1e-6,
                                atol=1e-6 * want.abs().max().item())
+
+
+def test_mm_fp32_on_the_cpu_reads_bf16_as_it_is():
+    """No fp32 GEMM in torch takes bf16 operands on a CPU: ``mm_fp32`` runs fp4rl's C GEMM
+    on them (the tile unit where the CPU has AMX), kept packed for a weight held by
+    ``hold_weights``, and close to the float64 product; an autograd-tracked operand takes
+    the widened fp32 GEMM, which autograd differentiates."""
+    from fp4rl.gemm import mm_fp32
+    from fp4rl.kernels.cpu import bi_gemm, keep_panels, load_library
+
+    if load_library() is None:
+        pytest.skip("needs fp4rl's C kernels")
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(24, 576, generator=g).bfloat16()
+    w = torch.randn(300, 576, generator=g).bfloat16()
+    got = mm_fp32(a, w.t())
+    assert got.dtype == torch.float32 and torch.equal(got, bi_gemm(a, w.t(),
+                                                                  out_dtype=torch.float32))
+    with keep_panels():
+        assert torch.equal(mm_fp32(a, w.t()), got)
+        assert torch.equal(mm_fp32(a[:5], w.t()), got[:5])
+    exact = a.double() @ w.t().double()
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
+    tracked = a.clone().requires_grad_()
+    wide = mm_fp32(tracked, w.t())
+    wide.sum().backward()
+    assert tracked.grad is not None and torch.allclose(wide.detach(), got, rtol=1e-5,
+                                                       atol=1e-4)

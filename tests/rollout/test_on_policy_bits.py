@@ -9,13 +9,16 @@ size. Every one of those shapes must give a token the same bits.
 
 from __future__ import annotations
 
+import math
 import os
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
 import fp4rl
-from fp4rl.kernels.cpu import bi_gemm, bi_softmax, load_library
+from fp4rl.kernels.cpu import _Panels, bi_gemm, bi_softmax, drop_panels, keep_panels, load_library
 from fp4rl.models import tiny_model
 from fp4rl.nn import FP4Linear, Mode, get_recipe, quantize_model
 from fp4rl.nn.invariant import is_batch_invariant, tokens_fed
@@ -149,7 +152,8 @@ def test_the_embedded_model_scores_the_engines_tokens_with_its_bits(recipe, scal
 def test_the_gemms_a_gpu_runs_are_the_ops_vllms_batch_invariant_mode_replaces():
     """fp4rl's GEMM (the vLLM method's on a GPU, where no prepacked CPU kernel applies)
     issues ``aten.mm`` / ``aten.addmm`` alone: the ops vLLM's batch-invariant mode
-    (``VLLM_BATCH_INVARIANT=1``) replaces, so the method is batch-invariant under it."""
+    (``VLLM_BATCH_INVARIANT=1``) replaces, so the method is batch-invariant under it. On a
+    CPU a bf16 GEMM with an fp32 output is ``fp4rl::c_mm_fp32``, batch-invariant itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fp4rl.gemm import mm, quantize_operand
@@ -174,7 +178,10 @@ def test_the_gemms_a_gpu_runs_are_the_ops_vllms_batch_invariant_mode_replaces():
                 mm([qx, qx], qw.t(), dtype, bias.to(dtype))  # ResQ's two terms
                 mm(qx, qw.t(), dtype, bias.to(dtype))
             gemms = {op for op in ops.seen if "mm" in op or "matmul" in op or "dot" in op}
-            assert gemms and gemms <= {"aten.mm", "aten.addmm"}, (fmt, dtype, gemms)
+            # on a CPU, bf16 with an fp32 output is fp4rl's own fixed-order GEMM (which no
+            # mode need replace: tests/kernels/test_invariant_*.py); a GPU's is aten.mm
+            allowed = {"aten.mm", "aten.addmm", "fp4rl.c_mm_fp32"}
+            assert gemms and gemms <= allowed, (fmt, dtype, gemms)
 
 
 def _gemm_depends_on_rows() -> bool:
@@ -251,23 +258,48 @@ def test_a_left_padded_prompt_scores_as_the_prompt_alone_under_a_per_tensor_scal
 
 # ----- the kernels, against an independent slow path ---------------------------------
 
+def _fma32(a: float, b: float, c: float) -> np.float32:
+    """IEEE 754's fusedMultiplyAdd in float32, ``a * b + c`` rounded once to nearest even,
+    from the exact rational value (an independent slow path: no hardware FMA)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    if exact == 0:  # an exact zero sum is +0 unless both terms are -0
+        negative = math.copysign(1.0, a) * math.copysign(1.0, b) < 0 and math.copysign(1.0, c) < 0
+        return np.float32(-0.0 if negative else 0.0)
+    guess = np.float32(float(exact))
+    near = [np.nextafter(guess, np.float32(-np.inf)), guess,
+            np.nextafter(guess, np.float32(np.inf))]
+    return min(near, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                    int(np.array(v).view(np.int32)) & 1))
+
+
 def _sequential(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
     """The batch-invariant GEMM's definition, one output at a time in float32: products
-    summed in increasing k, in runs of ``chunk`` (0: one run)."""
+    summed in increasing k by fused multiply-adds, in runs of ``chunk`` (0: one run) whose
+    sums are added in order."""
     m, k = a.shape
     n = b.shape[1]
+    a64, b64 = a.double().tolist(), b.double().tolist()
     out = torch.zeros(m, n, dtype=torch.float32)
     step = chunk or k
     for i in range(m):
         for j in range(n):
-            total = torch.zeros((), dtype=torch.float32)
+            total = np.float32(0.0)
             for k0 in range(0, k, step):
-                part = torch.zeros((), dtype=torch.float32)
+                part = np.float32(0.0)
                 for kk in range(k0, min(k0 + step, k)):
-                    part = part + a[i, kk].float() * b[kk, j].float()
-                total = total + part if chunk else part
-            out[i, j] = total
+                    part = _fma32(a64[i][kk], b64[kk][j], float(part))
+                total = np.float32(total + part) if chunk else part
+            out[i, j] = float(total)
     return out
+
+
+def test_the_reference_fma_rounds_once():
+    x = 1.0 + 2.0 ** -12  # x * x = 1 + 2^-11 + 2^-24: rounded alone, its last term is lost
+    assert _fma32(x, x, -1.0) == np.float32(2.0 ** -11 + 2.0 ** -24)
+    assert np.float32(np.float32(x) * np.float32(x)) - np.float32(1.0) == np.float32(2.0 ** -11)
+    assert _fma32(1.0, 1.0, 2.0 ** -24) == np.float32(1.0)  # a tie: to the even neighbour
+    assert _fma32(1.0, 1.0, 3 * 2.0 ** -24) == np.float32(1.0 + 2.0 ** -22)
+    assert math.copysign(1.0, _fma32(-1.0, 0.0, 0.0)) == 1.0  # -0 + +0 is +0
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -296,6 +328,22 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.allclose(together, a @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_kept_panels_give_the_same_bits_and_follow_the_weight():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(21, 256, generator=g).bfloat16()
+    w = torch.randn(300, 256, generator=g).bfloat16()
+    fresh = bi_gemm(a, w.t())
+    with keep_panels():
+        assert torch.equal(bi_gemm(a, w.t()), fresh)  # packed and kept
+        assert torch.equal(bi_gemm(a[:3], w.t()), fresh[:3])  # read from the kept panels
+        assert torch.equal(bi_gemm(a, w.t(), chunk=0), bi_gemm(a, w.t().contiguous(), chunk=0))
+        w.mul_(2)  # a write that bumps the version: packed again
+        assert torch.equal(bi_gemm(a, w.t()), bi_gemm(a, w.t().contiguous()))
+        assert torch.equal(bi_gemm(a, w.t()).float(), (fresh.float() * 2))
+        drop_panels()
+    assert not _Panels.kept
 
 
 def test_a_sequential_sum_ignores_masked_keys_anywhere():

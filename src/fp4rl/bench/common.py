@@ -6,6 +6,7 @@ process hits all of them alike, so the ratios stay meaningful on a shared machin
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -83,9 +84,17 @@ def machine() -> dict[str, object]:
     info: dict[str, object] = {"cpu": cpu, "cpu_bf16_flags": list(flags),
                                "threads": torch.get_num_threads(), "torch": torch.__version__,
                                "python": platform.python_version()}
+    limits = {name: os.environ[name] for name in ISA_LIMITS if name in os.environ}
+    if limits:  # the libraries held below what the CPU has: a ratio means that machine's
+        info["isa_limits"] = limits
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+#: environment variables that hold a library below the CPU's own instruction set, so a
+#: run stands for another kind of CPU (oneDNN's, MKL's, fp4rl's tile unit switch)
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FP4RL_AMX")
 
 
 def report(results: list[Comparison], **extra: object) -> dict[str, object]:

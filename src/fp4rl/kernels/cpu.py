@@ -10,7 +10,9 @@ reference path, with a warning, rather than fail.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -18,8 +20,11 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -34,7 +39,8 @@ SOURCES = (SOURCE, INVARIANT_SOURCE)
 #: microseconds, which a 32-row decode step of a 576-wide model (18k values) already repays
 PARALLEL_MIN_ELEMENTS = 1 << 13
 #: ``-ffp-contract=off``: a product and a sum are rounded one by one, as the reference's
-#: float64 steps are (a fused multiply-add would round them once, together)
+#: float64 steps are, unless the source asks for a fused multiply-add by name (the
+#: batch-invariant GEMM does: one rounding, the same on every ISA)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-ffp-contract=off", *c_defines())
 
@@ -111,7 +117,21 @@ def load_library() -> ctypes.CDLL | None:
                                           ctypes.c_float, flag]
     lib.fp4rl_bi_gemm.restype = ctypes.c_int
     lib.fp4rl_bi_gemm.argtypes = [i64, i64, i64, i64, ptr, flag, i64, i64, i64,
-                                  ptr, flag, i64, i64, i64, ptr, ptr, flag, i64, i64, i64, flag]
+                                  ptr, flag, i64, i64, i64, ptr, ptr, flag, i64, i64, i64, flag,
+                                  ptr]
+    lib.fp4rl_bi_pack.restype = ctypes.c_int
+    lib.fp4rl_bi_pack.argtypes = [i64, i64, ptr, flag, i64, i64, ptr, flag, flag]
+    lib.fp4rl_bi_layout.restype = flag
+    lib.fp4rl_bi_layout.argtypes = [flag, flag, i64]
+    lib.fp4rl_bi_packed_floats.restype = i64
+    lib.fp4rl_bi_packed_floats.argtypes = [i64, i64, flag]
+    lib.fp4rl_bi_amx.restype = flag
+    lib.fp4rl_bi_amx.argtypes = []
+    lib.fp4rl_bi_allow_amx.restype = None
+    lib.fp4rl_bi_allow_amx.argtypes = [flag]
+    # FP4RL_AMX=0: the batch-invariant GEMM's bf16 operands stay on the FMA tile, whose
+    # bits every CPU shares (the tile unit's sums are its own)
+    lib.fp4rl_bi_allow_amx(int(os.environ.get("FP4RL_AMX", "1") != "0"))
     lib.fp4rl_bi_softmax.restype = ctypes.c_int
     lib.fp4rl_bi_softmax.argtypes = [ptr, flag, ptr, flag, i64, i64, flag, flag]
     lib.fp4rl_bi_row_mean.restype = ctypes.c_int
@@ -216,15 +236,86 @@ def bi_supported(*tensors: torch.Tensor) -> bool:
         load_library() is not None
 
 
+class _Panels:
+    """The batch-invariant GEMM's B operands packed into its panels, kept per tensor while a
+    :func:`keep_panels` scope is open: a decode step multiplies a few rows by every weight,
+    so packing each weight at every call would cost as much as the products."""
+
+    depth = 0
+    #: id(base tensor) -> (a weak reference to it, {view geometry: (version, panels)}); the
+    #: reference's callback drops the entry with the tensor
+    kept: ClassVar[dict[int, tuple[weakref.ref[torch.Tensor], dict[tuple[object, ...],
+                                                                  tuple[tuple[int, int],
+                                                                        torch.Tensor]]]]] = {}
+    #: below this many values a B operand is packed per call (cheap next to a lookup)
+    min_values = 1 << 15
+
+    @classmethod
+    def _forget(cls, key: int, _: object) -> None:
+        cls.kept.pop(key, None)
+
+    @classmethod
+    def of(cls, b: torch.Tensor, layout: int, threads: int) -> torch.Tensor | None:
+        """``b``'s packed panels in ``layout`` (``fp4rl_bi_layout``'s: the FMA tile's or the
+        tile unit's), kept or packed now and kept; None outside a scope or for a small or
+        batched ``b``."""
+        if cls.depth == 0 or b.dim() != 2 or b.numel() < cls.min_values:
+            return None
+        base = b._base if b._base is not None else b
+        key = id(base)
+        entry = cls.kept.get(key)
+        if entry is None or entry[0]() is not base:
+            entry = (weakref.ref(base, functools.partial(cls._forget, key)), {})
+            cls.kept[key] = entry
+        geometry = (b.data_ptr(), *b.shape, *b.stride(), b.dtype, layout)
+        version = (base._version, base.data_ptr())
+        hit = entry[1].get(geometry)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        lib = load_library()
+        assert lib is not None
+        k, n = b.shape
+        panels = torch.empty(lib.fp4rl_bi_packed_floats(k, n, layout), dtype=torch.float32)
+        if lib.fp4rl_bi_pack(k, n, b.data_ptr(), _BI_DTYPES[b.dtype], b.stride(0),
+                             b.stride(1), panels.data_ptr(), threads, layout) != 0:
+            raise AssertionError(f"the GEMM's packing refused layout {layout} for {b.dtype}")
+        entry[1][geometry] = (version, panels)
+        return panels
+
+
+@contextlib.contextmanager
+def keep_panels() -> Iterator[None]:
+    """Within the block the batch-invariant GEMM keeps its B operands packed, per tensor and
+    version (:func:`fp4rl.nn.hold_weights` opens it: there a weight changes only by writes
+    that bump its version or move its storage, and optimizer steps, which call
+    :func:`drop_panels`). Leaving the outermost scope drops them."""
+    _Panels.depth += 1
+    try:
+        yield
+    finally:
+        _Panels.depth -= 1
+        if _Panels.depth == 0:
+            drop_panels()
+
+
+def drop_panels() -> None:
+    """Forget every kept packed B operand (an optimizer step may have changed any weight,
+    even without bumping its version: a fused optimizer writes the storage directly)."""
+    _Panels.kept.clear()
+
+
 def bi_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None, chunk: int = BI_CHUNK) -> torch.Tensor:
     """``a @ b (+ bias)`` for 2-D or batched 3-D ``a`` (.., M, K) and ``b`` (.., K, N) of
-    any strides, each output's products summed in increasing k (see ``invariant.c``):
-    a row's result is the same bits whatever else is computed beside it. ``bias`` (N,) is
-    added in float32 before the one rounding to ``out_dtype`` (default ``a``'s dtype).
-    ``chunk``: the run of k's summed apart before joining the total (a fixed order set by
-    K alone); 0 for one sequential sum, which zeros anywhere along k leave unchanged
-    (attention's masked keys)."""
+    any strides, each output's products summed in increasing k by fused multiply-adds (see
+    ``invariant.c``): a row's result is the same bits whatever else is computed beside it.
+    ``bias`` (N,) is added in float32 before the one rounding to ``out_dtype`` (default
+    ``a``'s dtype). ``chunk``: the run of k's summed apart before joining the total (a
+    fixed order set by K alone); 0 for one sequential sum, which zeros anywhere along k
+    leave unchanged (attention's masked keys). bf16 operands in runs of a multiple of 32
+    take the tile unit on a CPU with AMX (``fp4rl_bi_layout``): batch-invariant the same
+    way, with the hardware's own sum of each step's 32 products. Inside
+    :func:`keep_panels` a 2-D ``b`` is packed once per version."""
     lib = load_library()
     assert lib is not None, "check bi_supported() first"
     batched = a.dim() == 3
@@ -235,14 +326,17 @@ def bi_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out = torch.empty((batch, m, n), dtype=dtype)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     threads = torch.get_num_threads() if batch * m * n * k >= PARALLEL_MIN_ELEMENTS * 64 else 1
+    layout = lib.fp4rl_bi_layout(_BI_DTYPES[a.dtype], _BI_DTYPES[b.dtype], chunk)
+    packed = None if batched else _Panels.of(b, layout, torch.get_num_threads())
     status = lib.fp4rl_bi_gemm(
         batch, m, n, k,
         a3.data_ptr(), _BI_DTYPES[a.dtype], a3.stride(0), a3.stride(1), a3.stride(2),
         b3.data_ptr(), _BI_DTYPES[b.dtype], b3.stride(0), b3.stride(1), b3.stride(2),
         None if bias32 is None else bias32.data_ptr(), out.data_ptr(), _BI_DTYPES[dtype],
-        out.stride(0), out.stride(1), chunk, threads)
+        out.stride(0), out.stride(1), chunk, threads,
+        None if packed is None else packed.data_ptr())
     if status != 0:
-        raise MemoryError("the batch-invariant GEMM could not allocate its panel buffer")
+        raise MemoryError("the batch-invariant GEMM could not allocate its packed operands")
     return out if batched else out[0]
 
 

@@ -126,3 +126,22 @@ def quantize_values(code: int, x: torch.Tensor, rows: bool, cols: bool,
 
 __all__ = ["available", "quantize_bf16", "quantize_rows", "quantize_values", "resq_rows",
            "resq_terms"]
+
+
+@torch.library.custom_op("fp4rl::c_mm_fp32", mutates_args=())
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return cpu.bi_gemm(a, b, out_dtype=torch.float32)
+
+
+@_mm_fp32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 2-D bf16 ``a`` and ``b`` with fp32 accumulation, in fp32 (no rounding to
+    bf16): the C library's fixed-order GEMM (:func:`.cpu.bi_gemm`), as the
+    ``fp4rl::c_mm_fp32`` operator, so that a compiled graph and a dispatch mode see one op
+    and a compiled forward gives the eager bits."""
+    out: torch.Tensor = torch.ops.fp4rl.c_mm_fp32(a, b)
+    return out

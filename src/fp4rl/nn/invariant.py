@@ -12,7 +12,10 @@ policies one function.
 kernel whose order is fixed by the reduced length alone (``fp4rl/kernels/invariant.c``):
 
 - ``mm`` / ``addmm`` (every linear layer, FP4 or not, and ``lm_head``): products summed
-  in increasing k, in runs of 64, in float32, bf16 operands widened exactly;
+  in increasing k by fused multiply-adds, in runs of 64, in float32, bf16 operands widened
+  exactly (a weight packed once per version inside :func:`fp4rl.nn.hold_weights`); on a
+  CPU with AMX, bf16 operands on the tile unit, whose sum of a step's 32 products is the
+  hardware's own: batch-invariant on that machine, not the FMA path's bits;
 - ``bmm`` (attention's ``Q K^T`` and ``P V``, under the eager attention the mode puts the
   model on): one sequential sum, so that masked keys (probability exactly 0) change
   nothing: the same bits at any left padding, and for a query decoded alone against its

@@ -65,6 +65,7 @@ from fp4rl.gemm import (
     quantizes_on_load,
 )
 from fp4rl.kernels import quantize_on_load
+from fp4rl.kernels.cpu import drop_panels
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
@@ -95,6 +96,7 @@ class _OptimizerSteps:
         cls.count += 1
         for weights in list(cls.kept):
             weights.clear()
+        drop_panels()
 
 
 register_optimizer_step_post_hook(_OptimizerSteps.bump)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from torch import nn
 
 from fp4rl.errors import UserError
+from fp4rl.kernels.cpu import keep_panels
 from fp4rl.nn.invariant import install_forward_hooks, set_batch_invariant
 from fp4rl.nn.linear import FP4Linear, Mode
 from fp4rl.nn.recipe import Recipe, as_recipe
@@ -164,7 +165,8 @@ def hold_weights(model: nn.Module) -> Iterator[nn.Module]:
     for layer in layers:
         layer.hold()
     try:
-        yield model
+        with keep_panels():  # the batch-invariant GEMM's packed weights, by the same rule
+            yield model
     finally:
         for layer in layers:
             layer.release()
