@@ -85,3 +85,4 @@ def test_fp4rl_amx_0_keeps_bf16_on_the_fma_tile():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+

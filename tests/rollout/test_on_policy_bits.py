@@ -330,6 +330,15 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads():
     assert torch.allclose(together, a @ w.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(("m", "n", "k"), [(0, 40, 64), (5, 0, 64), (5, 40, 0)])
+def test_an_empty_gemm_is_empty_or_the_bias(m, n, k, dtype):
+    a, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    bias = torch.ones(n).to(dtype)
+    out = bi_gemm(a, w.t(), bias)
+    assert out.shape == (m, n) and torch.equal(out, bias.expand(m, n))
+
+
 def test_kept_panels_give_the_same_bits_and_follow_the_weight():
     g = torch.Generator().manual_seed(3)
     a = torch.randn(21, 256, generator=g).bfloat16()

@@ -243,9 +243,10 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int64_t sa_m
     const int64_t steps = (K + AMX_K - 1) / AMX_K, S = steps > 0 ? steps : 1;
     const int64_t panels = (N + AMX_COLS - 1) / AMX_COLS;
     const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS;
-    uint16_t *ablocks = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(blocks * S * 1024));
-    uint16_t *bpanels = packed ? NULL
-                               : (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(panels * S * 1024));
+    /* + 1: a buffer even for no rows or no columns */
+    uint16_t *ablocks = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(blocks * S * 1024 + 1));
+    uint16_t *bpanels =
+        packed ? NULL : (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(panels * S * 1024 + 1));
     if (!ablocks || (!packed && !bpanels)) {
         free(ablocks);
         free(bpanels);
@@ -455,8 +456,8 @@ int fp4rl_bi_gemm(int64_t batch, int64_t M, int64_t N, int64_t K,
     /* every panel packed once up front where several row blocks read it */
     const int shared_b = !packed && row_blocks > 1;
     float *ablocks = (float *)malloc(sizeof(float) * (size_t)(batch * blocks * KK * MR + 1));
-    float *bpanels = shared_b ? (float *)malloc(sizeof(float) * (size_t)(batch * panels * KK * NR))
-                              : NULL;
+    float *bpanels =
+        shared_b ? (float *)malloc(sizeof(float) * (size_t)(batch * panels * KK * NR + 1)) : NULL;
     if (!ablocks || (shared_b && !bpanels)) {
         free(ablocks);
         free(bpanels);
