@@ -39,6 +39,7 @@ from fp4rl.kernels import (
     quantize_matrix_values,
     quantize_rows_bf16,
 )
+from fp4rl.kernels.dispatch import triton_for
 
 
 class NotQuantized:
@@ -589,7 +590,7 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the same sum of the same products, in the library's order)."""
     tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     if a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.device.type == "cpu" and \
-            not tracked and cpu_ops.available():
+            not tracked and triton_for(a.device) is None and cpu_ops.available():
         # the batch-invariant mode's own kernel for this GEMM: the same bits under it
         return cpu_ops.mm_fp32(a, b)
     if a.dtype in (torch.bfloat16, torch.float16) and (
