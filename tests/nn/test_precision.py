@@ -333,3 +333,16 @@ def test_mm_fp32_on_the_cpu_reads_bf16_as_it_is():
     wide.sum().backward()
     assert tracked.grad is not None and torch.allclose(wide.detach(), got, rtol=1e-5,
                                                        atol=1e-4)
+
+
+def test_the_cpu_gemm_operator_passes_opcheck():
+    from fp4rl.kernels.cpu import load_library
+
+    if load_library() is None:
+        pytest.skip("needs fp4rl's C kernels")
+    import fp4rl.kernels.cpu_ops  # noqa: F401  (registers fp4rl::c_mm_fp32)
+
+    g = torch.Generator().manual_seed(10)
+    a = torch.randn(9, 96, generator=g).bfloat16()
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.fp4rl.c_mm_fp32.default, (a, w.t()))

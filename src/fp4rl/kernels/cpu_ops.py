@@ -1,8 +1,9 @@
-"""The C kernels' quantizers (:mod:`.cpu`) as torch custom operators (``fp4rl::c_...``, each
-with a fake), which is how the kernel dispatch (:mod:`fp4rl.kernels.dispatch`) calls them
-on a CPU: ``torch.compile`` traces each as one opaque op with its fake's shapes instead of
-breaking its graph at a ``ctypes`` call and a data pointer, as :mod:`.triton_ops` does for
-the Triton launchers. Each is called only once the library is known to be built
+"""The C kernels' quantizers and fp32-output GEMM (:mod:`.cpu`) as torch custom operators
+(``fp4rl::c_...``, each with a fake), which is how the kernel dispatch
+(:mod:`fp4rl.kernels.dispatch`) and :func:`fp4rl.gemm.mm_fp32` call them on a CPU:
+``torch.compile`` traces each as one opaque op with its fake's shapes instead of breaking
+its graph at a ``ctypes`` call and a data pointer, as :mod:`.triton_ops` does for the
+Triton launchers. Each is called only once the library is known to be built
 (:func:`available`)."""
 
 from __future__ import annotations
@@ -124,10 +125,6 @@ def quantize_values(code: int, x: torch.Tensor, rows: bool, cols: bool,
     return out
 
 
-__all__ = ["available", "quantize_bf16", "quantize_rows", "quantize_values", "resq_rows",
-           "resq_terms"]
-
-
 @torch.library.custom_op("fp4rl::c_mm_fp32", mutates_args=())
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return cpu.bi_gemm(a, b, out_dtype=torch.float32)
@@ -145,3 +142,7 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     and a compiled forward gives the eager bits."""
     out: torch.Tensor = torch.ops.fp4rl.c_mm_fp32(a, b)
     return out
+
+
+__all__ = ["available", "mm_fp32", "quantize_bf16", "quantize_rows", "quantize_values",
+           "resq_rows", "resq_terms"]
