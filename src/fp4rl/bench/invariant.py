@@ -86,8 +86,6 @@ def run(model_name: str, recipe: str = "hif4", batch: int = 8, new_tokens: int =
             for label in DTYPES], int(attention.sum())
 
 
-
-
 def _autocast(dtype: torch.dtype) -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 

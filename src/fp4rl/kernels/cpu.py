@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -22,7 +21,7 @@ import tempfile
 import warnings
 import weakref
 from collections.abc import Iterator
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -265,7 +264,7 @@ class _Panels:
         key = id(base)
         entry = cls.kept.get(key)
         if entry is None or entry[0]() is not base:
-            entry = (weakref.ref(base, functools.partial(cls._forget, key)), {})
+            entry = (weakref.ref(base, partial(cls._forget, key)), {})
             cls.kept[key] = entry
         geometry = (b.data_ptr(), *b.shape, *b.stride(), b.dtype, layout)
         version = (base._version, base.data_ptr())

@@ -129,6 +129,13 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
+/* Steps of 32 k's a packed A block or B panel holds: at least one (zeros where K = 0), so
+ * that its size in fp4rl_bi_packed_floats and its reads in amx_gemm are the same. */
+static inline int64_t amx_steps(int64_t K)
+{
+    return K > AMX_K ? (K + AMX_K - 1) / AMX_K : 1;
+}
+
 static int amx_state = -1; /* -1 not asked yet, 0 refused or turned off, 1 granted */
 
 /* Turn the tile unit off (0) before any GEMM: the FMA path's bits on every CPU. */
@@ -164,7 +171,7 @@ static void amx_configure(void)
 static void amx_pack_panel(const void *b, int64_t K, int64_t N, int64_t sb_k, int64_t sb_n,
                            int64_t j0, uint16_t *panel)
 {
-    const int64_t steps = (K + AMX_K - 1) / AMX_K;
+    const int64_t steps = amx_steps(K);
     for (int64_t s = 0; s < steps; s++)
         for (int half = 0; half < 2; half++) {
             uint16_t *tile = panel + (s * 2 + half) * 512;
@@ -183,7 +190,7 @@ static void amx_pack_panel(const void *b, int64_t K, int64_t N, int64_t sb_k, in
 static void amx_pack_block(const void *a, int64_t M, int64_t K, int64_t sa_m, int64_t sa_k,
                            int64_t i0, uint16_t *block)
 {
-    const int64_t steps = (K + AMX_K - 1) / AMX_K;
+    const int64_t steps = amx_steps(K);
     for (int64_t s = 0; s < steps; s++)
         for (int r = 0; r < AMX_ROWS; r++)
             for (int kk = 0; kk < AMX_K; kk++) {
@@ -198,7 +205,7 @@ static void amx_pack_block(const void *a, int64_t M, int64_t K, int64_t sa_m, in
 static void amx_block(const uint16_t *ablock, const uint16_t *panel, int64_t K,
                       int64_t chunk, int tall, float acc[AMX_ROWS][AMX_COLS])
 {
-    const int64_t steps = (K + AMX_K - 1) / AMX_K, per_run = chunk / AMX_K;
+    const int64_t steps = amx_steps(K), per_run = chunk / AMX_K;
     float part[AMX_ROWS][AMX_COLS];
     for (int r = 0; r < AMX_ROWS; r++)
         for (int c = 0; c < AMX_COLS; c += 16) _mm512_storeu_ps(&acc[r][c], _mm512_setzero_ps());
@@ -240,7 +247,7 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int64_t sa_m
                     const float *bias, void *out, int out_bf16, int64_t so_m, int64_t chunk,
                     int threads, const uint16_t *packed)
 {
-    const int64_t steps = (K + AMX_K - 1) / AMX_K, S = steps > 0 ? steps : 1;
+    const int64_t S = amx_steps(K);
     const int64_t panels = (N + AMX_COLS - 1) / AMX_COLS;
     const int64_t blocks = (M + AMX_ROWS - 1) / AMX_ROWS;
     /* + 1: a buffer even for no rows or no columns */
@@ -310,8 +317,7 @@ int64_t fp4rl_bi_packed_floats(int64_t K, int64_t N, int layout)
     const int64_t KK = K > 0 ? K : 1;
 #ifdef HAVE_AMX
     if (layout == 1) {
-        const int64_t steps = (K + AMX_K - 1) / AMX_K;
-        return ((N + AMX_COLS - 1) / AMX_COLS) * (steps > 0 ? steps : 1) * 1024 / 2;
+        return ((N + AMX_COLS - 1) / AMX_COLS) * amx_steps(K) * 1024 / 2;
     }
 #endif
     (void)layout;
@@ -346,7 +352,7 @@ int fp4rl_bi_pack(int64_t K, int64_t N, const void *b, int b_bf16, int64_t sb_k,
 #ifdef HAVE_AMX
     if (layout == 1) {
         if (!b_bf16) return -2;
-        const int64_t steps = (K + AMX_K - 1) / AMX_K, S = steps > 0 ? steps : 1;
+        const int64_t S = amx_steps(K);
         const int64_t count = (N + AMX_COLS - 1) / AMX_COLS;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t p = 0; p < count; p++)
