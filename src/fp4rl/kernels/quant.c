@@ -5,8 +5,11 @@
  * and its dequantized values written. The arithmetic follows formats.md and is
  * exact: products such as |x| * r (24 x 8 significant bits) are formed in
  * double precision, where they fit without rounding, and the round-to-grid
- * steps operate on the bits of those exact doubles. The result is bit-identical
- * to the float64 reference path in fp4rl/formats (the tests check it).
+ * steps operate on the bits of those exact doubles. On AVX-512, HiF4's nearest
+ * rounding runs in float32 instead, 16 values a vector, its inexact products
+ * taken through fused multiply-adds that round once (hif4_v_round says why that
+ * is exact). The result is bit-identical to the float64 reference path in
+ * fp4rl/formats on every build (the tests check it).
  *
  * Layout: `rows` rows of `len` contiguous float32 values, blocks along the row;
  * a partial last block behaves as if zero-padded. `noise` (optional) holds
@@ -138,6 +141,205 @@ static inline float hif4_value(float x, double fin, double fout, double offset)
     return (float)((q < 7.0 ? q : 7.0) * fout);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/*
+ * HiF4's nearest rounding in float32, 16 values a vector, the same bits as the float64
+ * steps above. Two products are not exact in float32: v r against the level thresholds
+ * and |x| fin (24 x 8 significant bits). Both are taken through a fused multiply-add,
+ * which rounds the exact value once:
+ * - the level bits: v r >= t exactly when fma(v, r, -t) >= 0 (rounding keeps the sign
+ *   and never reaches 0 from a non-zero value of these magnitudes);
+ * - the element: rha(|x| fin) = floor(|x| fin + 1/2), and the fma rounded towards minus
+ *   infinity (AVX-512's per-instruction rounding) keeps that floor: a value at or above
+ *   an integer k rounds down to k or above, one below k stays below. Any q >= 7 becomes
+ *   7, so the clamp may come before the floor.
+ * fin = 4 r 2^-d and fout = s 2^(d-2) are powers of two times r or s, and q fout holds 6
+ * significant bits: both exact.
+ */
+#define HIF4_VECTOR 1
+
+static inline __m512 hif4_v_round(__m512 a, __m512 v8, __m512 v16, __m512 r, __m512 r4,
+                                  __m512 s4)
+{
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __mmask16 e8 = _mm512_cmp_ps_mask(_mm512_fmadd_ps(v8, r, _mm512_set1_ps(-4.0f)),
+                                            zero, _CMP_GE_OQ);
+    const __m512 t16 = _mm512_mask_blend_ps(e8, _mm512_set1_ps(-2.0f), _mm512_set1_ps(-4.0f));
+    const __mmask16 e16 = _mm512_cmp_ps_mask(_mm512_fmadd_ps(v16, r, t16), zero, _CMP_GE_OQ);
+    const __m512 d = _mm512_mask_add_ps(_mm512_maskz_mov_ps(e8, one), e16,
+                                        _mm512_maskz_mov_ps(e8, one), one);
+    const __m512 fin = _mm512_scalef_ps(r4, _mm512_sub_ps(zero, d));
+    const __m512 fout = _mm512_scalef_ps(s4, d);
+    const __m512 t = _mm512_fmadd_round_ps(a, fin, _mm512_set1_ps(0.5f),
+                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 q = _mm512_roundscale_ps(_mm512_min_ps(t, _mm512_set1_ps(7.0f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_mul_ps(q, fout);
+}
+
+/* round_frac_bits on 8 doubles: the same integer steps on their bits */
+static inline __m512d round_frac_pd(__m512d v, int frac)
+{
+    const int drop = 52 - frac;
+    __m512i u = _mm512_castpd_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi64(u, (unsigned)drop),
+                                         _mm512_set1_epi64(1));
+    u = _mm512_add_epi64(u, _mm512_add_epi64(_mm512_set1_epi64(((int64_t)1 << (drop - 1)) - 1),
+                                             odd));
+    return _mm512_castsi512_pd(_mm512_and_si512(u, _mm512_set1_epi64(-((int64_t)1 << drop))));
+}
+
+/* hif4_scale of 8 blocks' amax (as doubles): s / 4 and 4 r, exact in float32 */
+static inline void hif4_scale_pd(__m512d amax, __m256 *r, __m256 *r4, __m256 *s4)
+{
+    __m512d s = round_frac_pd(_mm512_mul_pd(amax, _mm512_set1_pd(0.142578125)), 7);
+    s = _mm512_min_pd(_mm512_max_pd(s, _mm512_set1_pd(0x1p-48)), _mm512_set1_pd(49152.0));
+    s = round_frac_pd(s, 2);
+    const __m512d rd = round_frac_pd(_mm512_div_pd(_mm512_set1_pd(1.0), s), 7);
+    *r = _mm512_cvtpd_ps(rd);
+    *r4 = _mm512_cvtpd_ps(_mm512_mul_pd(rd, _mm512_set1_pd(4.0)));
+    *s4 = _mm512_cvtpd_ps(_mm512_mul_pd(s, _mm512_set1_pd(0.25)));
+}
+
+static inline __m512 join_ps(__m256 lo, __m256 hi)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+/* The level-1 factors of 16 blocks, one a lane, from their amax: r, 4 r and s / 4, the
+ * arithmetic of hif4_scale (a lane's NaN or Inf gives values the caller replaces) */
+static inline void hif4_v_scales(__m512 amax, __m512 *r, __m512 *r4, __m512 *s4)
+{
+    __m256 rl, rh, r4l, r4h, s4l, s4h;
+    hif4_scale_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(amax)), &rl, &r4l, &s4l);
+    hif4_scale_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                      _mm512_castps_pd(amax), 1))), &rh, &r4h, &s4h);
+    *r = join_ps(rl, rh);
+    *r4 = join_ps(r4l, r4h);
+    *s4 = join_ps(s4l, s4h);
+}
+
+static inline __m512 abs_ps(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x),
+                                                _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+static inline __m512i max_bits(__m512i a, __m512i b) { return _mm512_max_epu32(a, b); }
+
+/* 16 values as float32: as they lie, or bfloat16 widened exactly */
+static inline __m512 load16(const float *x, const uint16_t *xb, int64_t at)
+{
+    if (xb)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + at))), 16));
+    return _mm512_loadu_ps(x + at);
+}
+
+/* 16 block values to y as float32, or as bfloat16: every block value (6 significant bits)
+ * and the quiet NaN are exact there, so their bf16 bits are the float32 bits' upper half */
+static inline void store16(void *y, int64_t at, __m512 v, int out_bf16)
+{
+    if (out_bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    else
+        _mm512_storeu_ps((float *)y + at, v);
+}
+
+/* sign(x) |y|, or the quiet NaN where `bad` is set */
+static inline __m512 signed_or_nan(__m512 mag, __m512 x, __mmask16 bad)
+{
+    const __m512i sx = _mm512_and_si512(_mm512_castps_si512(x),
+                                        _mm512_set1_epi32((int)0x80000000u));
+    const __m512i v = _mm512_or_si512(_mm512_castps_si512(mag), sx);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, bad, _mm512_set1_epi32(0x7FC00000)));
+}
+
+/* The v16 and v8 of each of 16 values (bit patterns of |x|): maxima within each 4-lane
+ * quad by two in-lane swaps, then across an octet's two quads by a swap of 128-bit lanes */
+static inline void quad_octet_max(__m512 x, __m512i *m16, __m512i *m8)
+{
+    __m512i m = _mm512_castps_si512(abs_ps(x));
+    m = max_bits(m, _mm512_shuffle_epi32(m, (_MM_PERM_ENUM)0xB1));
+    *m16 = max_bits(m, _mm512_shuffle_epi32(m, (_MM_PERM_ENUM)0x4E));
+    *m8 = max_bits(*m16, _mm512_shuffle_i32x4(*m16, *m16, 0xB1));
+}
+
+/*
+ * `nb` (<= 16) whole blocks of 64 contiguous values at `at` (float32 x or bfloat16 xb),
+ * nearest rounding, no tensor scale, written to y at `at`. Maxima are taken on the bit
+ * patterns of |x| (ordered as the values, NaN and Inf above all). The blocks' scales are
+ * computed together, one a lane, between a pass for the maxima and one for the values.
+ */
+static void hif4_blocks_v(const float *x, const uint16_t *xb, int64_t at, int nb, void *y,
+                          int out_bf16)
+{
+    uint32_t amax[16] = {0};
+    for (int b = 0; b < nb; b++) {
+        __m512i top = _mm512_setzero_si512();
+        for (int v = 0; v < 4; v++)
+            top = max_bits(top, _mm512_castps_si512(abs_ps(load16(x, xb, at + 64 * b + 16 * v))));
+        amax[b] = _mm512_reduce_max_epu32(top);
+    }
+    const __m512i top = _mm512_loadu_si512(amax);
+    const __mmask16 bad = _mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x7F800000));
+    __m512 r, r4, s4;
+    hif4_v_scales(_mm512_castsi512_ps(top), &r, &r4, &s4);
+    float rs[16], r4s[16], s4s[16];
+    _mm512_storeu_ps(rs, r);
+    _mm512_storeu_ps(r4s, r4);
+    _mm512_storeu_ps(s4s, s4);
+    for (int b = 0; b < nb; b++) {
+        const __m512 rb = _mm512_set1_ps(rs[b]), r4b = _mm512_set1_ps(r4s[b]),
+                     s4b = _mm512_set1_ps(s4s[b]);
+        const __mmask16 bad_b = (bad >> b) & 1 ? 0xFFFF : 0;
+        for (int v = 0; v < 4; v++) {
+            const int64_t i = at + 64 * b + 16 * v;
+            const __m512 xv = load16(x, xb, i);
+            __m512i m16, m8;
+            quad_octet_max(xv, &m16, &m8);
+            const __m512 mag = hif4_v_round(abs_ps(xv), _mm512_castsi512_ps(m8),
+                                            _mm512_castsi512_ps(m16), rb, r4b, s4b);
+            store16(y, i, signed_or_nan(mag, xv, bad_b), out_bf16);
+        }
+    }
+}
+
+/*
+ * One stripe of 64 rows by 16 columns at `at` (rows `cols` apart), blocks along the
+ * columns, written to y at the same places: each column one lane, its quads' and octets'
+ * maxima plain vector maxima of rows. The stripe is read twice, the second time from the
+ * first level of cache; a lane with a NaN or an Inf is all NaN.
+ */
+static void hif4_cols_v(const float *x, const uint16_t *xb, int64_t at, int64_t cols, void *y,
+                        int out_bf16)
+{
+    __m512i m16[16], top = _mm512_setzero_si512();
+    for (int k = 0; k < 16; k++) {
+        __m512i m = _mm512_setzero_si512();
+        for (int i = 4 * k; i < 4 * k + 4; i++)
+            m = max_bits(m, _mm512_castps_si512(abs_ps(load16(x, xb, at + i * cols))));
+        m16[k] = m;
+        top = max_bits(top, m);
+    }
+    const __mmask16 bad = _mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x7F800000));
+    __m512 r, r4, s4;
+    hif4_v_scales(_mm512_castsi512_ps(top), &r, &r4, &s4);
+    for (int k = 0; k < 16; k++) {
+        const __m512 v16 = _mm512_castsi512_ps(m16[k]);
+        const __m512 v8 = _mm512_castsi512_ps(max_bits(m16[k], m16[k ^ 1]));
+        for (int i = 4 * k; i < 4 * k + 4; i++) {
+            const __m512 xv = load16(x, xb, at + i * cols);
+            const __m512 mag = hif4_v_round(abs_ps(xv), v8, v16, r, r4, s4);
+            store16(y, at + i * cols, signed_or_nan(mag, xv, bad), out_bf16);
+        }
+    }
+}
+#endif
+
 /* The MX shared exponent: floor(log2 amax) - offset, at least -127 (also for amax 0). */
 static inline int mx_scale_exp(float amax, int scale_offset)
 {
@@ -179,6 +381,12 @@ static inline void hif4_round(const float *buf, float *mag, int n, double s, dou
 
 static void hif4_block(const float *x, float *y, int n, const float *u)
 {
+#ifdef HIF4_VECTOR
+    if (n == 64 && u == NULL) {
+        hif4_blocks_v(x, NULL, 0, 1, y, 0);
+        return;
+    }
+#endif
     float buf[64], mag[64], amax;
     if (load_block(x, n, 64, 0.0f, buf, &amax)) { for (int i = 0; i < n; i++) y[i] = NAN; return; }
     double v16[16], v8[8];
@@ -389,6 +597,25 @@ static inline void lanes_amax(const lanes_f *buf, int bs, float *amax, int *bad)
 
 static void hif4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
 {
+#ifdef HIF4_VECTOR
+    /* 16 lanes a vector; a lane's quads and octets are rows, so their maxima are plain
+     * vector maxima (a NaN lane's values are replaced by the caller) */
+    for (int c0 = 0; c0 < LANES; c0 += 16) {
+        __m512 r, r4, s4;
+        hif4_v_scales(_mm512_loadu_ps(amax + c0), &r, &r4, &s4);
+        for (int j = 0; j < 8; j++) {
+            __m512 a[8], m16[2];
+            for (int i = 0; i < 8; i++) a[i] = abs_ps(_mm512_loadu_ps(buf[8 * j + i] + c0));
+            for (int h = 0; h < 2; h++)
+                m16[h] = _mm512_max_ps(_mm512_max_ps(a[4 * h], a[4 * h + 1]),
+                                       _mm512_max_ps(a[4 * h + 2], a[4 * h + 3]));
+            const __m512 m8 = _mm512_max_ps(m16[0], m16[1]);
+            for (int i = 0; i < 8; i++)
+                _mm512_storeu_ps(mag[8 * j + i] + c0,
+                                 hif4_v_round(a[i], m8, m16[i >> 2], r, r4, s4));
+        }
+    }
+#else
     double v16[16][LANES], v8[8][LANES], s[LANES], r[LANES];
     for (int k = 0; k < 16; k++)
         for (int c = 0; c < LANES; c++) {
@@ -407,6 +634,7 @@ static void hif4_lanes(const lanes_f *buf, lanes_f *mag, const float *amax)
         for (int i = 4 * k; i < 4 * k + 4; i++)
             for (int c = 0; c < LANES; c++) mag[i][c] = hif4_value(buf[i][c], fin[c], fout[c], 0.5);
     }
+#endif
 }
 
 static void mx_lanes(const lanes_f *buf, lanes_f *mag, const float *amax, int elem_mbits,
@@ -534,7 +762,17 @@ int fp4rl_quantize_cols(int fmt, const float *x, float *y, int64_t rows, int64_t
 static void quantize_row(int fmt, const float *x, float *y, int64_t len)
 {
     const int bs = BLOCK[fmt];
-    for (int64_t col = 0; col < len; col += bs)
+    int64_t col = 0;
+#ifdef HIF4_VECTOR
+    if (fmt == FMT_HIF4) {  /* whole blocks 16 at a time, their scales together */
+        col = len - len % 64;
+        for (int64_t c0 = 0; c0 < col; c0 += 64 * 16) {
+            const int64_t nb = (col - c0) / 64;
+            hif4_blocks_v(x, NULL, c0, nb < 16 ? (int)nb : 16, y, 0);
+        }
+    }
+#endif
+    for (; col < len; col += bs)
         quantize_block(fmt, x + col, y + col, (int)(len - col < bs ? len - col : bs), NULL, 0.0f);
 }
 
@@ -771,18 +1009,31 @@ static int values_rows(int fmt, const float *x, const uint16_t *xb, int64_t rows
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows; row++) {
             if (buf == NULL) continue;
-            float *out = buf + cols;
-            const float *in = x ? x + row * cols : buf;
+            /* HiF4's whole blocks go straight from x to y; the rest through the buffers */
+            int64_t start = 0;
+#ifdef HIF4_VECTOR
+            if (fmt == FMT_HIF4 && g == 0.0f) {
+                start = cols - cols % 64;
+                for (int64_t c0 = 0; c0 < start; c0 += 64 * 16) {
+                    const int64_t nb = (start - c0) / 64;
+                    hif4_blocks_v(x, xb, row * cols + c0, nb < 16 ? (int)nb : 16, y, out_bf16);
+                }
+            }
+#endif
+            const int64_t len = cols - start, at = row * cols + start;
+            if (len == 0) continue;
+            float *out = buf + len;
+            const float *in = x ? x + at : buf;
             if (xb)
-                for (int64_t c = 0; c < cols; c++) buf[c] = bf16_to_f32(xb[row * cols + c]);
+                for (int64_t c = 0; c < len; c++) buf[c] = bf16_to_f32(xb[at + c]);
             if (g != 0.0f) {
-                for (int64_t c = 0; c < cols; c++) buf[c] = in[c] / g;
+                for (int64_t c = 0; c < len; c++) buf[c] = in[c] / g;
                 in = buf;
             }
-            for (int64_t c0 = 0; c0 < cols; c0 += bs)
-                quantize_block(fmt, in + c0, out + c0, (int)(cols - c0 < bs ? cols - c0 : bs),
+            for (int64_t c0 = 0; c0 < len; c0 += bs)
+                quantize_block(fmt, in + c0, out + c0, (int)(len - c0 < bs ? len - c0 : bs),
                                NULL, 0.0f);
-            store_row(y, row * cols, out, cols, out_bf16);
+            store_row(y, at, out, len, out_bf16);
         }
         free(buf);
     }
@@ -824,12 +1075,33 @@ int fp4rl_quantize_values(int fmt, const void *x, int x_bf16, int64_t rows, int6
                               nthreads) != 0)
         return -2;
     if (y_cols == NULL) return 0;
+    /* HiF4's whole 64 x 16 stripes go straight from x to y; the tiles take the rest: the
+     * columns right of them, and the rows below */
+    int64_t full_rows = 0, full_cols = 0;
+#ifdef HIF4_VECTOR
+    if (fmt == FMT_HIF4 && tensor_scale == 0.0f) {
+        full_rows = rows - rows % 64;
+        full_cols = cols - cols % 16;
+        const int64_t across = full_cols / 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t t = 0; t < (full_rows / 64) * across; t++)
+            hif4_cols_v(xf, xb, (t / across) * 64 * cols + (t % across) * 16, cols, y_cols,
+                        out_bf16);
+    }
+#endif
     const int64_t down = (rows + TILE - 1) / TILE, across = (cols + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < down * across; t++) {
-        const int64_t row0 = (t / across) * TILE, col0 = (t % across) * TILE;
+        const int64_t row0 = (t / across) * TILE;
+        int64_t col0 = (t % across) * TILE;
+        if (row0 + TILE <= full_rows) {  /* the stripes did this tile up to full_cols */
+            if (col0 + TILE <= full_cols) continue;
+            col0 = col0 > full_cols ? col0 : full_cols;
+        }
+        const int64_t end = (t % across) * TILE + TILE;
         const int n = (int)(rows - row0 < TILE ? rows - row0 : TILE);
-        const int w = (int)(cols - col0 < TILE ? cols - col0 : TILE);
+        const int w = (int)((cols < end ? cols : end) - col0);
+        if (w <= 0) continue;
         const int64_t at = row0 * cols + col0;
         cols_tile(fmt, xf ? xf + at : NULL, xb ? xb + at : NULL, cols, n, w, tensor_scale,
                   (char *)y_cols + at * (int64_t)size, out_bf16);
