@@ -39,6 +39,7 @@ from fp4rl.kernels import (
     quantize_matrix_values,
     quantize_rows_bf16,
 )
+from fp4rl.kernels.cpu import BI_CHUNK, BI_NO_RUNS
 from fp4rl.kernels.dispatch import triton_for
 
 
@@ -585,14 +586,15 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     from the bf16 operands as they are. On a CPU, which has no such GEMM in torch, fp4rl's
     C GEMM (the ``fp4rl::c_mm_fp32`` operator over :func:`fp4rl.kernels.cpu.bi_gemm`: bf16
     read as it is, the tile unit where the CPU has AMX, the weight packed once per version
-    inside ``hold_weights``; one op to a compiled graph), else the fp32
+    inside ``hold_weights``; one op to a compiled graph): in the batch-invariant forward
+    that mode's own order (runs of 64 k's), elsewhere each output's one sum in the
+    hardware's fastest order (on AMX the tiles accumulate all of K); else the fp32
     product of widened copies (bf16 values and their products are exact in fp32, so it is
     the same sum of the same products, in the library's order)."""
     tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     if a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.device.type == "cpu" and \
             not tracked and triton_for(a.device) is None and cpu_ops.available():
-        # the batch-invariant mode's own kernel for this GEMM: the same bits under it
-        return cpu_ops.mm_fp32(a, b)
+        return cpu_ops.mm_fp32(a, b, BI_CHUNK if _fixed_order() else BI_NO_RUNS)
     if a.dtype in (torch.bfloat16, torch.float16) and (
             a.device.type in ("cuda", "meta") or _fixed_order()):
         return torch.mm(a, b, out_dtype=torch.float32)

@@ -25,21 +25,26 @@ def _operands(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Te
             torch.randn(n, k, generator=g).bfloat16())
 
 
+@pytest.mark.parametrize("chunk", [cpu.BI_CHUNK, cpu.BI_NO_RUNS])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 32), (37, 200, 75), (70, 576, 130)])
-def test_a_rows_result_is_its_own_on_the_tile_unit(m, k, n):
+def test_a_rows_result_is_its_own_on_the_tile_unit(m, k, n, chunk):
+    """In runs of 64 (the batch-invariant forward's) and in one run of all K (the default
+    forward's ``mm_fp32``, the tiles accumulating every step)."""
     a, w = _operands(m, k, n, m)
-    together = cpu.bi_gemm(a, w.t(), out_dtype=torch.float32)
-    alone = torch.cat([cpu.bi_gemm(a[i:i + 1], w.t(), out_dtype=torch.float32)
+    together = cpu.bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=chunk)
+    alone = torch.cat([cpu.bi_gemm(a[i:i + 1], w.t(), out_dtype=torch.float32, chunk=chunk)
                        for i in range(m)])
     assert torch.equal(alone, together)
-    assert torch.equal(cpu.bi_gemm(torch.cat([a, a, a[:5]]), w.t(),
-                                   out_dtype=torch.float32)[m:2 * m], together)
+    assert torch.equal(cpu.bi_gemm(torch.cat([a, a, a[:5]]), w.t(), out_dtype=torch.float32,
+                                   chunk=chunk)[m:2 * m], together)
     # a column's result is its own too: a slice of the weight's rows
-    assert torch.equal(cpu.bi_gemm(a, w[3:].t(), out_dtype=torch.float32), together[:, 3:])
+    assert torch.equal(cpu.bi_gemm(a, w[3:].t(), out_dtype=torch.float32, chunk=chunk),
+                       together[:, 3:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu.bi_gemm(a, w.t(), out_dtype=torch.float32), together)
+        assert torch.equal(cpu.bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=chunk),
+                           together)
     finally:
         torch.set_num_threads(threads)
     exact = a.double() @ w.t().double()
@@ -69,18 +74,22 @@ def test_runs_that_the_tile_unit_cannot_take_go_to_the_fma_tile():
     assert LIB.fp4rl_bi_layout(1, 1, 0) == 0  # attention's one sequential sum
     assert LIB.fp4rl_bi_layout(1, 1, 48) == 0  # not a multiple of 32 products
     assert LIB.fp4rl_bi_layout(0, 1, 64) == 0  # a float32 operand
+    assert LIB.fp4rl_bi_layout(1, 1, cpu.BI_NO_RUNS) == 1  # no runs: the tiles take all K
 
 
 def test_fp4rl_amx_0_keeps_bf16_on_the_fma_tile():
     """With the tile unit turned off a bf16 GEMM is the FMA path's: the float32 GEMM of the
-    widened operands (bf16 products are exact in float32), as on a CPU without AMX."""
+    widened operands (bf16 products are exact in float32), as on a CPU without AMX, and
+    no runs there are chunk 0's one sequential sum."""
     code = ("import torch\nfrom fp4rl.kernels import cpu\n"
             "g = torch.Generator().manual_seed(4)\n"
             "a = torch.randn(37, 300, generator=g).bfloat16()\n"
             "w = torch.randn(70, 300, generator=g).bfloat16()\n"
             "assert cpu.load_library().fp4rl_bi_layout(1, 1, 64) == 0\n"
             "out = cpu.bi_gemm(a, w.t(), out_dtype=torch.float32)\n"
-            "assert torch.equal(out, cpu.bi_gemm(a.float(), w.t().float()))\n")
+            "assert torch.equal(out, cpu.bi_gemm(a.float(), w.t().float()))\n"
+            "one = cpu.bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=cpu.BI_NO_RUNS)\n"
+            "assert torch.equal(one, cpu.bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=0))\n")
     env = {**os.environ, "FP4RL_AMX": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120, check=False)

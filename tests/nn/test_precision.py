@@ -309,11 +309,13 @@ def test_mm_of_scaled_operands_matches_dense_product():
 
 def test_mm_fp32_on_the_cpu_reads_bf16_as_it_is():
     """No fp32 GEMM in torch takes bf16 operands on a CPU: ``mm_fp32`` runs fp4rl's C GEMM
-    on them (the tile unit where the CPU has AMX), kept packed for a weight held by
-    ``hold_weights``, and close to the float64 product; an autograd-tracked operand takes
+    on them (the tile unit where the CPU has AMX, in one sum of all K), kept packed for a
+    weight held by ``hold_weights``, and close to the float64 product; in the
+    batch-invariant forward, that mode's runs of 64 k's; an autograd-tracked operand takes
     the widened fp32 GEMM, which autograd differentiates."""
     from fp4rl.gemm import mm_fp32
-    from fp4rl.kernels.cpu import bi_gemm, keep_panels, load_library
+    from fp4rl.kernels.cpu import BI_CHUNK, BI_NO_RUNS, bi_gemm, keep_panels, load_library
+    from fp4rl.nn.invariant import batch_invariant
 
     if load_library() is None:
         pytest.skip("needs fp4rl's C kernels")
@@ -321,11 +323,14 @@ def test_mm_fp32_on_the_cpu_reads_bf16_as_it_is():
     a = torch.randn(24, 576, generator=g).bfloat16()
     w = torch.randn(300, 576, generator=g).bfloat16()
     got = mm_fp32(a, w.t())
-    assert got.dtype == torch.float32 and torch.equal(got, bi_gemm(a, w.t(),
-                                                                  out_dtype=torch.float32))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=BI_NO_RUNS))
     with keep_panels():
         assert torch.equal(mm_fp32(a, w.t()), got)
         assert torch.equal(mm_fp32(a[:5], w.t()), got[:5])
+    with batch_invariant():
+        runs = mm_fp32(a, w.t())
+    assert torch.equal(runs, bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=BI_CHUNK))
     exact = a.double() @ w.t().double()
     assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
     tracked = a.clone().requires_grad_()
@@ -345,4 +350,5 @@ def test_the_cpu_gemm_operator_passes_opcheck():
     g = torch.Generator().manual_seed(10)
     a = torch.randn(9, 96, generator=g).bfloat16()
     w = torch.randn(40, 96, generator=g).bfloat16()
-    torch.library.opcheck(torch.ops.fp4rl.c_mm_fp32.default, (a, w.t()))
+    torch.library.opcheck(torch.ops.fp4rl.c_mm_fp32.default, (a, w.t(), 64))
+    torch.library.opcheck(torch.ops.fp4rl.c_mm_fp32.default, (a, w.t(), -1))

@@ -249,6 +249,9 @@ def quantize_rows_cpu(code: int, rows: torch.Tensor, noise: torch.Tensor | None,
 
 #: the run of k's the batch-invariant GEMM sums apart (a linear layer's reduction)
 BI_CHUNK = 64
+#: ``chunk`` for no runs: each output's products in one sum, in the hardware's fastest order
+#: (on AMX the tiles accumulate every step; elsewhere chunk 0's sequential sum)
+BI_NO_RUNS = -1
 #: dtypes the batch-invariant kernels take, as the C side's bf16 flag
 _BI_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -336,9 +339,11 @@ def bi_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     ``bias`` (N,) is added in float32 before the one rounding to ``out_dtype`` (default
     ``a``'s dtype). ``chunk``: the run of k's summed apart before joining the total (a
     fixed order set by K alone); 0 for one sequential sum, which zeros anywhere along k
-    leave unchanged (attention's masked keys). bf16 operands in runs of a multiple of 32
-    take the tile unit on a CPU with AMX (``fp4rl_bi_layout``): batch-invariant the same
-    way, with the hardware's own sum of each step's 32 products. Inside
+    leave unchanged (attention's masked keys); :data:`BI_NO_RUNS` for one sum in the
+    hardware's fastest order (still row-local, for a caller that fixes no order). bf16
+    operands in runs of a multiple of 32, or in no runs, take the tile unit on a CPU with
+    AMX (``fp4rl_bi_layout``): batch-invariant the same way, with the hardware's own sum
+    of each step's 32 products. Inside
     :func:`keep_panels` a 2-D ``b`` is packed once per version."""
     lib = load_library()
     assert lib is not None, "check bi_supported() first"

@@ -159,26 +159,27 @@ def quantize_values(code: int, x: torch.Tensor, rows: bool, cols: bool,
     return out
 
 
-def _mm_fp32_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return cpu.bi_gemm(a, b, out_dtype=torch.float32)
+def _mm_fp32_impl(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
+    return cpu.bi_gemm(a, b, out_dtype=torch.float32, chunk=chunk)
 
 
 _mm_fp32 = torch.library.custom_op("fp4rl::c_mm_fp32", _mm_fp32_impl, mutates_args=())
 
 
 @_mm_fp32.register_fake
-def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _(a: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, chunk: int = cpu.BI_CHUNK) -> torch.Tensor:
     """``a @ b`` of 2-D bf16 ``a`` and ``b`` with fp32 accumulation, in fp32 (no rounding to
-    bf16): the C library's fixed-order GEMM (:func:`.cpu.bi_gemm`), as the
-    ``fp4rl::c_mm_fp32`` operator, so that a compiled graph and a dispatch mode see one op
-    and a compiled forward gives the eager bits."""
+    bf16): the C library's GEMM (:func:`.cpu.bi_gemm`, ``chunk`` its order: the
+    batch-invariant runs by default), as the ``fp4rl::c_mm_fp32`` operator, so that a
+    compiled graph and a dispatch mode see one op and a compiled forward gives the eager
+    bits."""
     if _direct(a, b):
-        return _mm_fp32_impl(a, b)
-    out: torch.Tensor = torch.ops.fp4rl.c_mm_fp32(a, b)
+        return _mm_fp32_impl(a, b, chunk)
+    out: torch.Tensor = torch.ops.fp4rl.c_mm_fp32(a, b, chunk)
     return out
 
 

@@ -13,7 +13,7 @@
  * neither changes any output's sequence of operations. The fused multiply-add is the
  * hardware's on every x86-64 CPU with AVX2 (and AVX-512) and on every ARMv8 CPU, and C's
  * `fmaf` (correctly rounded in software) on an x86-64 build without it: IEEE 754 defines
- * its one rounding, so every build gives the same bits (tests/kernels/test_invariant_isa.py
+ * its one rounding, so every build gives the same bits (tests/kernels/test_isa_builds.py
  * compares AVX-512, AVX2 and SSE2 builds). bf16 operands are widened exactly; a bf16
  * output is the accumulator rounded once, to nearest even. Threads split the (batch, row
  * block, column panel) triples: each output is computed whole by one thread.
@@ -114,6 +114,13 @@ static inline void store(void *p, int bf16, int64_t i, float v)
  * still depends on its own row and column alone, and K alone sets its sequence, so the
  * result is batch-invariant on this CPU; it is not the FMA path's bits. The choice is made
  * once per process (fp4rl_bi_amx), from the CPU and the kernel's permission.
+ *
+ * chunk < 0 asks for no runs: each output's K products in one sum, in the order the
+ * hardware takes them fastest. On the tile unit the four tiles then accumulate every step
+ * and are stored once, where runs of 64 cost a store and a float32 add of each tile per
+ * two steps; elsewhere it is the one sequential sum of chunk 0. Still a function of the
+ * output's row and column alone, but not the runs' bits: for a caller that promises no
+ * fixed order (fp4rl.gemm.mm_fp32 outside the batch-invariant forward).
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -205,7 +212,7 @@ static void amx_pack_block(const void *a, int64_t M, int64_t K, int64_t sa_m, in
 static void amx_block(const uint16_t *ablock, const uint16_t *panel, int64_t K,
                       int64_t chunk, int tall, float acc[AMX_ROWS][AMX_COLS])
 {
-    const int64_t steps = amx_steps(K), per_run = chunk / AMX_K;
+    const int64_t steps = amx_steps(K), per_run = chunk > 0 ? chunk / AMX_K : steps;
     float part[AMX_ROWS][AMX_COLS];
     for (int r = 0; r < AMX_ROWS; r++)
         for (int c = 0; c < AMX_COLS; c += 16) _mm512_storeu_ps(&acc[r][c], _mm512_setzero_ps());
@@ -298,11 +305,12 @@ int fp4rl_bi_amx(void) { return 0; }
 #endif
 
 /* Which kernel and packed-B layout a GEMM of these operands takes: 1, the tile unit's
- * (bf16 operands, runs a multiple of 32 k's, AMX granted); 0, the FMA tile's. */
+ * (bf16 operands, runs a multiple of 32 k's or no runs, AMX granted); 0, the FMA tile's. */
 int fp4rl_bi_layout(int a_bf16, int b_bf16, int64_t chunk)
 {
 #ifdef HAVE_AMX
-    return a_bf16 && b_bf16 && chunk > 0 && chunk % AMX_K == 0 && fp4rl_bi_amx();
+    return a_bf16 && b_bf16 && (chunk < 0 || (chunk > 0 && chunk % AMX_K == 0)) &&
+           fp4rl_bi_amx();
 #else
     (void)a_bf16;
     (void)b_bf16;
@@ -439,7 +447,8 @@ static void tile_rows(const float *block, const float *panel, int64_t K, int64_t
  * out[b] = a[b] @ bm[b] (+ bias) for b < batch. a: M x K (strides sa_b, sa_m, sa_k),
  * bm: K x N (strides sb_b, sb_k, sb_n), out: M x N (strides so_b, so_m, 1); element
  * strides. bias: N float32 values or NULL. *_bf16: the tensor holds bfloat16, else
- * float32. chunk: 0 (one sequential sum) or the run of k's summed apart first. packed:
+ * float32. chunk: 0 (one sequential sum), the run of k's summed apart first, or < 0 (no
+ * runs, the hardware's fastest order: see the tile unit's notes above). packed:
  * NULL, or bm (batch 1) already packed by fp4rl_bi_pack. Returns 0, or -1 where a buffer
  * cannot be allocated.
  */
