@@ -594,7 +594,9 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     if a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.device.type == "cpu" and \
             not tracked and triton_for(a.device) is None and cpu_ops.available():
-        return cpu_ops.mm_fp32(a, b, BI_CHUNK if _fixed_order() else BI_NO_RUNS)
+        # a compiled graph runs outside the batch-invariant mode (which is eager-only)
+        fixed = not torch.compiler.is_compiling() and _fixed_order()
+        return cpu_ops.mm_fp32(a, b, BI_CHUNK if fixed else BI_NO_RUNS)
     if a.dtype in (torch.bfloat16, torch.float16) and (
             a.device.type in ("cuda", "meta") or _fixed_order()):
         return torch.mm(a, b, out_dtype=torch.float32)

@@ -10,6 +10,7 @@ only once the library is known to be built (:func:`available`)."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fp4rl.kernels import cpu
 
@@ -24,10 +25,14 @@ def available() -> bool:
 def _direct(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may go straight to the C kernel, past the operator's dispatch (about
     30 us a call: on a decode step of a small model, as long as the kernel's own work):
-    in eager mode (nothing traced or compiled), with no dispatch mode on the stack (a mode
-    must see the op: the batch-invariant forward's, a test's counter), on plain tensors
-    that need no gradient. The same function runs either way."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    in eager mode (nothing traced or compiled), with no dispatch mode on the stack that
+    must see the op (a counter, a tracer; fp4rl's batch-invariant mode passes these ops
+    through as they are and says so: ``passes_c_ops``), on plain tensors that need no
+    gradient. The same function runs either way."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0 and not all(
+            getattr(mode, "passes_c_ops", False) for mode in _get_current_dispatch_mode_stack()):
         return False
     grad = torch.is_grad_enabled()
     return all(type(t) is torch.Tensor and not (grad and t.requires_grad)

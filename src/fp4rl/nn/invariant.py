@@ -365,6 +365,9 @@ class BatchInvariantMode(TorchDispatchMode):
     #: GEMMs inside must keep this mode's order: a fused kernel that would bypass
     #: ``aten.mm`` (the packed GEMM, :func:`fp4rl.gemm.fuses_packed`) steps aside
     fixed_reduction_order = True
+    #: fp4rl's C operators (``fp4rl::c_*``) pass through as they are, so an eager call
+    #: may skip their dispatch under this mode (:func:`fp4rl.kernels.cpu_ops._direct`)
+    passes_c_ops = True
 
     def __torch_dispatch__(self, func: OpOverload, types: Collection[type],
                            args: tuple[object, ...] = (),
