@@ -82,17 +82,18 @@ class ScaleRule(StrEnum):
 _static = threading.local()
 
 
-def _static_scale() -> torch.Tensor | None:
+def current_static_scale() -> torch.Tensor | None:
     """The scale :func:`static_scale` set in this thread, or None."""
     scale: torch.Tensor | None = getattr(_static, "scale", None)
     return scale
+
 
 
 @contextlib.contextmanager
 def static_scale(scale: torch.Tensor | None) -> Iterator[None]:
     """Within the block, a ``static`` NVFP4 format's second-level scale is ``scale`` (a
     0-dim float32 tensor; None: the dynamic one)."""
-    outer = _static_scale()
+    outer = current_static_scale()
     _static.scale = scale
     try:
         yield
@@ -194,7 +195,7 @@ class NVFP4(BlockFormat):
         if not opts.per_tensor_scale:
             return None
         if self.scale_rule is ScaleRule.STATIC:
-            fixed = _static_scale()
+            fixed = current_static_scale()
             if fixed is not None:
                 return fixed
         return _scale_of(finite_amax(rows), self.tensor_range, self.scale_rule)

@@ -47,7 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fp4rl.formats import NumberFormat
-from fp4rl.formats.nvfp4 import ScaleRule, finite_amax, static_scale
+from fp4rl.formats.nvfp4 import ScaleRule, current_static_scale, finite_amax, static_scale
 from fp4rl.formats.registry import with_scale_rule
 from fp4rl.gemm import (
     UNQUANTIZED,
@@ -611,7 +611,10 @@ class FP4Linear(nn.Linear):
                 rows = x.detach().reshape(-1, x.shape[-1])
                 self._calibration = torch.maximum(self._calibration, finite_amax(rows))
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        with static_scale(self._static_scale(x)):
+        scale = self._static_scale(x)
+        if scale is None and current_static_scale() is None:  # nothing to set (the common case)
+            return self._forward(x, dtype)
+        with static_scale(scale):
             return self._forward(x, dtype)
 
     def _forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -624,8 +627,10 @@ class FP4Linear(nn.Linear):
                 return out
             return self._rollout_forward(x, dtype)
 
-    @torch.no_grad()
     def _rollout_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if torch.is_grad_enabled():  # an engine's generate has it off already
+            with torch.no_grad():
+                return self._rollout_forward(x, dtype)
         x2 = x.reshape(-1, x.shape[-1])
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
