@@ -995,7 +995,8 @@ static void cols_tile(int fmt, const float *x, const uint16_t *xb, int64_t cols,
  * (no tile copy), and the same values.
  */
 static int values_rows(int fmt, const float *x, const uint16_t *xb, int64_t rows,
-                       int64_t cols, float g, void *y, int out_bf16, int nthreads)
+                       int64_t cols, float g, void *y, int out_bf16, int nthreads,
+                       int64_t done_rows)
 {
     const int bs = BLOCK[fmt];
     int status = 0;
@@ -1013,8 +1014,8 @@ static int values_rows(int fmt, const float *x, const uint16_t *xb, int64_t rows
             int64_t start = 0;
 #ifdef HIF4_VECTOR
             if (fmt == FMT_HIF4 && g == 0.0f) {
-                start = cols - cols % 64;
-                for (int64_t c0 = 0; c0 < start; c0 += 64 * 16) {
+                start = cols - cols % 64;  /* rows below done_rows: their whole blocks are */
+                for (int64_t c0 = row < done_rows ? start : 0; c0 < start; c0 += 64 * 16) {
                     const int64_t nb = (start - c0) / 64;
                     hif4_blocks_v(x, xb, row * cols + c0, nb < 16 ? (int)nb : 16, y, out_bf16);
                 }
@@ -1061,6 +1062,32 @@ static void advise_huge(void *y, int64_t bytes)
 #endif
 }
 
+#ifdef HIF4_VECTOR
+/*
+ * HiF4 along both axes over the whole 64-row stripes and whole 64-column blocks, in chunks
+ * of 64 rows by up to 1024 columns: the row blocks read a chunk from memory, the column
+ * stripes read it again from cache, so the matrix is read once for both operands (a
+ * weight's pair is bound by memory once the rounding runs 16 values a vector). Returns
+ * the rows done (the columns done are cols - cols % 64).
+ */
+static int64_t hif4_both_v(const float *xf, const uint16_t *xb, int64_t rows, int64_t cols,
+                           void *y_rows, void *y_cols, int out_bf16, int nthreads)
+{
+    const int64_t full_rows = rows - rows % 64, full_cols = cols - cols % 64;
+    const int64_t across = (full_cols + 1023) / 1024;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < (full_rows / 64) * across; t++) {
+        const int64_t row0 = (t / across) * 64, col0 = (t % across) * 1024;
+        const int64_t width = full_cols - col0 < 1024 ? full_cols - col0 : 1024;
+        for (int64_t i = row0; i < row0 + 64; i++)
+            hif4_blocks_v(xf, xb, i * cols + col0, (int)(width / 64), y_rows, out_bf16);
+        for (int64_t c = col0; c < col0 + width; c += 16)
+            hif4_cols_v(xf, xb, row0 * cols + c, cols, y_cols, out_bf16);
+    }
+    return full_cols > 0 ? full_rows : 0;
+}
+#endif
+
 int fp4rl_quantize_values(int fmt, const void *x, int x_bf16, int64_t rows, int64_t cols,
                           void *y_rows, void *y_cols, int out_bf16, float tensor_scale,
                           int nthreads)
@@ -1071,23 +1098,34 @@ int fp4rl_quantize_values(int fmt, const void *x, int x_bf16, int64_t rows, int6
     const size_t size = out_bf16 ? 2 : 4;
     advise_huge(y_rows, rows * cols * (int64_t)size);
     advise_huge(y_cols, rows * cols * (int64_t)size);
+    const int hif4 = fmt == FMT_HIF4 && tensor_scale == 0.0f;
+    /* both axes of HiF4 in one read where there are whole stripes and blocks */
+    int64_t both_rows = 0;
+#ifdef HIF4_VECTOR
+    if (hif4 && y_rows && y_cols)
+        both_rows = hif4_both_v(xf, xb, rows, cols, y_rows, y_cols, out_bf16, nthreads);
+#endif
     if (y_rows && values_rows(fmt, xf, xb, rows, cols, tensor_scale, y_rows, out_bf16,
-                              nthreads) != 0)
+                              nthreads, both_rows) != 0)
         return -2;
     if (y_cols == NULL) return 0;
-    /* HiF4's whole 64 x 16 stripes go straight from x to y; the tiles take the rest: the
-     * columns right of them, and the rows below */
+    /* HiF4's whole 64 x 16 stripes go straight from x to y (from both_cols on where the
+     * pass above did the rest); the tiles take the rest: the columns right of them, and
+     * the rows below */
     int64_t full_rows = 0, full_cols = 0;
 #ifdef HIF4_VECTOR
-    if (fmt == FMT_HIF4 && tensor_scale == 0.0f) {
+    if (hif4) {
         full_rows = rows - rows % 64;
         full_cols = cols - cols % 16;
-        const int64_t across = full_cols / 16;
+        const int64_t both_cols = both_rows > 0 ? cols - cols % 64 : 0;
+        const int64_t across = (full_cols - both_cols) / 16;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t t = 0; t < (full_rows / 64) * across; t++)
-            hif4_cols_v(xf, xb, (t / across) * 64 * cols + (t % across) * 16, cols, y_cols,
-                        out_bf16);
+            hif4_cols_v(xf, xb, (t / across) * 64 * cols + both_cols + (t % across) * 16, cols,
+                        y_cols, out_bf16);
     }
+#else
+    (void)hif4;
 #endif
     const int64_t down = (rows + TILE - 1) / TILE, across = (cols + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
