@@ -18,7 +18,7 @@ PACKAGE = ROOT / "src" / "fp4rl"
 
 #: bottom up; a room imports only rooms of lower floors (siblings stay independent)
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "progress", "version"),
+    ("errors", "host_memory", "progress", "version"),
     ("hub", "presets", "paths", "registry", "rundir_lock", "precision", "settings"),
     ("data", "kernels"),
     ("formats",),

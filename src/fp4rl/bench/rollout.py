@@ -207,7 +207,7 @@ def render(results: list[Comparison], tokens: int, console: Console) -> None:
                           "1.00x")
         t = median(r.candidate_times)
         table.add_row(engine, _LABELS.get(policy, f"{policy}, bf16"), f"{t:.2f}",
-                      f"{tokens / t:.1f}", f"{r.ratio:.2f}x")
+                      f"{tokens / t:.1f}", r.shown())
     console.print(table)
     if cross is not None:
         console.print(f"vLLM {RESQ} tokens/s over hf {RESQ} tokens/s: {cross.ratio:.2f}x "

@@ -102,10 +102,9 @@ def run(model_name: str = "smollm2-135m", repeats: int = 3,
         skip = {"old_logprob", "refit"} if no_pass else {"refit"}
         done = [p for p in (*PHASES, "step") if p not in skip]
     refit = median(times[cand]["refit"])
-    return [Comparison(f"train.{phase}.{cand}_vs_{base}", cand, base, times[cand][phase],
-                       times[base][phase], median(times[cand][phase]) /
-                       max(median(times[base][phase]), 1e-9),
-                       f"includes the refit, {refit:.2f} s" if phase == "step" and refit else "")
+    return [Comparison.of(f"train.{phase}.{cand}_vs_{base}", cand, base, times[cand][phase],
+                          times[base][phase], f"includes the refit, {refit:.2f} s"
+                          if phase == "step" and refit else "")
             for phase in done]
 
 
@@ -123,7 +122,7 @@ def render(results: list[Comparison], console: Console) -> None:
         phase = r.name.split(".")[1]
         fp4 = median(r.candidate_times)
         table.add_row(phase, f"{median(r.baseline_times):.2f}", f"{fp4:.2f}",
-                      f"{r.ratio:.2f}x", f"{fp4 / step:.0%}" if phase != "step" else "")
+                      r.shown(), f"{fp4 / step:.0%}" if phase != "step" else "")
     console.print(table)
     if results[-1].target:
         console.print(f"{cand} step {results[-1].target} (weights into the engine, "

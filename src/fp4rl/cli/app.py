@@ -26,6 +26,7 @@ from fp4rl.cli import (
     train,
 )
 from fp4rl.errors import UserError
+from fp4rl.host_memory import keep_freed_memory
 from fp4rl.version import __version__
 
 #: the commands, in ``fp4rl --help`` order: each module adds its parser and runs it
@@ -82,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     args = None
+    keep_freed_memory()  # a step's freed buffers stay for the next (fp4rl.host_memory)
     try:
         args = parse([a for a in argv if a != "--debug"])
         return args.func(args, Console())
