@@ -95,3 +95,19 @@ def test_fp4rl_amx_0_keeps_bf16_on_the_fma_tile():
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
 
+
+
+@pytest.mark.parametrize("chunk", [cpu.BI_CHUNK, cpu.BI_NO_RUNS])
+def test_rows_of_any_stride_and_a_partial_tile_give_the_same_bits(chunk):
+    """The A block is copied 32 k's at a time where a row's k's are contiguous and value by
+    value otherwise; a K and an N short of a tile are masked. Both layouts, one result,
+    in float32 and rounded to bf16 as ``Tensor.bfloat16`` rounds."""
+    a, w = _operands(50, 203, 45, 3)
+    strided = a.t().contiguous().t()  # the same values, k's apart by the row count
+    assert strided.stride(1) != 1
+    want = cpu.bi_gemm(a, w.t(), out_dtype=torch.float32, chunk=chunk)
+    assert torch.equal(cpu.bi_gemm(strided, w.t(), out_dtype=torch.float32, chunk=chunk), want)
+    assert torch.equal(cpu.bi_gemm(strided, w.t(), chunk=chunk), want.bfloat16())
+    exact = a.double() @ w.t().double()
+    assert ((want.double() - exact).abs() <= 1e-6 * (a.double().abs() @
+                                                    w.t().double().abs()) + 1e-30).all()

@@ -122,7 +122,8 @@ static inline void store(void *p, int bf16, int64_t i, float v)
  * output's row and column alone, but not the runs' bits: for a caller that promises no
  * fixed order (fp4rl.gemm.mm_fp32 outside the batch-invariant forward).
  */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -193,18 +194,60 @@ static void amx_pack_panel(const void *b, int64_t K, int64_t N, int64_t sb_k, in
 }
 
 /* Rows i0 .. i0 + 32 of bf16 a: for each step of 32 k's two tiles of 16 rows x 32 k's,
- * zeros past M and K. */
+ * zeros past M and K. A row whose k's lie contiguous (sa_k 1, the common case) moves 32
+ * at a time, the tail of K masked; other strides go value by value. */
 static void amx_pack_block(const void *a, int64_t M, int64_t K, int64_t sa_m, int64_t sa_k,
                            int64_t i0, uint16_t *block)
 {
     const int64_t steps = amx_steps(K);
-    for (int64_t s = 0; s < steps; s++)
-        for (int r = 0; r < AMX_ROWS; r++)
-            for (int kk = 0; kk < AMX_K; kk++) {
-                const int64_t i = i0 + r, k = s * AMX_K + kk;
-                block[(s * 2 + r / 16) * 512 + (r % 16) * AMX_K + kk] =
-                    i < M && k < K ? ((const uint16_t *)a)[i * sa_m + k * sa_k] : 0;
+    const uint16_t *src = (const uint16_t *)a;
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const int64_t i = i0 + r;
+        uint16_t *dst = block + (r / 16) * 512 + (r % 16) * AMX_K;
+        if (i >= M) {
+            for (int64_t s = 0; s < steps; s++)
+                _mm512_storeu_si512(dst + s * 1024, _mm512_setzero_si512());
+        } else if (sa_k == 1) {
+            for (int64_t s = 0; s < steps; s++) {
+                const int64_t k = s * AMX_K, left = K - k;
+                const __mmask32 m = left >= AMX_K ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
+                _mm512_storeu_si512(dst + s * 1024,
+                                    _mm512_maskz_loadu_epi16(m, src + i * sa_m + k));
             }
+        } else {
+            for (int64_t s = 0; s < steps; s++)
+                for (int kk = 0; kk < AMX_K; kk++) {
+                    const int64_t k = s * AMX_K + kk;
+                    dst[s * 1024 + kk] = k < K ? src[i * sa_m + k * sa_k] : 0;
+                }
+        }
+    }
+}
+
+/* One row of an output block: cols values of acc (+ bias) rounded to out's type, 16 at a
+ * time; the bf16 rounding is f32_to_bf16's, lane by lane. */
+static void amx_store_row(const float *acc, const float *bias, int cols, void *out,
+                          int out_bf16, int64_t at)
+{
+    for (int c = 0; c < cols; c += 16) {
+        const int n = cols - c < 16 ? cols - c : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        __m512 v = _mm512_loadu_ps(acc + c);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + c));
+        if (!out_bf16) {
+            _mm512_mask_storeu_ps((float *)out + at + c, m, v);
+            continue;
+        }
+        const __m512i u = _mm512_castps_si512(v);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(
+            _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+        h = _mm512_mask_mov_epi32(
+            h, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_mask_storeu_epi16((uint16_t *)out + at + c, m, _mm512_cvtepi32_epi16(h));
+    }
 }
 
 /* One 32 x 32 output block: per run of `chunk` k's the four tiles zeroed, the run's steps
@@ -287,11 +330,8 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int64_t sa_m
             const int cols = (int)(N - j0 < AMX_COLS ? N - j0 : AMX_COLS);
             amx_block(ablocks + ib * S * 1024, bp + p * S * 1024, K, chunk, rows > 16, acc);
             for (int r = 0; r < rows; r++)
-                for (int c = 0; c < cols; c++) {
-                    float v = acc[r][c];
-                    if (bias) v = v + bias[j0 + c];
-                    store(out, out_bf16, (i0 + r) * so_m + j0 + c, v);
-                }
+                amx_store_row(acc[r], bias ? bias + j0 : NULL, cols, out, out_bf16,
+                              (i0 + r) * so_m + j0);
         }
         _tile_release();
     }
