@@ -492,9 +492,9 @@ class FP4Linear(nn.Linear):
         changed, outside it at every call."""
         kept = self._kept_now()
         if kept is None:
-            return self._quantized_rollout_weight().to(dtype)
+            return self._quantized_rollout_weight(dtype)
         if kept.rollout is None or kept.rollout[0] != dtype:  # one dtype: a new one replaces it
-            kept.rollout = (dtype, self._quantized_rollout_weight().to(dtype))
+            kept.rollout = (dtype, self._quantized_rollout_weight(dtype))
         return kept.rollout[1]
 
     def rollout_reads_weight_only(self) -> bool:
@@ -535,12 +535,13 @@ class FP4Linear(nn.Linear):
             return None
         return self._received[1]
 
-    def _quantized_rollout_weight(self) -> Operand:
+    def _quantized_rollout_weight(self, dtype: torch.dtype) -> Operand:
+        """``Q(W)`` in ``dtype``: a received one cast, or this layer's own written in it."""
         received = self._received_weight()
         if received is not None:
-            return received
+            return received.to(dtype)
         with torch.no_grad():
-            operand = self.recovery.weight_operand(self.weight.detach())
+            operand = self.recovery.weight_operand(self.weight.detach(), out_dtype=dtype)
         assert isinstance(operand, Operand)  # not packed: the values
         return operand
 

@@ -124,17 +124,21 @@ class RolloutRecovery(ABC):
         return w
 
     def weight_operand(self, w: torch.Tensor, packed: bool = False,
-                       tensor_scale: torch.Tensor | None = None) -> Operand | PackedOperand:
+                       tensor_scale: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> Operand | PackedOperand:
         """``Q(W)`` of the rollout: ``w`` (out, in) transformed (:meth:`transform_weight`)
         and quantized along in_features in :attr:`weight_format`; ``packed``: as the
         format's 4-bit codes and scales (the same values). Every consumer of the rollout
         weight takes it from here (the FP4 layer, a refit, the vLLM method, the FSDP2
         gather, a vLLM export), so they agree bit for bit. ``tensor_scale``: the whole
-        weight's per-tensor scale, for a shard of it (NVFP4)."""
+        weight's per-tensor scale, for a shard of it (NVFP4). ``out_dtype``: the values in
+        that dtype, written by the kernel where one does (the GEMM's bf16 operand in one
+        pass, not a float32 one and a cast), the same values as ``.to(out_dtype)``."""
         w = self.transform_weight(w)
         if packed and isinstance(self.weight_format, NumberFormat):
             return pack_operand(w, self.weight_format, tensor_scale)
-        return quantize_operand(w, self.weight_format, -1, tensor_scale=tensor_scale)
+        return quantize_operand(w, self.weight_format, -1, tensor_scale=tensor_scale,
+                                out_dtype=out_dtype)
 
     @abstractmethod
     def activation(self, x: torch.Tensor, dtype: torch.dtype) -> list[Operand]:
