@@ -235,7 +235,7 @@ def quantizes_on_load(fmt: OperandFormat, x: torch.Tensor, dtype: torch.dtype) -
     order is its own)."""
     return (isinstance(fmt, NumberFormat) and dtype == torch.bfloat16 and
             x.dtype in (torch.float32, torch.bfloat16) and has_qmm(fmt, x.device) and
-            not _fixed_order())
+            not fixed_order())
 
 
 def mm_on_load(a: OnLoad, b: Operand | OnLoad, dtype: torch.dtype,
@@ -430,10 +430,10 @@ def packed_fusion(fmt: NumberFormat, tokens: int, device: torch.device, dtype: t
     the token count (:func:`~fp4rl.kernels.triton_packed_mm.k_split`), which is why a
     batch-invariant forward does without it."""
     return (dtype == torch.bfloat16 and terms <= 2 and has_packed_mm(fmt, device) and
-            not _fixed_order())
+            not fixed_order())
 
 
-def _fixed_order() -> bool:
+def fixed_order() -> bool:
     """Whether a dispatch mode that fixes every GEMM's reduction order is active
     (``fixed_reduction_order`` on the mode: fp4rl's batch-invariant forward): it replaces
     ``aten.mm``, which the fused kernel would bypass; and the fused kernel's reduction order
@@ -595,10 +595,10 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.device.type == "cpu" and \
             not tracked and triton_for(a.device) is None and cpu_ops.available():
         # a compiled graph runs outside the batch-invariant mode (which is eager-only)
-        fixed = not torch.compiler.is_compiling() and _fixed_order()
+        fixed = not torch.compiler.is_compiling() and fixed_order()
         return cpu_ops.mm_fp32(a, b, BI_CHUNK if fixed else BI_NO_RUNS)
     if a.dtype in (torch.bfloat16, torch.float16) and (
-            a.device.type in ("cuda", "meta") or _fixed_order()):
+            a.device.type in ("cuda", "meta") or fixed_order()):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
@@ -609,7 +609,8 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 
 __all__ = ["UNQUANTIZED", "NMOperand", "NotQuantized", "OnLoad", "Operand", "OperandFormat",
-           "PackedCall", "PackedOperand", "fuses_packed", "has_tensor_scale", "mm", "mm_fp32",
+           "PackedCall", "PackedOperand", "fixed_order", "fuses_packed", "has_tensor_scale", "mm",
+           "mm_fp32",
            "mm_on_load", "mm_packed", "on_load", "operand_format", "pack_operand",
            "packed_fusion", "packed_gemm", "quantize_operand", "quantize_operand_pair",
            "quantizes_on_load", "stack_rows"]

@@ -68,6 +68,11 @@ def _backend(fmt: KernelFormat, device: torch.device, op: Operation) -> ModuleTy
     return None
 
 
+def backend_is_c(fmt: KernelFormat, op: Operation) -> bool:
+    """Whether the C kernel runs ``op`` for ``fmt`` on CPU tensors, as chosen now."""
+    return _backend(fmt, torch.device("cpu"), op) is cpu
+
+
 def kernel_choice(fmt: KernelFormat, device: torch.device | str) -> tuple[str, str]:
     """Which path quantizes ``fmt``'s rows on ``device`` (``"c"``, ``"triton"`` or
     ``"reference"``) and why, for ``fp4rl env`` and bug reports."""
@@ -428,8 +433,9 @@ def qmm(a: torch.Tensor, a_fmt: KernelFormat | None, a_scale: torch.Tensor | Non
     return triton_qmm.qmm(a, a_fmt, a_scale, b, b_fmt, b_scale, bias, out_dtype)
 
 
-__all__ = ["RESQ_MAX_GROUP", "decode_rows", "finite_amax", "has_kernel", "has_matrix_kernel",
-           "has_nm_terms", "has_packed_mm", "has_qmm", "kernel_choice", "kernel_plan",
-           "packed_mm", "qmm", "quantize_both", "quantize_matrix", "quantize_matrix_values",
-           "quantize_on_load", "quantize_rows", "quantize_rows_bf16", "resq_rows", "resq_terms",
-           "resq_terms_nm", "triton_for", "vector_amax", "vector_amax_both"]
+__all__ = ["RESQ_MAX_GROUP", "backend_is_c", "decode_rows", "finite_amax", "has_kernel",
+           "has_matrix_kernel", "has_nm_terms", "has_packed_mm", "has_qmm", "kernel_choice",
+           "kernel_plan", "packed_mm", "qmm", "quantize_both", "quantize_matrix",
+           "quantize_matrix_values", "quantize_on_load", "quantize_rows", "quantize_rows_bf16",
+           "resq_rows", "resq_terms", "resq_terms_nm", "triton_for", "vector_amax",
+           "vector_amax_both"]

@@ -66,6 +66,7 @@ from fp4rl.gemm import (
 )
 from fp4rl.kernels import quantize_on_load
 from fp4rl.kernels.cpu import drop_panels
+from fp4rl.nn.cpu_rollout import CpuRollout
 from fp4rl.nn.invariant import token_rows
 from fp4rl.nn.recipe import (
     WGRAD_HADAMARD_BLOCK,
@@ -329,6 +330,8 @@ class _KeptWeights:
         self.rollout: tuple[torch.dtype, Operand] | None = None
         #: the rollout Q(W) as packed codes, where a fused kernel multiplies by them
         self.rollout_packed: PackedCall | None = None
+        #: the rollout GEMM's kernels on a CPU for this version (False: the general path)
+        self.cpu_rollout: CpuRollout | bool | None = None
 
     def at(self, version: tuple[int, ...]) -> _KeptWeights:
         """These kept values, for ``version``: emptied first where they were another's."""
@@ -510,7 +513,7 @@ class FP4Linear(nn.Linear):
         the weight or the recovery transform changes: a rollout copy then holds what a real
         FP4 rollout engine receives, not the trainer's FP32 weights."""
         self._received = (self._weight_key(), qw)
-        self._kept.rollout = self._kept.rollout_packed = None
+        self._kept.rollout = self._kept.rollout_packed = self._kept.cpu_rollout = None
 
     def _wgrad_signs_for(self, device: torch.device) -> torch.Tensor | None:
         """The signs of this forward's weight-gradient Hadamard transform: the layer's own
@@ -633,6 +636,9 @@ class FP4Linear(nn.Linear):
             with torch.no_grad():
                 return self._rollout_forward(x, dtype)
         x2 = x.reshape(-1, x.shape[-1])
+        plan = self._cpu_rollout(x2, dtype)
+        if plan is not None:  # the same kernels as below, chosen once for the weight version
+            return plan(x2).reshape(*x.shape[:-1], self.out_features)
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
         packed = self._packed_rollout_weight(x2, dtype)
@@ -642,6 +648,21 @@ class FP4Linear(nn.Linear):
         else:
             y = self.recovery.forward(x2, self.rollout_weight(dtype), w, dtype, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _cpu_rollout(self, x2: torch.Tensor, dtype: torch.dtype) -> CpuRollout | None:
+        """The rollout GEMM's kernels on a CPU, kept for the weight version
+        (:class:`~fp4rl.nn.cpu_rollout.CpuRollout`), where they take this call; else None
+        (the general path: outside a weight scope, another device or method)."""
+        if x2.device.type != "cpu" or dtype != torch.bfloat16:
+            return None
+        kept = self._kept_now()
+        if kept is None:
+            return None
+        if kept.cpu_rollout is None:
+            kept.cpu_rollout = CpuRollout.of(self.recovery, self.rollout_weight(dtype),
+                                             self.bias, dtype) or False
+        plan = kept.cpu_rollout
+        return plan if isinstance(plan, CpuRollout) and plan.takes(x2) else None
 
     def _packed_rollout_weight(self, x2: torch.Tensor, dtype: torch.dtype
                                ) -> PackedCall | None:

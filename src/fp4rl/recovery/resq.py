@@ -120,6 +120,13 @@ class ResQ(RolloutRecovery):
         """The sparsity pattern (parsed once, by the config)."""
         return self.config.sparsity
 
+    def kernel_args(self) -> tuple[BlockFormat, int, int] | None:
+        """(format, keep, group) where the fused kernels compute this method's terms
+        (group 0: dense), else None (a format without blocks, a channel or block
+        pattern)."""
+        fmt = self.act_format
+        return _kernel_args(fmt, self.pattern) if isinstance(fmt, NumberFormat) else None
+
     def activation_scales(self, dtype: torch.dtype) -> tuple[bool, ...]:
         if dtype == torch.float32 or not isinstance(self.act_format, NumberFormat):
             return (False,)  # one folded operand, its scale applied inside; or x itself
