@@ -76,6 +76,19 @@ def test_a_new_weight_version_or_a_received_weight_makes_a_new_plan(monkeypatch)
         assert layer._kept.cpu_rollout is None
 
 
+def test_a_new_bias_is_read_at_the_call(monkeypatch):
+    """The plan is kept for the weight's version, which a new bias does not change."""
+    layer = _layer("hif4", True)
+    x = torch.randn(5, 320).bfloat16()
+    with torch.no_grad(), autocast(x.device, torch.bfloat16), hold_weights(layer):
+        before = layer(x)
+        layer.bias = nn.Parameter(layer.bias.detach() + 1)
+        after = layer(x)
+        assert isinstance(layer._kept.cpu_rollout, CpuRollout)
+        assert not torch.equal(before, after)
+        assert torch.equal(after, _general(layer, x, monkeypatch))
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4+resq-2:4", "mxfp4+smoothquant",
                                     "hif4+resq-channel:0.5"])
 def test_other_policies_keep_the_general_path(recipe):
@@ -102,7 +115,7 @@ def test_calls_the_kernels_may_not_take_directly_go_the_general_way(monkeypatch)
     taken = []
     real = CpuRollout.__call__
     monkeypatch.setattr(CpuRollout, "__call__",
-                        lambda self, x2: taken.append(1) or real(self, x2))
+                        lambda self, x2, bias: taken.append(1) or real(self, x2, bias))
     with autocast(x.device, torch.bfloat16), hold_weights(layer):
         with torch.no_grad():
             layer(x)

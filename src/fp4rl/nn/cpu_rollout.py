@@ -35,16 +35,16 @@ from fp4rl.recovery.resq import ResQ
 class CpuRollout:
     """``activation(x) @ Q(W)^T (+ bias)`` in bf16 for one layer and weight version:
     ``terms`` None for plain FP4 activations, ``(keep, group)`` for ResQ's two terms
-    (group 0: dense)."""
+    (group 0: dense). The bias is the layer's at each call (the weight's version key
+    does not follow it)."""
 
     code: int
     weight: torch.Tensor = field(repr=False)  # Q(W)^T, bf16, as the GEMM reads it
-    bias: torch.Tensor | None = field(repr=False)
     terms: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, recovery: RolloutRecovery, qw: Operand, bias: torch.Tensor | None,
-           dtype: torch.dtype) -> CpuRollout | None:
+    def of(cls, recovery: RolloutRecovery, qw: Operand, dtype: torch.dtype
+           ) -> CpuRollout | None:
         """The plan for a layer with this recovery and rollout weight, or None where the
         general path must run (another method, a per-tensor scale, no C kernel, not
         bf16 compute, not a CPU)."""
@@ -59,14 +59,14 @@ class CpuRollout:
         if type(recovery) is NoRecovery:
             if not all(backend_is_c(fmt, op) for op in (Operation.ROWS_BF16, Operation.BOTH)):
                 return None
-            return cls(code, weight, bias, None)
+            return cls(code, weight)
         if type(recovery) is ResQ:
             assert isinstance(recovery, ResQ)
             args = recovery.kernel_args()
             if args is None or args[2] > RESQ_MAX_GROUP or \
                     not backend_is_c(fmt, Operation.RESQ_TERMS):
                 return None
-            return cls(code, weight, bias, (args[1], args[2]))
+            return cls(code, weight, (args[1], args[2]))
         return None
 
     def takes(self, x2: torch.Tensor) -> bool:
@@ -78,7 +78,7 @@ class CpuRollout:
             x2.dim() == 2 and x2.numel() > 0 and cpu_ops._direct(x2) and \
             triton_for(x2.device) is None and cpu_ops.available()
 
-    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x2.contiguous()
         if self.terms is None:
             # Q(x) in bf16: the bf16 kernel where x is bf16, else the values kernel
@@ -90,9 +90,9 @@ class CpuRollout:
                                               torch.bfloat16)
                 qx = None if out is None else out[0]
             assert qx is not None  # takes() checked the library
-            if self.bias is None:
+            if bias is None:
                 return qx @ self.weight
-            return torch.addmm(self.bias.to(torch.bfloat16), qx, self.weight)
+            return torch.addmm(bias.to(torch.bfloat16), qx, self.weight)
         n = rows.shape[0]
         keep, group = self.terms
         stacked = cpu.resq_terms_cpu(self.code, rows, keep, group)  # Q(x) over S(...)
@@ -100,6 +100,6 @@ class CpuRollout:
         chunk = cpu.BI_CHUNK if fixed_order() else cpu.BI_NO_RUNS
         products = cpu.bi_gemm(stacked, self.weight, out_dtype=torch.float32, chunk=chunk)
         y = products[:n].add_(products[n:])  # the two terms' fp32 products, then one rounding
-        if self.bias is not None:
-            y.add_(self.bias.float())
+        if bias is not None:
+            y.add_(bias.float())
         return y.to(torch.bfloat16)

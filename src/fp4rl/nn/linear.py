@@ -638,7 +638,7 @@ class FP4Linear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         plan = self._cpu_rollout(x2, dtype)
         if plan is not None:  # the same kernels as below, chosen once for the weight version
-            return plan(x2).reshape(*x.shape[:-1], self.out_features)
+            return plan(x2, self.bias).reshape(*x.shape[:-1], self.out_features)
         w = self.weight.detach()
         self.recovery.prepare(x2, w)
         packed = self._packed_rollout_weight(x2, dtype)
@@ -660,7 +660,7 @@ class FP4Linear(nn.Linear):
             return None
         if kept.cpu_rollout is None:
             kept.cpu_rollout = CpuRollout.of(self.recovery, self.rollout_weight(dtype),
-                                             self.bias, dtype) or False
+                                             dtype) or False
         plan = kept.cpu_rollout
         return plan if isinstance(plan, CpuRollout) and plan.takes(x2) else None
 
