@@ -610,7 +610,6 @@ def _addmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 __all__ = ["UNQUANTIZED", "NMOperand", "NotQuantized", "OnLoad", "Operand", "OperandFormat",
            "PackedCall", "PackedOperand", "fixed_order", "fuses_packed", "has_tensor_scale", "mm",
-           "mm_fp32",
-           "mm_on_load", "mm_packed", "on_load", "operand_format", "pack_operand",
+           "mm_fp32", "mm_on_load", "mm_packed", "on_load", "operand_format", "pack_operand",
            "packed_fusion", "packed_gemm", "quantize_operand", "quantize_operand_pair",
            "quantizes_on_load", "stack_rows"]

@@ -31,7 +31,7 @@ from fp4rl.recovery.base import NoRecovery
 from fp4rl.recovery.resq import ResQ
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CpuRollout:
     """``activation(x) @ Q(W)^T (+ bias)`` in bf16 for one layer and weight version:
     ``terms`` None for plain FP4 activations, ``(keep, group)`` for ResQ's two terms

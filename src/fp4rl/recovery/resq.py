@@ -159,8 +159,7 @@ class ResQ(RolloutRecovery):
         """(keep, group) of the n:m pattern where the ResQ kernel on ``device`` keeps the
         residual n:m sparse (a block format without a per-tensor scale, a group the kernel
         ranks, Triton: a GPU)."""
-        args = _kernel_args(self.act_format, self.pattern) \
-            if isinstance(self.act_format, NumberFormat) else None
+        args = self.kernel_args()
         if args is None or not args[2] or not has_nm_terms(args[0], device, args[2]):
             return None
         return args[1], args[2]
