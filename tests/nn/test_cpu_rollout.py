@@ -90,10 +90,11 @@ def test_a_new_bias_is_read_at_the_call(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4+resq-2:4", "mxfp4+smoothquant",
-                                    "hif4+resq-channel:0.5"])
+                                    "hif4+resq-channel:0.5", "hif4+resq-2:128"])
 def test_other_policies_keep_the_general_path(recipe):
-    layer = _layer(recipe, False)
-    x = torch.randn(5, 320).bfloat16()
+    # n:m groups wider than the C kernel takes (dispatch's rule, asked through resq_is_c)
+    layer = _layer(recipe, False, d=384)
+    x = torch.randn(5, 384).bfloat16()
     with torch.no_grad(), autocast(x.device, torch.bfloat16), hold_weights(layer):
         layer(x)
         assert not isinstance(layer._kept.cpu_rollout, CpuRollout)

@@ -193,8 +193,21 @@ def _resq_backend(fmt: KernelFormat, rows: torch.Tensor, op: Operation, group: i
     or an n:m group wider than the C kernel takes."""
     if rows.dtype not in dtypes:
         return None
-    kernels = _backend(fmt, rows.device, op)
+    return _resq_kernels(fmt, rows.device, op, group)
+
+
+def _resq_kernels(fmt: KernelFormat, device: torch.device, op: Operation,
+                  group: int) -> ModuleType | None:
+    """The backend that runs ResQ's ``op`` with n:m ``group`` on ``device``, or None where
+    the group is wider than the C kernel takes: the one place that rule lives."""
+    kernels = _backend(fmt, device, op)
     return None if kernels is cpu and group > RESQ_MAX_GROUP else kernels
+
+
+def resq_is_c(fmt: KernelFormat, op: Operation, group: int) -> bool:
+    """Whether the C kernel runs ResQ's ``op`` with n:m ``group`` (0: dense) on CPU
+    tensors, as chosen now (a plan kept across calls asks this once)."""
+    return _resq_kernels(fmt, torch.device("cpu"), op, group) is cpu
 
 
 def resq_terms(fmt: KernelFormat, rows: torch.Tensor, keep: int,
@@ -437,5 +450,5 @@ __all__ = ["RESQ_MAX_GROUP", "backend_is_c", "decode_rows", "finite_amax", "has_
            "has_matrix_kernel", "has_nm_terms", "has_packed_mm", "has_qmm", "kernel_choice",
            "kernel_plan", "packed_mm", "qmm", "quantize_both", "quantize_matrix",
            "quantize_matrix_values", "quantize_on_load", "quantize_rows", "quantize_rows_bf16",
-           "resq_rows", "resq_terms", "resq_terms_nm", "triton_for", "vector_amax",
+           "resq_is_c", "resq_rows", "resq_terms", "resq_terms_nm", "triton_for", "vector_amax",
            "vector_amax_both"]

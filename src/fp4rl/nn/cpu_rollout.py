@@ -25,7 +25,7 @@ from fp4rl.formats import NumberFormat
 from fp4rl.gemm import Operand, fixed_order, has_tensor_scale
 from fp4rl.kernels import cpu, cpu_ops
 from fp4rl.kernels.base import Operation
-from fp4rl.kernels.dispatch import RESQ_MAX_GROUP, backend_is_c, triton_for
+from fp4rl.kernels.dispatch import backend_is_c, resq_is_c, triton_for
 from fp4rl.recovery import RolloutRecovery
 from fp4rl.recovery.base import NoRecovery
 from fp4rl.recovery.resq import ResQ
@@ -63,8 +63,7 @@ class CpuRollout:
         if type(recovery) is ResQ:
             assert isinstance(recovery, ResQ)
             args = recovery.kernel_args()
-            if args is None or args[2] > RESQ_MAX_GROUP or \
-                    not backend_is_c(fmt, Operation.RESQ_TERMS):
+            if args is None or not resq_is_c(fmt, Operation.RESQ_TERMS, args[2]):
                 return None
             return cls(code, weight, (args[1], args[2]))
         return None
