@@ -59,12 +59,40 @@ def test_cost_cli_reproduces_paper(capsys):
 def test_bench_rollout_on_tiny_model(tmp_path, tiny_llama_dir):
     out = tmp_path / "r.json"
     assert main(["bench", "rollout", "--model", str(tiny_llama_dir), "--repeats", "1",
-                 "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+                 "--mixed-precision", "bf16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
     assert [r["name"] for r in rows] == ["rollout.hf.hif4_vs_hf.bf16",
                                          "rollout.hf.hif4+resq-2:4_vs_hf.bf16",
                                          "rollout.hf.fp32_vs_hf.bf16"]
     assert all(r["ratio"] > 0 and r["baseline"] == "hf.bf16" for r in rows)
+    assert report["mixed_precision"] == "bf16"
+
+
+def test_bench_rollout_in_fp32_compares_with_fp32(tmp_path, tiny_llama_dir, capsys,
+                                                  monkeypatch):
+    """Where bf16 is emulated (``auto`` resolves to fp32, as a training run's does), every
+    policy and the baseline run in fp32, and no bf16 generation is timed at all."""
+    from fp4rl import precision
+    from fp4rl.rollout import KVCacheEngine
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    dtypes = []
+    real = KVCacheEngine.__init__
+    monkeypatch.setattr(KVCacheEngine, "__init__", lambda self, *a, **kw: dtypes.append(
+        kw["compute_dtype"]) or real(self, *a, **kw))
+    out = tmp_path / "r.json"
+    assert main(["bench", "rollout", "--model", str(tiny_llama_dir), "--repeats", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == ["rollout.hf.hif4_vs_hf.fp32",
+                                                      "rollout.hf.hif4+resq-2:4_vs_hf.fp32"]
+    assert report["mixed_precision"] == "no"
+    assert dtypes and set(dtypes) == {torch.float32}
+    printed = capsys.readouterr().out
+    assert "time vs fp32" in printed and "hif4+resq-2:4, fp32" in printed
+    assert main(["bench", "linear", "--mixed-precision", "no"]) == 2
+    assert "--mixed-precision applies to bench rollout only" in capsys.readouterr().err
 
 
 def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):

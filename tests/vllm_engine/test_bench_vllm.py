@@ -16,7 +16,8 @@ from fp4rl.cli import main  # noqa: E402
 def test_bench_rollout_vllm_rows_and_json(tmp_path, capsys, smollm_dir):
     out = tmp_path / "rollout.json"
     assert main(["bench", "rollout", "--model", "smollm2-135m", "--engine", "vllm",
-                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--mixed-precision", "bf16",
+                 "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "CPU:" in printed and "native bf16 flags" in printed
     report = json.loads(out.read_text())
@@ -34,7 +35,8 @@ def test_bench_rollout_vllm_rows_and_json(tmp_path, capsys, smollm_dir):
 def test_bench_rollout_both_engines_adds_the_cross_row(tmp_path, capsys, smollm_dir):
     out = tmp_path / "both.json"
     assert main(["bench", "rollout", "--model", "smollm2-135m", "--engine", "vllm", "hf",
-                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+                 "--batch", "2", "--tokens", "4", "--repeats", "1", "--mixed-precision", "bf16",
+                 "--json", str(out)]) == 0
     assert "vLLM hif4+resq-2:4 tokens/s over hf hif4+resq-2:4 tokens/s" in \
         capsys.readouterr().out
     report = json.loads(out.read_text())

@@ -7,11 +7,13 @@ token ids), greedy, EOS disabled so every configuration produces the same number
 every policy of every engine is interleaved inside each repeat, after all of them were
 built. Each engine is driven through :mod:`fp4rl.rollout`'s interface, by the same
 ``generate`` call the trainer makes (per-row seeds, the sampled tokens' log-probs).
-In ``hf`` the baseline is the unquantized model under bf16 autocast (what a user
-would otherwise run); the FP4 policies run under the same autocast, and an fp32 row shows
-what bf16 itself buys on this machine. Weights are quantized once per policy version (the
-rollout cache), so what remains is the per-token activation work. In ``vllm`` the
-baseline is plain vLLM in bf16 and each FP4 policy is one engine with the fp4rl method
+In ``hf`` the baseline is the unquantized model in the run's compute dtype (bf16 autocast
+where the device has bf16 natively: what a user would otherwise run; fp32 on a CPU that
+would emulate bf16, as ``mixed_precision: auto`` resolves there); the FP4 policies run in
+the same dtype, and under bf16 an fp32 row shows what bf16 itself buys on this machine.
+Weights are quantized once per policy version (the rollout cache), so what remains is the
+per-token activation work. In ``vllm`` the baseline is plain vLLM in the same dtype and
+each FP4 policy is one engine with the fp4rl method
 (``Q(W)`` computed at load, ``Q(X)`` per call); the prefix cache is cleared before each
 timed call, as after a refit, so no repeat reuses an earlier one's prefill.
 
@@ -72,18 +74,25 @@ def default_batch(engines: Sequence[str]) -> int:
     return 32 if "vllm" in engines else 8
 
 
+#: the compute dtype's name in the rows, by ``mixed_precision`` value
+COMPUTE = {"bf16": "bf16", "no": "fp32"}
+
+
 def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: int = 32,
         repeats: int = 3, device: str | torch.device = "cpu",
-        engines: Sequence[str] = ("hf",)) -> tuple[list[Comparison], int]:
+        engines: Sequence[str] = ("hf",), mixed_precision: str = "bf16"
+        ) -> tuple[list[Comparison], int]:
     """Median generation time of each policy in each engine; ratios against the same
-    engine's bf16 generation (and, with both engines, hf's ResQ time over vLLM's)."""
+    engine's unquantized generation in the same compute dtype (``mixed_precision``:
+    ``bf16`` or ``no``, resolved; and, with both engines, hf's ResQ time over vLLM's)."""
     engines = check_engines(engines)
+    label = COMPUTE[mixed_precision]
     batch = batch or default_batch(engines)
     dev = torch.device(device)
     fns: dict[str, Callable[[], None]] = {}
     hf_fns = None
     if "hf" in engines:
-        hf_fns, tok = _hf(model_name, dev)
+        hf_fns, tok = _hf(model_name, dev, mixed_precision)
     else:
         from transformers import AutoTokenizer
 
@@ -95,13 +104,14 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     if hf_fns is not None:
         fns.update(hf_fns(prompts, new_tokens))
     if "vllm" in engines:
-        fns.update(_vllm(model_name, prompts, tok.pad_token_id, new_tokens))
+        fns.update(_vllm(model_name, prompts, tok.pad_token_id, new_tokens,
+                         compute_dtype(mixed_precision)))
     timings = measure(fns, repeats)
     results = []
     for engine in engines:
-        results += [compare(f"rollout.{engine}.{p}_vs_{engine}.bf16", timings, f"{engine}.{p}",
-                            f"{engine}.bf16", TARGET) for p in BENCH_RECIPES]
-        if engine == "hf":
+        results += [compare(f"rollout.{engine}.{p}_vs_{engine}.{label}", timings,
+                            f"{engine}.{p}", f"{engine}.{label}", TARGET) for p in BENCH_RECIPES]
+        if engine == "hf" and label == "bf16":
             results.append(compare("rollout.hf.fp32_vs_hf.bf16", timings, "hf.fp32", "hf.bf16"))
     if len(engines) == 2:
         results.append(compare(f"rollout.hf.{RESQ}_vs_vllm.{RESQ}", timings, f"hf.{RESQ}",
@@ -113,8 +123,10 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
 _Timed = Callable[[list[list[int]], int], dict[str, Callable[[], None]]]
 
 
-def _hf(model_name: str, dev: torch.device) -> tuple[_Timed, PreTrainedTokenizerBase]:
-    """fp4rl's engine: the callables to time (given the prompts), and the tokenizer."""
+def _hf(model_name: str, dev: torch.device, mixed_precision: str
+        ) -> tuple[_Timed, PreTrainedTokenizerBase]:
+    """fp4rl's engine: the callables to time (given the prompts), and the tokenizer; the
+    policies in ``mixed_precision``'s compute dtype, and fp32 beside bf16."""
     from fp4rl.models import load_model
 
     plain, tok = load_model(model_name, device=dev)
@@ -134,11 +146,12 @@ def _hf(model_name: str, dev: torch.device) -> tuple[_Timed, PreTrainedTokenizer
             """One rollout of a new policy version: weights quantized once, then cached."""
             def go() -> None:
                 quantize_model(patched, name)
-                sample(engine(patched, "bf16"))
+                sample(engine(patched, mixed_precision))
             return go
 
-        return {"hf.bf16": lambda: sample(engine(plain, "bf16")),
-                "hf.fp32": lambda: sample(engine(plain, "no")),
+        plains = {"hf.bf16": lambda: sample(engine(plain, "bf16"))} \
+            if mixed_precision == "bf16" else {}
+        return {**plains, "hf.fp32": lambda: sample(engine(plain, "no")),
                 **{f"hf.{n}": policy(n) for n in BENCH_RECIPES}}
 
     return fns, tok
@@ -152,8 +165,9 @@ class _EngineSizes(TypedDict):
 
 
 def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
-          new_tokens: int) -> dict[str, Callable[[], None]]:
-    """vLLM: one engine per policy (plain vLLM for bf16), all built before any is timed."""
+          new_tokens: int, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+    """vLLM: one engine per policy (plain vLLM the baseline), all in ``dtype``, all built
+    before any is timed."""
     from fp4rl.nn.recipe import get_recipe
     from fp4rl.rollout.vllm.engine import EngineSpec, VLLMEngine, model_dir
 
@@ -161,8 +175,9 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
     longest = max(map(len, prompts)) + new_tokens
     sizes: _EngineSizes = {"max_model_len": max(longest, 256),
                            "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
-    specs = {"bf16": EngineSpec(directory, None, dtype=torch.bfloat16, **sizes),
-             **{p: EngineSpec(directory, get_recipe(p), dtype=torch.bfloat16, **sizes)
+    label = "bf16" if dtype == torch.bfloat16 else "fp32"
+    specs = {label: EngineSpec(directory, None, dtype=dtype, **sizes),
+             **{p: EngineSpec(directory, get_recipe(p), dtype=dtype, **sizes)
                 for p in BENCH_RECIPES}}
     engines = {name: VLLMEngine.from_spec(spec, pad_token_id, []) for name, spec in specs.items()}
     sampling = SamplingConfig(max_new_tokens=new_tokens, greedy=True)
@@ -186,12 +201,13 @@ def _kv_cache_bytes(directory: str, tokens: int) -> int:
     return max(64 << 20, 2 * tokens * per_token)
 
 
-_LABELS = {"bf16": "unquantized, bf16 compute", "fp32": "unquantized, fp32 compute"}
-
-
 def render(results: list[Comparison], tokens: int, console: Console) -> None:
+    """One row per engine's baseline and policy; the compute dtype is read from the
+    baseline's name (``hf.bf16``, ``vllm.fp32``)."""
+    base_label = next((r.baseline.partition(".")[2] for r in results
+                       if r.target != CROSS_TARGET), "bf16")
     table = Table(title=f"greedy generation, {tokens} tokens per run (median)")
-    for col in ("engine", "policy", "seconds", "tokens/s", "time vs bf16"):
+    for col in ("engine", "policy", "seconds", "tokens/s", f"time vs {base_label}"):
         table.add_column(col, justify="right")
     cross = None
     shown: set[str] = set()
@@ -200,14 +216,16 @@ def render(results: list[Comparison], tokens: int, console: Console) -> None:
             cross = r
             continue
         engine, _, policy = r.candidate.partition(".")
+        compute = r.baseline.partition(".")[2]
         if r.baseline not in shown:
             shown.add(r.baseline)
             base = median(r.baseline_times)
-            table.add_row(engine, _LABELS["bf16"], f"{base:.2f}", f"{tokens / base:.1f}",
-                          "1.00x")
+            table.add_row(engine, f"unquantized, {compute} compute", f"{base:.2f}",
+                          f"{tokens / base:.1f}", "1.00x")
         t = median(r.candidate_times)
-        table.add_row(engine, _LABELS.get(policy, f"{policy}, bf16"), f"{t:.2f}",
-                      f"{tokens / t:.1f}", r.shown())
+        name = f"unquantized, {policy} compute" if policy in COMPUTE.values() \
+            else f"{policy}, {compute}"
+        table.add_row(engine, name, f"{t:.2f}", f"{tokens / t:.1f}", r.shown())
     console.print(table)
     if cross is not None:
         console.print(f"vLLM {RESQ} tokens/s over hf {RESQ} tokens/s: {cross.ratio:.2f}x "

@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "compares the FP4 step with its rollout in vLLM against fp4rl's engine")
     bench.add_argument("--batch", type=positive_int, help="rollout: prompts per run "
                        "(default 8, or 32 with --engine vllm)")
+    bench.add_argument("--mixed-precision", choices=["no", "bf16", "auto"],
+                       help="rollout: the compute dtype of every policy and of the baseline: "
+                       "no (fp32), bf16, auto (bf16 where the device has it natively, as "
+                       "a training run resolves it); default auto")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--traffic", action="store_true",
@@ -86,6 +90,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
         raise UserError("--batch applies to bench rollout, engine and invariant only")
+    if args.mixed_precision is not None and (args.what != "rollout" or args.traffic):
+        raise UserError("--mixed-precision applies to bench rollout only (linear and "
+                        "invariant measure fp32 and bf16 side by side)")
     # vLLM missing: one line, before any loading
     engines = check_engines(["vllm"] if args.what == "engine" else args.engine)
     device = resolve_device(args.device)
@@ -119,13 +126,17 @@ def _rollout(args: argparse.Namespace, console: Console, device: torch.device,
 
     if args.traffic:
         return _rollout_traffic(args, console)
+    from fp4rl.precision import resolve_mixed_precision
+
     batch, new_tokens = args.batch or bench.default_batch(engines), args.tokens or 32
+    precision = resolve_mixed_precision(args.mixed_precision or "auto", device)
     with status(console, f"benchmarking generation ({', '.join(engines)})"):
         results, tokens = bench.run(args.model, batch=batch, new_tokens=new_tokens,
-                                    repeats=args.repeats, device=device, engines=engines)
+                                    repeats=args.repeats, device=device, engines=engines,
+                                    mixed_precision=precision)
     bench.render(results, tokens, console)
     return common.report(results, benchmark="rollout", size=args.size, engines=list(engines),
-                         batch=batch, new_tokens=new_tokens)
+                         batch=batch, new_tokens=new_tokens, mixed_precision=precision)
 
 
 def _engine(args: argparse.Namespace, console: Console, device: torch.device,
