@@ -92,7 +92,8 @@ def test_bench_rollout_in_fp32_compares_with_fp32(tmp_path, tiny_llama_dir, caps
     printed = capsys.readouterr().out
     assert "time vs fp32" in printed and "hif4+resq-2:4, fp32" in printed
     assert main(["bench", "linear", "--mixed-precision", "no"]) == 2
-    assert "--mixed-precision applies to bench rollout only" in capsys.readouterr().err
+    assert "--mixed-precision applies to bench rollout and invariant only" in \
+        capsys.readouterr().err
 
 
 def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):
@@ -156,7 +157,11 @@ def test_kernel_harness_builds_against_the_kernel(tmp_path):
     assert len(lines) == 8 and all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
 
 
-def test_bench_invariant_times_the_three_passes_of_a_step(tmp_path, tiny_llama_dir):
+def test_bench_invariant_times_the_three_passes_of_a_step(tmp_path, tiny_llama_dir,
+                                                          monkeypatch):
+    from fp4rl import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)  # any CPU alike
     out = tmp_path / "invariant.json"
     assert main(["bench", "invariant", "--model", str(tiny_llama_dir), "--repeats", "1",
                  "--batch", "2", "--tokens", "3", "--json", str(out)]) == 0
@@ -171,6 +176,29 @@ def test_bench_invariant_times_the_three_passes_of_a_step(tmp_path, tiny_llama_d
                         for p in ("rollout", "score", "update"))
             assert rows[f"invariant.step.{dtype}"][side][0] == pytest.approx(parts, abs=1e-6)
     assert "cpu_bf16_flags" in report["machine"]
+    assert report["computes"] == ["fp32", "bf16"]
+
+
+@pytest.mark.parametrize(("native", "option", "computes"), [
+    (False, None, ["fp32"]),  # emulated bf16 is not timed unless asked for
+    (False, "bf16", ["bf16"]),
+    (True, "no", ["fp32"]),
+    (True, "auto", ["bf16"]),
+])
+def test_bench_invariant_times_the_compute_asked_for(tmp_path, tiny_llama_dir, monkeypatch,
+                                                      capsys, native, option, computes):
+    from fp4rl import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native)
+    out = tmp_path / "invariant.json"
+    asked = [] if option is None else ["--mixed-precision", option]
+    assert main(["bench", "invariant", "--model", str(tiny_llama_dir), "--repeats", "1",
+                 "--batch", "2", "--tokens", "2", *asked, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["computes"] == computes
+    assert [r["name"] for r in report["results"]] == [
+        f"invariant.{p}.{d}" for p in ("rollout", "score", "update", "step") for d in computes]
+    assert ("bf16 not timed" in capsys.readouterr().out) == (option is None)
 
 
 def test_a_bench_records_the_libraries_held_below_the_cpu(monkeypatch):

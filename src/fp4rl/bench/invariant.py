@@ -37,9 +37,10 @@ GPU_EXPECTATION = ("GPU (the Triton GEMM fp4rl::bi_mm): not timed here; "
 
 
 def run(model_name: str, recipe: str = "hif4", batch: int = 8, new_tokens: int = 32,
-        repeats: int = 3) -> tuple[list[Comparison], int]:
-    """The ratios (batch-invariant over default) of a scoring pass and of a rollout, and
-    the scoring pass's tokens."""
+        repeats: int = 3, computes: tuple[str, ...] = tuple(DTYPES)
+        ) -> tuple[list[Comparison], int]:
+    """The ratios (batch-invariant over default) of each pass and of the step in each of
+    ``computes`` (``fp32``, ``bf16``), and the scoring pass's tokens."""
     from fp4rl.models import load_model
 
     model, tok = load_model(model_name)
@@ -71,19 +72,20 @@ def run(model_name: str, recipe: str = "hif4", batch: int = 8, new_tokens: int =
             generate(net, prompts, sampling, pad_token_id=pad, eos_token_ids=[-1])
 
     fns = {}
-    for label, dtype in DTYPES.items():
+    for label in computes:
+        dtype = DTYPES[label]
         for kind, fn in zip(KINDS, (rollout, score, update), strict=True):
             fns[f"{kind}.{label}.default"] = (lambda f=fn, d=dtype: f(default, d))
             fns[f"{kind}.{label}.invariant"] = (lambda f=fn, d=dtype: f(invariant, d))
     timings = measure(fns, repeats)
-    for label in DTYPES:  # a step: its three passes, repeat by repeat
+    for label in computes:  # a step: its three passes, repeat by repeat
         for side in ("default", "invariant"):
             step = timings[f"step.{label}.{side}"] = Timing(f"step.{label}.{side}")
             step.times = [sum(times) for times in zip(*(timings[f"{kind}.{label}.{side}"].times
                                                         for kind in KINDS), strict=True)]
     return [compare(f"invariant.{kind}.{label}", timings, f"{kind}.{label}.invariant",
                     f"{kind}.{label}.default") for kind in (*KINDS, "step")
-            for label in DTYPES], int(attention.sum())
+            for label in computes], int(attention.sum())
 
 
 def _autocast(dtype: torch.dtype) -> torch.autocast:

@@ -44,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--mixed-precision", choices=["no", "bf16", "auto"],
                        help="rollout: the compute dtype of every policy and of the baseline: "
                        "no (fp32), bf16, auto (bf16 where the device has it natively, as "
-                       "a training run resolves it); default auto")
+                       "a training run resolves it); default auto. invariant: the one "
+                       "compute dtype to time (default: fp32 and bf16, bf16 only where "
+                       "native)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
     bench.add_argument("--traffic", action="store_true",
@@ -90,9 +92,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
         raise UserError("--batch applies to bench rollout, engine and invariant only")
-    if args.mixed_precision is not None and (args.what != "rollout" or args.traffic):
-        raise UserError("--mixed-precision applies to bench rollout only (linear and "
-                        "invariant measure fp32 and bf16 side by side)")
+    if args.mixed_precision is not None and (args.what not in ("rollout", "invariant")
+                                             or args.traffic):
+        raise UserError("--mixed-precision applies to bench rollout and invariant only "
+                        "(linear measures fp32 and bf16 side by side)")
     # vLLM missing: one line, before any loading
     engines = check_engines(["vllm"] if args.what == "engine" else args.engine)
     device = resolve_device(args.device)
@@ -227,13 +230,25 @@ def _invariant(args: argparse.Namespace, console: Console, device: torch.device,
                         "vLLM's batch-invariant mode is the tool")
     recipe = args.recipe or "hif4"
     get_recipe(recipe)  # an unknown recipe: one line, before loading
+    from fp4rl.bench.rollout import COMPUTE
+    from fp4rl.precision import native_bf16, resolve_mixed_precision
+
     batch, new_tokens = args.batch or 8, args.tokens or 32
+    if args.mixed_precision is not None:
+        computes: tuple[str, ...] = (
+            COMPUTE[resolve_mixed_precision(args.mixed_precision, device)],)
+    elif native_bf16(device):
+        computes = ("fp32", "bf16")
+    else:
+        computes = ("fp32",)
+        console.print("bf16 not timed: this CPU emulates it, and a run here computes in "
+                      "fp32 (--mixed-precision bf16 times it anyway)", markup=False)
     with status(console, "benchmarking the batch-invariant forward"):
-        results, tokens = bench.run(args.model, recipe, batch=batch,
-                                    new_tokens=new_tokens, repeats=args.repeats)
+        results, tokens = bench.run(args.model, recipe, batch=batch, new_tokens=new_tokens,
+                                    repeats=args.repeats, computes=computes)
     bench.render(results, console, recipe, batch, new_tokens, tokens)
     return common.report(results, benchmark="invariant", recipe=recipe, batch=batch,
-                         new_tokens=new_tokens, score_tokens=tokens)
+                         new_tokens=new_tokens, score_tokens=tokens, computes=list(computes))
 
 
 #: each benchmark: run it, print its table, return what ``--json`` writes
