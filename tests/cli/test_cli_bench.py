@@ -204,12 +204,12 @@ def test_bench_invariant_times_the_compute_asked_for(tmp_path, tiny_llama_dir, m
 def test_a_bench_records_the_libraries_held_below_the_cpu(monkeypatch):
     from fp4rl.bench import common
 
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("FP4RL_AMX", raising=False)
+    for name in common.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
     assert "isa_limits" not in common.machine()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     monkeypatch.setenv("FP4RL_AMX", "0")
-    assert common.machine()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert common.machine()["isa_limits"] == {"ATEN_CPU_CAPABILITY": "avx2",
+                                              "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                                               "FP4RL_AMX": "0"}

@@ -151,10 +151,10 @@ def machine() -> dict[str, object]:
 
 
 #: environment variables that hold a library below the CPU's own instruction set, so a
-#: run stands for another kind of CPU (oneDNN's, MKL's, fp4rl's tile unit switch and
-#: its kernels' compile target)
-ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "FP4RL_AMX",
-              "FP4RL_MARCH")
+#: run stands for another kind of CPU (torch's own kernels', oneDNN's, MKL's, fp4rl's
+#: tile unit switch and its kernels' compile target)
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+              "MKL_ENABLE_INSTRUCTIONS", "FP4RL_AMX", "FP4RL_MARCH")
 
 
 def report(results: list[Comparison], **extra: object) -> dict[str, object]:
