@@ -91,8 +91,8 @@ def test_bench_rollout_in_fp32_compares_with_fp32(tmp_path, tiny_llama_dir, caps
     assert dtypes and set(dtypes) == {torch.float32}
     printed = capsys.readouterr().out
     assert "time vs fp32" in printed and "hif4+resq-2:4, fp32" in printed
-    assert main(["bench", "linear", "--mixed-precision", "no"]) == 2
-    assert "--mixed-precision applies to bench rollout and invariant only" in \
+    assert main(["bench", "formats", "--mixed-precision", "no"]) == 2
+    assert "--mixed-precision applies to bench rollout, linear and invariant only" in \
         capsys.readouterr().err
 
 
@@ -109,7 +109,10 @@ def test_bench_rollout_vllm_without_vllm_is_one_line(monkeypatch, capsys):
     assert "--batch applies to bench rollout, engine and invariant only" in capsys.readouterr().err
 
 
-def test_bench_linear_reports_both_baselines(tmp_path):
+def test_bench_linear_reports_both_baselines(tmp_path, monkeypatch):
+    from fp4rl import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)  # any CPU alike
     out = tmp_path / "linear.json"
     assert main(["bench", "linear", "--tokens", "16", "--shapes", "2", "--repeats", "1",
                  "--json", str(out)]) == 0
@@ -122,6 +125,30 @@ def test_bench_linear_reports_both_baselines(tmp_path):
     assert all(r["ratio"] > 0 and len(r["candidate_times"]) == 1 for r in results)
     assert [r["baseline"] for r in results[:2]] == ["bf16", "fp32"]
     assert "cpu_bf16_flags" in json.loads(out.read_text())["machine"]
+
+
+@pytest.mark.parametrize(("native", "option", "computes"), [
+    (False, None, ["fp32"]),  # emulated bf16 (minutes a repeat at 2048 features) not timed
+    (True, "bf16", ["bf16"]),
+])
+def test_bench_linear_times_the_compute_asked_for(tmp_path, monkeypatch, capsys, native,
+                                                   option, computes):
+    from fp4rl import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native)
+    out = tmp_path / "linear.json"
+    asked = [] if option is None else ["--mixed-precision", option]
+    assert main(["bench", "linear", "--tokens", "8", "--shapes", "1", "--repeats", "1",
+                 *asked, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["computes"] == computes
+    assert [r["name"] for r in report["results"]] == [
+        f"linear.smollm2-135m.up_proj[8x576->1536].hif4_vs_{c}" for c in computes]
+    printed = capsys.readouterr().out
+    assert ("bf16 not timed" in printed) == (option is None)
+    row = next(line for line in printed.splitlines() if "smollm2" in line)
+    cells = [cell.strip() for cell in row.split("│")]
+    assert cells.count("-") == 3  # the other dtype's columns, empty
 
 
 def test_bench_train_splits_a_step_into_phases(tmp_path, tiny_llama_dir):

@@ -64,37 +64,58 @@ def _inputs(m: int, d: int, n: int, device: torch.device, seed: int = 0
     return x, torch.randn(m, n, generator=g).to(device)
 
 
+#: the compute dtypes a row may take, in the order the rows are written
+COMPUTES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def run(fmt: str = "hif4", shapes: tuple = SHAPES, repeats: int = 5,
-        device: str | torch.device = "cpu", micro_batches: int = 1) -> list[Comparison]:
+        device: str | torch.device = "cpu", micro_batches: int = 1,
+        computes: tuple[str, ...] = tuple(COMPUTES)) -> list[Comparison]:
     """fp4 / bf16 (both bf16 compute) and fp4 / fp32 (both fp32) ratios per shape, each
-    timing one step of ``micro_batches`` forward + backward passes."""
+    timing one step of ``micro_batches`` forward + backward passes, for each of
+    ``computes``."""
     results = []
     dev = torch.device(device)
-    bf16, fp32 = torch.bfloat16, torch.float32
     for name, m, d, n in shapes:
         plain = nn.Linear(d, n, bias=False).to(dev)
         fp4 = FP4Linear.from_linear(nn.Linear(d, n, bias=False).to(dev), get_recipe(fmt))
         x, g = _inputs(m, d, n, dev)
         mb = micro_batches
-        timings = measure({"bf16": _step(plain, x, g, bf16, mb),
-                           fmt: _step(fp4, x, g, bf16, mb), "fp32": _step(plain, x, g, fp32, mb),
-                           f"{fmt}_fp32": _step(fp4, x, g, fp32, mb)}, repeats)
+        fns = {}
+        for c in computes:
+            fns[c] = _step(plain, x, g, COMPUTES[c], mb)
+            fns[_fp4(fmt, c)] = _step(fp4, x, g, COMPUTES[c], mb)
+        timings = measure(fns, repeats)
         label = f"linear.{name}[{m}x{d}->{n}]"
-        results += [compare(f"{label}.{fmt}_vs_bf16", timings, fmt, "bf16",
-                            "<= 1.5 where in/out >= 2048"),
-                    compare(f"{label}.{fmt}_vs_fp32", timings, f"{fmt}_fp32", "fp32")]
+        results += [compare(f"{label}.{fmt}_vs_{c}", timings, _fp4(fmt, c), c,
+                            "<= 1.5 where in/out >= 2048" if c == "bf16" else "")
+                    for c in COMPUTES if c in computes]
     return results
 
 
+def _fp4(fmt: str, compute: str) -> str:
+    """The FP4 layer's timing name: the format alone under bf16 (as the rows were first
+    named), ``<format>_fp32`` in fp32."""
+    return fmt if compute == "bf16" else f"{fmt}_{compute}"
+
+
 def render(results: list[Comparison], console: Console, micro_batches: int = 1) -> None:
+    """One row per shape; a compute dtype not timed leaves its columns empty."""
     per_step = f", {micro_batches} micro-batches a step" if micro_batches > 1 else ""
     table = Table(title="FP4 linear, forward + backward, all three GEMMs quantized, FP32 "
                         f"masters{per_step} (median s)")
     for col in ("shape", "bf16", "fp4 bf16", "fp4 / bf16", "fp32", "fp4 fp32", "fp4 / fp32"):
         table.add_column(col, justify="right")
-    for vs16, vs32 in zip(results[::2], results[1::2], strict=True):
-        table.add_row(vs16.name.rsplit(".", 1)[0].removeprefix("linear."),
-                      f"{median(vs16.baseline_times):.3f}", f"{median(vs16.candidate_times):.3f}",
-                      vs16.shown(), f"{median(vs32.baseline_times):.3f}",
-                      f"{median(vs32.candidate_times):.3f}", vs32.shown())
+    rows: dict[str, dict[str, Comparison]] = {}
+    for r in results:
+        shape, _, vs = r.name.rpartition(".")
+        rows.setdefault(shape.removeprefix("linear."), {})[vs.rpartition("_vs_")[2]] = r
+    for shape, by_compute in rows.items():
+        cells = []
+        for c in COMPUTES:
+            got = by_compute.get(c)
+            cells += ["-"] * 3 if got is None else [
+                f"{median(got.baseline_times):.3f}", f"{median(got.candidate_times):.3f}",
+                got.shown()]
+        table.add_row(shape, *cells)
     console.print(table)

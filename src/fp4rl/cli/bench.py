@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--mixed-precision", choices=["no", "bf16", "auto"],
                        help="rollout: the compute dtype of every policy and of the baseline: "
                        "no (fp32), bf16, auto (bf16 where the device has it natively, as "
-                       "a training run resolves it); default auto. invariant: the one "
-                       "compute dtype to time (default: fp32 and bf16, bf16 only where "
+                       "a training run resolves it); default auto. linear, invariant: the "
+                       "one compute dtype to time (default: fp32 and bf16, bf16 only where "
                        "native)")
     bench.add_argument("--shapes", type=positive_int, help="only the first N linear shapes")
     bench.add_argument("--repeats", type=positive_int, default=5)
@@ -92,10 +92,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UserError("--engine applies to bench rollout and bench train only")
     if args.what not in ("rollout", "engine", "invariant") and args.batch is not None:
         raise UserError("--batch applies to bench rollout, engine and invariant only")
-    if args.mixed_precision is not None and (args.what not in ("rollout", "invariant")
-                                             or args.traffic):
-        raise UserError("--mixed-precision applies to bench rollout and invariant only "
-                        "(linear measures fp32 and bf16 side by side)")
+    if args.mixed_precision is not None and (args.what not in ("rollout", "invariant",
+                                                               "linear") or args.traffic):
+        raise UserError("--mixed-precision applies to bench rollout, linear and invariant "
+                        "only (not --traffic)")
     # vLLM missing: one line, before any loading
     engines = check_engines(["vllm"] if args.what == "engine" else args.engine)
     device = resolve_device(args.device)
@@ -163,12 +163,31 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     fmt = (args.formats or ["hif4"])[0]
     shapes = bench.SHAPES if args.tokens is None else tuple(
         (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
+    computes = tuple(c for c in bench.COMPUTES if c in _computes(args, device, console))
     with status(console, f"benchmarking the {fmt} linear"):
         results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device,
-                            micro_batches=args.micro_batches)
+                            micro_batches=args.micro_batches, computes=computes)
     bench.render(results, console, args.micro_batches)
     return common.report(results, benchmark="linear", size=args.size,
-                         micro_batches=args.micro_batches)
+                         micro_batches=args.micro_batches, computes=list(computes))
+
+
+def _computes(args: argparse.Namespace, device: torch.device, console: Console
+              ) -> frozenset[str]:
+    """The compute dtypes a side-by-side bench times (``fp32``, ``bf16``): the one
+    ``--mixed-precision`` resolves to, else both where ``device`` has bf16 natively and
+    fp32 alone where it would emulate it (minutes a repeat, and no run there computes in
+    it), said in one line."""
+    from fp4rl.bench.rollout import COMPUTE
+    from fp4rl.precision import native_bf16, resolve_mixed_precision
+
+    if args.mixed_precision is not None:
+        return frozenset({COMPUTE[resolve_mixed_precision(args.mixed_precision, device)]})
+    if native_bf16(device):
+        return frozenset({"fp32", "bf16"})
+    console.print("bf16 not timed: this CPU emulates it, and a run here computes in fp32 "
+                  "(--mixed-precision bf16 times it anyway)", markup=False)
+    return frozenset({"fp32"})
 
 
 def _traffic_recipe(args: argparse.Namespace) -> str:
@@ -230,19 +249,8 @@ def _invariant(args: argparse.Namespace, console: Console, device: torch.device,
                         "vLLM's batch-invariant mode is the tool")
     recipe = args.recipe or "hif4"
     get_recipe(recipe)  # an unknown recipe: one line, before loading
-    from fp4rl.bench.rollout import COMPUTE
-    from fp4rl.precision import native_bf16, resolve_mixed_precision
-
     batch, new_tokens = args.batch or 8, args.tokens or 32
-    if args.mixed_precision is not None:
-        computes: tuple[str, ...] = (
-            COMPUTE[resolve_mixed_precision(args.mixed_precision, device)],)
-    elif native_bf16(device):
-        computes = ("fp32", "bf16")
-    else:
-        computes = ("fp32",)
-        console.print("bf16 not timed: this CPU emulates it, and a run here computes in "
-                      "fp32 (--mixed-precision bf16 times it anyway)", markup=False)
+    computes = tuple(c for c in ("fp32", "bf16") if c in _computes(args, device, console))
     with status(console, "benchmarking the batch-invariant forward"):
         results, tokens = bench.run(args.model, recipe, batch=batch, new_tokens=new_tokens,
                                     repeats=args.repeats, computes=computes)
