@@ -163,7 +163,8 @@ def _linear(args: argparse.Namespace, console: Console, device: torch.device,
     fmt = (args.formats or ["hif4"])[0]
     shapes = bench.SHAPES if args.tokens is None else tuple(
         (name, args.tokens, d, n) for name, _, d, n in bench.SHAPES)
-    computes = tuple(c for c in bench.COMPUTES if c in _computes(args, device, console))
+    asked = _computes(args, device, console)
+    computes = tuple(c for c in bench.COMPUTES if c in asked)
     with status(console, f"benchmarking the {fmt} linear"):
         results = bench.run(fmt, shapes[: args.shapes], repeats=args.repeats, device=device,
                             micro_batches=args.micro_batches, computes=computes)
@@ -250,7 +251,8 @@ def _invariant(args: argparse.Namespace, console: Console, device: torch.device,
     recipe = args.recipe or "hif4"
     get_recipe(recipe)  # an unknown recipe: one line, before loading
     batch, new_tokens = args.batch or 8, args.tokens or 32
-    computes = tuple(c for c in ("fp32", "bf16") if c in _computes(args, device, console))
+    asked = _computes(args, device, console)
+    computes = tuple(c for c in ("fp32", "bf16") if c in asked)
     with status(console, "benchmarking the batch-invariant forward"):
         results, tokens = bench.run(args.model, recipe, batch=batch, new_tokens=new_tokens,
                                     repeats=args.repeats, computes=computes)
