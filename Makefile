@@ -11,7 +11,8 @@ STAMP := $(VENV)/.fp4rl-installed
 # times: 3.2 of 13.5 GiB) are hard links to one copy (scripts/share_files.py).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: setup demo test test-fast test-vllm test-verl test-long lint bench clean
+.PHONY: setup demo test test-fast test-vllm test-vllm-newest test-vllm-oldest test-verl \
+	test-long lint bench clean
 
 $(STAMP): pyproject.toml Makefile scripts/need_space.py
 	$(PYTHON) scripts/need_space.py 4 $(VENV)
@@ -87,6 +88,10 @@ ENVS_LOG ?= runs/test-envs.log
 # The main suite's test processes (pytest-xdist; each test runs one torch thread, so one
 # process leaves a core idle): a file's tests stay in one process, with its fixtures.
 TEST_WORKERS ?= 2
+# Then the other environments' tests, one process each: vLLM's newest (.venv-vllm, the
+# longest) on one core, beside vLLM's oldest and verl's (.venv-verl) one after the other on
+# the second (make -j2 starts the targets in the order named); each target's output is
+# printed when it ends.
 
 test: lint
 	@mkdir -p $(dir $(ENVS_LOG))
@@ -101,8 +106,8 @@ test: lint
 	if [ $$built -ne 0 ]; then tail -n 80 $(ENVS_LOG); \
 		echo "building the vLLM/verl environments failed (exit $$built): see $(ENVS_LOG)"; exit $$built; fi; \
 	exit $$suite
-	$(MAKE) test-vllm
-	$(MAKE) test-verl
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-newest test-vllm-oldest \
+		test-verl
 
 # The inner loop: the main suite without the tests that load the real embedded model
 # (`slow`) or take minutes (`long`); a few minutes on 2 cores.
@@ -123,8 +128,12 @@ test-long: setup $(VSTAMP)
 VLLM_OLDEST_TESTS := tests/vllm_engine/test_refit.py tests/vllm_engine/test_weight_paths.py
 VLLM_OLDEST_SELECT := dummy_weights or payload or layerwise
 
-test-vllm: $(VSTAMP) $(WSTAMP)
+test-vllm: test-vllm-newest test-vllm-oldest
+
+test-vllm-newest: $(VSTAMP)
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not long" --durations=10 tests/vllm_engine
+
+test-vllm-oldest: $(WSTAMP)
 	$(WPY) -m pytest -q -p no:cacheprovider $(VLLM_OLDEST_TESTS) -k "$(VLLM_OLDEST_SELECT)"
 
 # verl 0.9.1's own code: its config validation of the documented command line, and its
