@@ -104,8 +104,7 @@ def run(model_name: str = "smollm2-135m", batch: int | None = None, new_tokens: 
     if hf_fns is not None:
         fns.update(hf_fns(prompts, new_tokens))
     if "vllm" in engines:
-        fns.update(_vllm(model_name, prompts, tok.pad_token_id, new_tokens,
-                         compute_dtype(mixed_precision)))
+        fns.update(_vllm(model_name, prompts, tok.pad_token_id, new_tokens, mixed_precision))
     timings = measure(fns, repeats)
     results = []
     for engine in engines:
@@ -165,9 +164,9 @@ class _EngineSizes(TypedDict):
 
 
 def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
-          new_tokens: int, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
-    """vLLM: one engine per policy (plain vLLM the baseline), all in ``dtype``, all built
-    before any is timed."""
+          new_tokens: int, mixed_precision: str) -> dict[str, Callable[[], None]]:
+    """vLLM: one engine per policy (plain vLLM the baseline), all in ``mixed_precision``'s
+    compute dtype, all built before any is timed."""
     from fp4rl.nn.recipe import get_recipe
     from fp4rl.rollout.vllm.engine import EngineSpec, VLLMEngine, model_dir
 
@@ -175,7 +174,7 @@ def _vllm(model_name: str, prompts: list[list[int]], pad_token_id: int,
     longest = max(map(len, prompts)) + new_tokens
     sizes: _EngineSizes = {"max_model_len": max(longest, 256),
                            "kv_cache_bytes": _kv_cache_bytes(directory, len(prompts) * longest)}
-    label = "bf16" if dtype == torch.bfloat16 else "fp32"
+    label, dtype = COMPUTE[mixed_precision], compute_dtype(mixed_precision)
     specs = {label: EngineSpec(directory, None, dtype=dtype, **sizes),
              **{p: EngineSpec(directory, get_recipe(p), dtype=dtype, **sizes)
                 for p in BENCH_RECIPES}}
